@@ -1,0 +1,192 @@
+"""The balancer process: listeners, pools, sessions, spawned workers, admin, lifecycle.
+
+Shutdown follows websockets' ``Server.close()``: stop accepting (new handshakes get 503), give
+live sessions ``timeouts.shutdown_grace`` to end by themselves, close the rest with 1001, wait
+``timeouts.close`` for the close handshakes, abort what is left, then stop spawned workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+import time
+from collections.abc import Iterator
+
+from balancer.aio.admin import Admin
+from balancer.aio.server import ClientConnection, Session
+from balancer.aio.spawn import Spawner
+from balancer.config import Config
+from balancer.handshake import ClientRequest, HandshakeReject
+from balancer.metrics import BackendView, Stats
+from balancer.pool import Backend, Pool, Upstream
+
+__all__ = ["Balancer", "serve"]
+
+log = logging.getLogger("wslb")
+
+
+class Balancer:
+    """Everything one wslb process runs."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.loop = asyncio.get_running_loop()
+        self.stats = Stats()
+        self.pools = [Pool(p) for p in config.pools]
+        # Longest prefix first, so the most specific pool wins.
+        self._routes = sorted(self.pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
+        self.sessions: dict[Session, None] = {}
+        self.connections = 0
+        self.closing = False
+        self.spawner = Spawner()
+        self.admin = Admin(self)
+        self._servers: list[asyncio.Server] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.hurry = asyncio.Event()  # set by a second signal: skip the grace period
+
+    # -- startup / shutdown ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        for pool in self.pools:
+            for b in pool.backends.values():
+                if b.cfg.spawn == "reference":
+                    self.spawner.start(b)
+        for lst in self.config.listen:
+            server = await self.loop.create_server(
+                lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),  # type: ignore[misc]
+                lst.host,
+                lst.port,
+                backlog=4096,
+                reuse_address=True,
+                ssl=self._listener_ssl(lst.tls.cert, lst.tls.key) if lst.tls else None,
+            )
+            self._servers.append(server)
+            log.info("listening on %s:%d", lst.host, lst.port)
+        await self.admin.start()
+
+    @staticmethod
+    def _listener_ssl(cert: str, key: str) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cert, key)
+        return ctx
+
+    def upstream_ssl(self, up: Upstream) -> ssl.SSLContext | None:
+        """TLS context for a ``wss://`` worker (system trust store for now)."""
+        return ssl.create_default_context() if up.secure else None
+
+    async def shutdown(self) -> None:
+        """Graceful stop; see the module docstring."""
+        if self.closing:
+            return
+        self.closing = True
+        t = self.config.timeouts
+        for server in self._servers:
+            server.close()
+        if self.sessions:
+            log.info("shutdown: waiting up to %.1fs for %d sessions", t.shutdown_grace,
+                     len(self.sessions))
+            waits = {
+                self.loop.create_task(self._idle.wait()),
+                self.loop.create_task(self.hurry.wait()),
+            }
+            _, pending = await asyncio.wait(
+                waits, timeout=t.shutdown_grace, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in pending:
+                task.cancel()
+        for s in list(self.sessions):
+            s.close(1001, "balancer shutting down")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), t.close + 0.5)
+        for s in list(self.sessions):
+            s.ct.abort()
+            s.wt.abort()
+        for server in self._servers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        await self.spawner.stop()
+        await self.admin.stop()
+
+    # -- used by connections ---------------------------------------------------------------
+
+    def route(self, path: str) -> Pool | None:
+        """The pool whose path prefix is the longest match for the request path."""
+        for pool in self._routes:
+            if path.startswith(pool.cfg.path_prefix):
+                return pool
+        return None
+
+    def authorize(self, req: ClientRequest) -> None:
+        """Check the handshake's origin against the allow-list (403); JWT comes later."""
+        origins = self.config.auth.origins
+        if origins:
+            origin = req.header(b"origin")
+            if origin is None or origin.decode("latin-1") not in origins:
+                raise HandshakeReject(403, "origin not allowed")
+
+    def worker_failed(self, backend: Backend) -> None:
+        """A connect or handshake to the worker failed (outlier detection builds on this)."""
+        backend.connect_failures += 1
+
+    @staticmethod
+    def wall_time() -> float:
+        return time.time()
+
+    def session_started(self, s: Session) -> None:
+        self.sessions[s] = None
+        self._idle.clear()
+
+    def session_finished(self, s: Session) -> None:
+        self.sessions.pop(s, None)
+        self.connections -= 1
+        self.stats.session_done(s)
+        if not self.sessions:
+            self._idle.set()
+
+    # -- views -----------------------------------------------------------------------------
+
+    def backend_views(self) -> Iterator[BackendView]:
+        for pool in self.pools:
+            for b in pool.backends.values():
+                yield BackendView(
+                    pool.name, b.id, b.sessions, b.sessions_total, b.ready, b.state, b.weight,
+                    b.effective_weight,
+                )
+
+    def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:
+        for pool in self.pools:
+            b = pool.backends.get(backend_id)
+            if b is not None:
+                return pool, b
+        return None
+
+
+async def serve(config: Config, config_path: str | None = None) -> int:
+    """Run a balancer until SIGTERM or SIGINT; return the exit status."""
+    loop = asyncio.get_running_loop()
+    app = Balancer(config, config_path)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: log.warning("SIGHUP: configuration reload is not implemented yet")
+    )
+    try:
+        await app.start()
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        await app.spawner.stop()
+        await app.admin.stop()
+        return 1
+    await stop.wait()
+    log.info("shutting down")
+    # A second signal skips the grace period.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, app.hurry.set)
+    await app.shutdown()
+    return 0

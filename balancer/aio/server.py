@@ -1,0 +1,654 @@
+"""The asyncio shell of the proxy: one client connection, its upgrade, and the relay.
+
+A client connection starts as ``ClientConnection`` (h11 parses the upgrade request). Once a
+worker has accepted wslb's own upgrade, the worker leg's protocol becomes the ``Session`` (its
+``data_received`` is the hot worker-to-client path, with no indirection) and the client leg's
+becomes a thin ``ClientLeg``.
+
+Close rules of a session (RFC 6455 7.1; wslb stands between two close handshakes):
+
+- A close frame from one endpoint is forwarded to the other; the other's answer is forwarded back.
+  When a leg has both sent and received a close, it is finished: wslb closes the client's TCP
+  connection itself (the server closes first) and waits for the worker to close its own.
+- Worker lost without a close: the client gets 1011 (1012 while the worker drains). Client lost:
+  the worker gets 1001. A framing violation by the client: wslb sends the worker 1001, relays what
+  the worker still had in flight, then gives the client the violation's code (1002, 1007, 1009).
+  A framing violation by the worker: the worker gets 1002 and the client 1014 (bad gateway).
+- wslb only injects a frame of its own at a frame boundary of the stream it goes into; where that
+  is impossible (a worker died mid-frame), the connection is dropped instead.
+- Every close waits at most ``timeouts.close`` for the peer; then the transport is aborted.
+
+Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
+aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
+scanners recognise in the pong, so endpoints' own pings and pongs pass through untouched; no pong
+within ``ping_timeout`` ends the session with 1011. The same timer enforces the idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import h11
+
+from balancer.frames import OP_CLOSE, OP_PING, FrameScanner, build_frame, close_payload
+from balancer.handshake import (
+    ClientRequest,
+    HandshakeReject,
+    UpstreamReject,
+    accept_headers,
+    check_client_request,
+    check_upstream_response,
+    new_session_id,
+    session_key,
+    upstream_request,
+)
+
+if TYPE_CHECKING:
+    from balancer.aio.app import Balancer
+    from balancer.pool import Backend, Pool
+
+__all__ = ["ClientConnection", "Session"]
+
+log = logging.getLogger("wslb.server")
+
+_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    408: "Request Timeout",
+    426: "Upgrade Required",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+
+def http_response(
+    status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> bytes:
+    """A complete HTTP/1.1 response with a short text body, closing the connection."""
+    body = (message + "\n").encode("utf-8")
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}".encode()]
+    for name, value in headers or ():
+        lines.append(name + b": " + value)
+    lines += [
+        b"content-type: text/plain; charset=utf-8",
+        b"content-length: " + str(len(body)).encode(),
+        b"connection: close",
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def switching_protocols(headers: list[tuple[bytes, bytes]]) -> bytes:
+    lines = [b"HTTP/1.1 101 Switching Protocols"]
+    lines += [name + b": " + value for name, value in headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _pause(transport: asyncio.BaseTransport | None, pause: bool) -> None:
+    if transport is None or transport.is_closing():
+        return
+    transport = cast(asyncio.ReadTransport, transport)
+    with contextlib.suppress(RuntimeError):
+        if pause:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+
+class ClientConnection(asyncio.Protocol):
+    """A client connection until its upgrade succeeds or is refused."""
+
+    def __init__(self, app: Balancer, secure: bool = False) -> None:
+        self.app = app
+        self.secure = secure
+        self.transport: asyncio.Transport | None = None
+        self.peer = "unknown"
+        self.h11 = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=app.config.limits.max_header_bytes
+        )
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.session: Session | None = None
+        self.gone = False
+        self.counted = False
+
+    # -- asyncio callbacks -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.peer = str(peer[0])
+        app = self.app
+        app.stats.connections_total += 1
+        if app.closing or app.connections >= app.config.limits.max_connections:
+            reason = "shutting down" if app.closing else "too many connections"
+            self.reject(HandshakeReject(503, reason))
+            return
+        app.connections += 1
+        self.counted = True
+        self.timer = app.loop.call_later(app.config.timeouts.handshake, self._handshake_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.h11.receive_data(data)
+            event = self.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint if exc.error_status_hint != 400 else 400
+            self.reject(HandshakeReject(status, f"malformed request: {exc}"))
+            return
+        if event is h11.NEED_DATA:
+            return
+        if isinstance(event, h11.Request):
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.task = self.app.loop.create_task(self._upgrade(event))
+        elif isinstance(event, h11.ConnectionClosed):
+            self._close()
+        else:  # pragma: no cover - h11 yields a Request first on a server connection
+            self.reject(HandshakeReject(400, "unexpected HTTP event"))
+
+    def eof_received(self) -> bool | None:
+        if self.task is None:
+            self._close()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.counted and self.session is None:
+            self.counted = False
+            self.app.connections -= 1
+
+    # -- handshake -------------------------------------------------------------------------
+
+    def _handshake_timeout(self) -> None:
+        self.timer = None
+        if self.task is None:
+            self.reject(HandshakeReject(408, "handshake timeout"))
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def reject(self, rej: HandshakeReject) -> None:
+        """Answer a refused handshake with its status and close (no worker is contacted)."""
+        self.app.stats.rejections[rej.status] += 1
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(http_response(rej.status, rej.message, rej.headers))
+            self.transport.close()
+
+    async def _upgrade(self, event: h11.Request) -> None:
+        try:
+            await self._do_upgrade(event)
+        except HandshakeReject as rej:
+            self.reject(rej)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("upgrade failed")
+            self.reject(HandshakeReject(500, "internal error"))
+
+    async def _do_upgrade(self, event: h11.Request) -> None:
+        app = self.app
+        req = check_client_request(event)
+        pool = app.route(req.path)
+        if pool is None:
+            raise HandshakeReject(404, f"no pool serves {req.path}")
+        app.authorize(req)
+        sid = session_key(pool.cfg.session_key, req) or new_session_id()
+        tried: list[str] = []
+        limit = len(pool.backends)
+        last_error = "no worker available"
+        while len(tried) < limit:
+            backend = pool.select(sid, tried)
+            if backend is None:
+                break
+            tried.append(backend.id)
+            try:
+                transport, proto, response, trailing = await self._connect(backend, req, sid)
+            except UpstreamReject as exc:
+                # The worker spoke but refused: a 502 for this client, not a retry elsewhere.
+                app.stats.handshake_failures[backend.id] += 1
+                app.worker_failed(backend)
+                raise HandshakeReject(502, f"worker {backend.id}: {exc}") from None
+            except (OSError, TimeoutError) as exc:
+                app.stats.connect_failures[backend.id] += 1
+                app.worker_failed(backend)
+                last_error = f"worker {backend.id}: {exc or type(exc).__name__}"
+                log.warning("connect to %s failed: %s", backend.id, last_error)
+                continue
+            if self.gone:
+                transport.close()
+                return
+            self._start_session(pool, backend, sid, req, transport, proto, response, trailing)
+            return
+        status = 502 if tried else 503
+        raise HandshakeReject(status, last_error)
+
+    async def _connect(
+        self, backend: Backend, req: ClientRequest, sid: str
+    ) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
+        app = self.app
+        up = backend.upstream
+        request, nonce = upstream_request(
+            up.path, up.authority, req, sid, self.peer, secure_client=self.secure
+        )
+        timeouts = app.config.timeouts
+        transport, proto = await asyncio.wait_for(
+            app.loop.create_connection(
+                lambda: UpstreamHandshake(request), up.host, up.port, ssl=app.upstream_ssl(up)
+            ),
+            timeouts.connect,
+        )
+        try:
+            response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
+            subprotocol = check_upstream_response(response, nonce, req.subprotocols)
+        except BaseException:
+            transport.abort()
+            raise
+        return transport, proto, subprotocol, trailing
+
+    def _start_session(
+        self,
+        pool: Pool,
+        backend: Backend,
+        sid: str,
+        req: ClientRequest,
+        wtransport: asyncio.Transport,
+        proto: UpstreamHandshake,
+        subprotocol: str | None,
+        worker_trailing: bytes,
+    ) -> None:
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        ctransport = self.transport
+        session = Session(self.app, pool, backend, sid, self.peer, ctransport, wtransport)
+        self.session = session
+        ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, sid)))
+        ctransport.set_protocol(ClientLeg(session))
+        wtransport.set_protocol(session)
+        client_trailing = self.h11.trailing_data[0]
+        worker_trailing += bytes(proto.extra)
+        if worker_trailing:
+            session.data_received(worker_trailing)
+        if client_trailing:
+            session.client_data(client_trailing)
+        if proto.eof:
+            session.connection_lost(None)
+        _pause(ctransport, False)
+        _pause(wtransport, False)
+
+
+class UpstreamHandshake(asyncio.Protocol):
+    """The worker leg while wslb's upgrade request is answered."""
+
+    def __init__(self, request: h11.Request) -> None:
+        self.request = request
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self.done: asyncio.Future[tuple[h11.InformationalResponse | h11.Response, bytes]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.eof = False
+        self.extra = bytearray()  # bytes that arrive after the 101, before the switch-over
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.h11.send(self.request) or b"")
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():
+            self.extra += data
+            return
+        try:
+            self.h11.receive_data(data)
+            event = self.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            self.done.set_exception(UpstreamReject(f"malformed response: {exc}"))
+            return
+        if isinstance(event, h11.InformationalResponse):
+            if event.status_code == 101:
+                _pause(self.transport, True)  # the session resumes it once it is wired
+                self.done.set_result((event, self.h11.trailing_data[0]))
+            # other 1xx: keep waiting for the final answer
+            elif event.status_code != 100:
+                self.done.set_result((event, b""))
+        elif isinstance(event, h11.Response):
+            self.done.set_result((event, b""))
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if not self.done.done():
+            self.done.set_exception(ConnectionResetError("worker closed during the handshake"))
+
+
+class ClientLeg(asyncio.Protocol):
+    """The client leg of a live session: hands everything to the session."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def data_received(self, data: bytes) -> None:
+        self.session.client_data(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.session.client_lost()
+
+    def pause_writing(self) -> None:
+        _pause(self.session.wt, True)
+
+    def resume_writing(self) -> None:
+        _pause(self.session.wt, False)
+
+
+class Session(asyncio.Protocol):
+    """A live proxied WebSocket; the protocol object of its worker leg. See the module doc."""
+
+    def __init__(
+        self,
+        app: Balancer,
+        pool: Pool,
+        backend: Backend,
+        sid: str,
+        peer: str,
+        ct: asyncio.Transport,
+        wt: asyncio.Transport,
+    ) -> None:
+        limits = app.config.limits
+        self.app = app
+        self.pool = pool
+        self.backend = backend
+        self.sid = sid
+        self.peer = peer
+        self.ct = ct
+        self.wt = wt
+        self.since = app.loop.time()
+        self.started_wall = app.wall_time()
+        self.cs = FrameScanner(
+            masked=True,
+            max_frame_size=limits.max_frame_size,
+            max_message_size=limits.max_message_size,
+        )
+        self.ws = FrameScanner(
+            masked=False,
+            max_frame_size=max(limits.max_frame_size, limits.max_message_size),
+            max_message_size=1 << 62,
+        )
+        for t in (ct, wt):
+            t.set_write_buffer_limits(high=limits.write_buffer_high)
+        self.client_close_sent = False
+        self.worker_close_sent = False
+        self.client_gone = False
+        self.worker_gone = False
+        self.pending_client_close: tuple[int, str] | None = None
+        self.closing = False
+        self.finished = False
+        self.timer: asyncio.TimerHandle | None = None
+        self._awaiting_pong = False
+        self._last_msgs = 0
+        self._last_active = self.since
+        pool.attach(sid, backend)
+        app.session_started(self)
+        self._schedule_tick(self._first_tick_delay())
+
+    # -- hot path --------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes from the worker."""
+        ws = self.ws
+        out = ws.feed(data)
+        if out:
+            self.ct.write(out)
+        if ws.notable:
+            ws.notable = False
+            self._worker_event()
+
+    def client_data(self, data: bytes) -> None:
+        """Bytes from the client."""
+        cs = self.cs
+        out = cs.feed(data)
+        if out:
+            self.wt.write(out)
+        if cs.notable:
+            cs.notable = False
+            self._client_event()
+
+    # -- flow control (worker leg) ---------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        _pause(self.ct, True)
+
+    def resume_writing(self) -> None:
+        _pause(self.ct, False)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _client_event(self) -> None:
+        cs = self.cs
+        if cs.error is not None:
+            self._client_violation(cs.error.code, cs.error.reason)
+        elif cs.close is not None and not self.worker_close_sent:
+            # The client's close was forwarded to the worker.
+            self.worker_close_sent = True
+            self.app.stats.closes["worker", cs.close[0]] += 1
+            self._begin_closing()
+        self._maybe_finish()
+
+    def _worker_event(self) -> None:
+        ws = self.ws
+        if ws.error is not None:
+            log.warning("session %s: worker %s broke framing: %s", self.sid, self.backend.id,
+                        ws.error)
+            self._send_worker_close(1002, ws.error.reason)
+            self._send_client_close(1014, "bad frame from worker")
+        elif ws.close is not None:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+                self._send_client_close(code, reason)
+            elif not self.client_close_sent:
+                self.client_close_sent = True  # the worker's close went through
+                self.app.stats.closes["client", ws.close[0]] += 1
+            self._begin_closing()
+        self._maybe_finish()
+
+    def _client_violation(self, code: int, reason: str) -> None:
+        if self.worker_gone or self.worker_close_sent:
+            self._send_client_close(code, reason)
+            return
+        # Let the worker's in-flight messages through first, then give the client its code.
+        self.pending_client_close = (code, reason)
+        self.ws.drop_close = True
+        self._send_worker_close(1001, "client protocol error")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The worker leg closed."""
+        self.worker_gone = True
+        if not self.client_close_sent and not self.client_gone:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+            elif self.backend.admin_state != "active":
+                code, reason = 1012, "worker restarting"
+            else:
+                code, reason = 1011, "worker lost"
+            self._send_client_close(code, reason)
+        self._maybe_finish()
+
+    def client_lost(self) -> None:
+        """The client leg closed."""
+        self.client_gone = True
+        if not self.worker_close_sent and not self.worker_gone:
+            self._send_worker_close(1001, "client went away")
+        self._maybe_finish()
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _send_client_close(self, code: int, reason: str) -> None:
+        self.pending_client_close = None
+        if self.client_close_sent or self.client_gone:
+            return
+        self.client_close_sent = True
+        self.ws.closed = True  # nothing more goes to the client after our close
+        self.app.stats.closes["client", code] += 1
+        if self.ws.at_frame_boundary:
+            self.ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
+        else:
+            self.ct.abort()
+        self._begin_closing()
+
+    def _send_worker_close(self, code: int, reason: str) -> None:
+        if self.worker_close_sent or self.worker_gone:
+            return
+        self.worker_close_sent = True
+        self.cs.closed = True
+        self.app.stats.closes["worker", code] += 1
+        if self.cs.at_frame_boundary:
+            self.wt.write(build_frame(OP_CLOSE, close_payload(code, reason), mask=True))
+        else:
+            self.wt.abort()
+        self._begin_closing()
+
+    def close(self, code: int, reason: str) -> None:
+        """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``."""
+        self._send_client_close(code, reason)
+        self._send_worker_close(1001 if code == 1012 else code, reason)
+        self._maybe_finish()
+
+    def _begin_closing(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self._schedule_tick(self.app.config.timeouts.close)
+
+    def _maybe_finish(self) -> None:
+        """Close TCP where both close frames have passed; clean up once both legs are gone."""
+        if not self.client_gone and self.client_close_sent and self.cs.close is not None:
+            self.ct.close()
+        elif not self.client_gone and self.client_close_sent and self.worker_gone:
+            # Waiting for the client's answer to a close wslb sent on the worker's behalf.
+            pass
+        if (
+            not self.worker_gone
+            and self.client_gone
+            and self.worker_close_sent
+            and self.ws.close is not None
+        ):
+            self.wt.close()
+        if self.client_gone and self.worker_gone and not self.finished:
+            self.finished = True
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.pool.detach(self.backend)
+            self.app.session_finished(self)
+
+    def _close_timeout(self) -> None:
+        """The peers had ``timeouts.close`` to finish their close handshakes."""
+        if self.pending_client_close is not None:
+            code, reason = self.pending_client_close
+            self._send_client_close(code, reason)
+        if not self.client_gone:
+            self.ct.abort()
+        if not self.worker_gone:
+            self.wt.abort()
+
+    # -- heartbeat and idle timer ----------------------------------------------------------
+
+    def _first_tick_delay(self) -> float:
+        t = self.app.config.timeouts
+        return min(x for x in (t.ping_interval, t.idle) if x > 0) if (
+            t.ping_interval > 0 or t.idle > 0
+        ) else 0.0
+
+    def _schedule_tick(self, delay: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if delay > 0:
+            self.timer = self.app.loop.call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        self.timer = None
+        if self.finished:
+            return
+        if self.closing:
+            self._close_timeout()
+            return
+        t = self.app.config.timeouts
+        now = self.app.loop.time()
+        msgs = self.cs.messages + self.ws.messages
+        if msgs != self._last_msgs:
+            self._last_msgs = msgs
+            self._last_active = now
+        elif t.idle > 0 and now - self._last_active >= t.idle:
+            self.close(1001, "idle timeout")
+            return
+        if t.ping_interval <= 0:
+            self._schedule_tick(max(0.5, t.idle - (now - self._last_active)))
+            return
+        if self._awaiting_pong:
+            self._awaiting_pong = False
+            if self.cs.own_ping is not None:
+                log.info("session %s: client ping timeout", self.sid)
+                self._send_client_close(1011, "ping timeout")
+                self._send_worker_close(1001, "client ping timeout")
+                self._maybe_finish()
+                return
+            if self.ws.own_ping is not None:
+                log.info("session %s: worker %s ping timeout", self.sid, self.backend.id)
+                self._send_client_close(1011, "worker ping timeout")
+                self.wt.abort()
+                return
+            self._schedule_tick(max(0.0, t.ping_interval - t.ping_timeout) or 0.001)
+            return
+        # Send a ping on each leg that is at a frame boundary (else skip it this round).
+        if self.ws.at_frame_boundary and self.cs.own_ping is None:
+            payload = os.urandom(8)
+            self.cs.own_ping = payload
+            self.cs.pong_received = False
+            self.ct.write(build_frame(OP_PING, payload))
+        if self.cs.at_frame_boundary and self.ws.own_ping is None:
+            payload = os.urandom(8)
+            self.ws.own_ping = payload
+            self.ws.pong_received = False
+            self.wt.write(build_frame(OP_PING, payload, mask=True))
+        self._awaiting_pong = True
+        self._schedule_tick(t.ping_timeout)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """The session as the admin API shows it."""
+        return {
+            "id": self.sid,
+            "pool": self.pool.name,
+            "backend": self.backend.id,
+            "client": self.peer,
+            "since": self.started_wall,
+            "messages": {"client_to_worker": self.cs.messages, "worker_to_client": self.ws.messages},
+            "frames": {"client_to_worker": self.cs.frames, "worker_to_client": self.ws.frames},
+            "migrations": 0,
+        }

@@ -1,0 +1,134 @@
+"""Local reference workers started by the balancer (``spawn: reference``), for demos and tests.
+
+A spawned worker that exits is restarted with exponential backoff (0.5 s doubling to 30 s, reset
+once it has stayed up for 30 s), like a process supervisor. The backend is marked unhealthy while
+its process is down and healthy again once its port accepts connections, so no session is sent to
+a worker that is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from balancer.pool import Backend
+
+__all__ = ["Spawner"]
+
+log = logging.getLogger("wslb.spawn")
+
+BACKOFF_MIN = 0.5
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 30.0
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the balancer dies, so no worker is orphaned (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+class Spawner:
+    """Runs and supervises one reference worker process per ``spawn: reference`` backend."""
+
+    def __init__(self, on_state: Callable[[Backend, bool], None] | None = None) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._stopping = False
+        self._on_state = on_state
+        self.restarts: dict[str, int] = {}
+
+    def command(self, backend: Backend) -> list[str]:
+        up = backend.upstream
+        return [
+            sys.executable, "-m", "backends.worker",
+            "--host", up.host, "--port", str(up.port), "--id", backend.id,
+            *backend.cfg.args,
+        ]  # fmt: skip
+
+    def start(self, backend: Backend) -> None:
+        """Start supervising a backend's worker process."""
+        if backend.id not in self._tasks:
+            backend.healthy = False
+            self._tasks[backend.id] = asyncio.get_running_loop().create_task(
+                self._supervise(backend), name=f"spawn-{backend.id}"
+            )
+
+    def pid(self, backend_id: str) -> int | None:
+        p = self._procs.get(backend_id)
+        return p.pid if p is not None and p.returncode is None else None
+
+    def _set(self, backend: Backend, healthy: bool) -> None:
+        backend.healthy = healthy
+        if self._on_state is not None:
+            self._on_state(backend, healthy)
+
+    async def _supervise(self, backend: Backend) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = BACKOFF_MIN
+        while not self._stopping:
+            started = loop.time()
+            proc = await asyncio.create_subprocess_exec(
+                *self.command(backend), start_new_session=True, preexec_fn=_die_with_parent
+            )
+            self._procs[backend.id] = proc
+            log.info("started worker %s (pid %d)", backend.id, proc.pid)
+            waiter = loop.create_task(proc.wait())
+            while not waiter.done():
+                if await self._accepts(backend):
+                    self._set(backend, True)
+                    break
+                await asyncio.wait({waiter}, timeout=0.1)
+            code = await waiter
+            self._set(backend, False)
+            if self._stopping:
+                return
+            self.restarts[backend.id] = self.restarts.get(backend.id, 0) + 1
+            if loop.time() - started > STABLE_AFTER:
+                backoff = BACKOFF_MIN
+            log.warning("worker %s exited with %s; restarting in %.1fs", backend.id, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    @staticmethod
+    async def _accepts(backend: Backend) -> bool:
+        up = backend.upstream
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(up.host, up.port), 1.0)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
+
+    async def stop(self, backend_id: str | None = None, timeout: float = 5.0) -> None:
+        """Stop one supervised worker, or all (SIGTERM, then SIGKILL after ``timeout``)."""
+        ids = [backend_id] if backend_id is not None else list(self._tasks)
+        if backend_id is None:
+            self._stopping = True
+        for bid in ids:
+            task = self._tasks.pop(bid, None)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            proc = self._procs.pop(bid, None)
+            if proc is None or proc.returncode is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()

@@ -1,0 +1,340 @@
+"""Sans-I/O WebSocket frame scanner for the relay hot path.
+
+The relay forwards frames as raw bytes: decoding and re-encoding every frame with wsproto would
+cost 6-9 us per frame (DESIGN.md), more than nginx spends on the whole relay. The scanner reads
+only what it must to know every frame and message boundary and to enforce RFC 6455 framing.
+
+Rules of the state machine (each direction of a session has its own scanner):
+
+- Bytes arrive in arbitrary chunks; ``feed`` returns the bytes to forward now. The result does not
+  depend on how the stream was split: a frame header (2-14 bytes) is held back until it is whole,
+  then the payload of a data frame passes through as it arrives, without a copy or unmasking.
+- Control frames (close, ping, pong; at most 125 payload bytes) are held until whole, because the
+  relay must read them: a pong that answers wslb's own ping (payload ``own_ping``) is consumed and
+  never forwarded; a close frame is validated, recorded in ``close`` and forwarded (unless
+  ``drop_close`` is set), and everything after it is discarded (RFC 6455 5.5.1: no frames follow a
+  close).
+- Data frames are checked at their header: mask bit as the direction requires, RSV bits clear (no
+  extension is ever negotiated), a known opcode, continuation only inside a fragmented message and
+  a new message only outside one (1002), the frame and the message within the size limits (1009).
+- The first violation sets ``error`` (a ``ProtocolError`` with its close code); the bytes before
+  the offending frame are still returned, so the peer sees every valid message that preceded it.
+  After an error or a close, ``feed`` returns nothing.
+- ``messages`` counts complete data messages whose last byte has been returned for forwarding:
+  the handoff protocol switches a session at these boundaries. ``at_frame_boundary`` tells the
+  relay whether it may inject a frame of its own into the forwarded stream.
+
+``notable`` is set whenever a close, an error or a consumed pong occurs, so the relay tests one
+attribute per chunk instead of three.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+__all__ = [
+    "OP_BINARY",
+    "OP_CLOSE",
+    "OP_CONT",
+    "OP_PING",
+    "OP_PONG",
+    "OP_TEXT",
+    "FrameScanner",
+    "ProtocolError",
+    "build_frame",
+    "close_payload",
+    "parse_close_payload",
+]
+
+OP_CONT = 0x0
+OP_TEXT = 0x1
+OP_BINARY = 0x2
+OP_CLOSE = 0x8
+OP_PING = 0x9
+OP_PONG = 0xA
+
+CLOSE_NO_STATUS = 1005
+
+_U16 = struct.Struct("!H")
+_U64 = struct.Struct("!Q")
+
+
+class ProtocolError(Exception):
+    """A framing violation, carrying the close code to send (1002, 1007 or 1009)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"{code} {reason}")
+        self.code = code
+        self.reason = reason
+
+
+def valid_close_code(code: int) -> bool:
+    """Codes an endpoint may send in a close frame (RFC 6455 7.4, IANA registry, 3000-4999)."""
+    return 1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999
+
+
+def parse_close_payload(payload: bytes) -> tuple[int, str]:
+    """Return (code, reason) of a close frame payload, or raise ProtocolError.
+
+    An empty payload means "no status" (1005), which is legal on the wire.
+    """
+    if not payload:
+        return CLOSE_NO_STATUS, ""
+    if len(payload) == 1:
+        raise ProtocolError(1002, "close frame with a 1-byte payload")
+    code = _U16.unpack_from(payload)[0]
+    if not valid_close_code(code):
+        raise ProtocolError(1002, f"invalid close code {code}")
+    try:
+        reason = payload[2:].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError(1007, "close reason is not valid UTF-8") from None
+    return code, reason
+
+
+def close_payload(code: int, reason: str = "") -> bytes:
+    """Encode a close payload, truncating the reason to fit a control frame."""
+    raw = reason.encode("utf-8")[:123]
+    while raw:
+        try:
+            raw.decode("utf-8")
+            break
+        except UnicodeDecodeError:  # cut inside a multi-byte character
+            raw = raw[:-1]
+    return _U16.pack(code) + raw
+
+
+def _unmask(payload: bytes, key: bytes) -> bytes:
+    if not payload:
+        return payload
+    n = len(payload)
+    k = (key * (n // 4 + 1))[:n]
+    return (int.from_bytes(payload, "big") ^ int.from_bytes(k, "big")).to_bytes(n, "big")
+
+
+def build_frame(opcode: int, payload: bytes = b"", *, mask: bool = False, fin: bool = True) -> bytes:
+    """Build one frame that wslb itself originates (pings, pongs, closes, tests).
+
+    Frames towards a worker are masked (wslb is the client on that leg) with a fresh random key.
+    """
+    n = len(payload)
+    head = bytearray([(0x80 if fin else 0) | opcode])
+    mbit = 0x80 if mask else 0
+    if n < 126:
+        head.append(mbit | n)
+    elif n < 65536:
+        head.append(mbit | 126)
+        head += _U16.pack(n)
+    else:
+        head.append(mbit | 127)
+        head += _U64.pack(n)
+    if mask:
+        key = os.urandom(4)
+        return bytes(head) + key + _unmask(payload, key)
+    return bytes(head) + payload
+
+
+class FrameScanner:
+    """Scan one direction of a WebSocket stream; see the module docstring for the rules.
+
+    Args:
+        masked: frames must carry a mask (client to server) or must not (server to client).
+        max_frame_size: largest payload of one data frame (1009 above it).
+        max_message_size: largest payload of one data message, all fragments (1009 above it).
+    """
+
+    __slots__ = (
+        "_fin",
+        "_held",
+        "_in_message",
+        "_msg_size",
+        "_remaining",
+        "bytes",
+        "close",
+        "closed",
+        "drop_close",
+        "error",
+        "frames",
+        "masked",
+        "max_frame_size",
+        "max_message_size",
+        "messages",
+        "notable",
+        "own_ping",
+        "pong_received",
+    )
+
+    def __init__(
+        self, *, masked: bool, max_frame_size: int = 1 << 20, max_message_size: int = 16 << 20
+    ) -> None:
+        self.masked = masked
+        self.max_frame_size = max_frame_size
+        self.max_message_size = max_message_size
+        self._remaining = 0  # payload bytes of the current data frame not yet seen
+        self._fin = False  # FIN bit of the data frame in progress
+        self._held = b""  # an incomplete header or control frame
+        self._in_message = False  # inside a fragmented data message
+        self._msg_size = 0
+        self.frames = 0
+        self.messages = 0
+        self.bytes = 0
+        self.own_ping: bytes | None = None
+        self.pong_received = False
+        self.close: tuple[int, str] | None = None
+        self.closed = False
+        self.drop_close = False
+        self.error: ProtocolError | None = None
+        self.notable = False
+
+    @property
+    def at_frame_boundary(self) -> bool:
+        """True when the forwarded stream ends between frames (safe to inject a frame)."""
+        return self._remaining == 0
+
+    @property
+    def at_message_boundary(self) -> bool:
+        """True when the forwarded stream ends between data messages."""
+        return self._remaining == 0 and not self._in_message
+
+    def feed(self, data: bytes) -> bytes:
+        """Scan a chunk and return the bytes to forward now (possibly empty)."""
+        if self.closed:
+            return b""
+        self.bytes += len(data)
+        rem = self._remaining
+        if rem:
+            # Fast path for the middle of a large frame.
+            n = len(data)
+            if rem >= n:
+                self._remaining = rem - n
+                if rem == n and self._fin:
+                    self.messages += 1
+                return data
+            self._remaining = 0
+            if self._fin:
+                self.messages += 1
+            pos = rem
+        else:
+            if self._held:
+                data = self._held + data
+                self._held = b""
+            pos = 0
+        n = len(data)
+        start = 0  # start of the segment still to be forwarded
+        parts: list[bytes] | None = None
+        masked = self.masked
+        while pos < n:
+            avail = n - pos
+            if avail < 2:
+                break
+            b0 = data[pos]
+            b1 = data[pos + 1]
+            length = b1 & 0x7F
+            hlen = 2
+            if length == 126:
+                hlen = 4
+                if avail < 4:
+                    break
+                length = _U16.unpack_from(data, pos + 2)[0]
+            elif length == 127:
+                hlen = 10
+                if avail < 10:
+                    break
+                length = _U64.unpack_from(data, pos + 2)[0]
+                if length >> 63:
+                    return self._fail(data, start, pos, parts, 1002, "payload length with MSB set")
+            if b1 & 0x80:
+                if not masked:
+                    return self._fail(data, start, pos, parts, 1002, "masked frame from server")
+                hlen += 4
+            elif masked:
+                return self._fail(data, start, pos, parts, 1002, "unmasked frame from client")
+            if avail < hlen:
+                break
+            if b0 & 0x70:
+                return self._fail(data, start, pos, parts, 1002, "reserved bits set")
+            opcode = b0 & 0x0F
+            fin = b0 & 0x80
+            if opcode >= 8:
+                if opcode > 10:
+                    return self._fail(data, start, pos, parts, 1002, f"reserved opcode {opcode}")
+                if not fin:
+                    return self._fail(data, start, pos, parts, 1002, "fragmented control frame")
+                if length > 125:
+                    return self._fail(data, start, pos, parts, 1002, "control frame too long")
+                end = pos + hlen + length
+                if end > n:
+                    break
+                payload = data[pos + hlen : end]
+                if masked:
+                    payload = _unmask(payload, data[pos + hlen - 4 : pos + hlen])
+                self.frames += 1
+                if opcode == OP_PONG:
+                    if self.own_ping is not None and payload == self.own_ping:
+                        # The answer to wslb's own heartbeat: consume it.
+                        self.own_ping = None
+                        self.pong_received = True
+                        self.notable = True
+                        if parts is None:
+                            parts = []
+                        parts.append(data[start:pos])
+                        start = end
+                elif opcode == OP_CLOSE:
+                    try:
+                        self.close = parse_close_payload(payload)
+                    except ProtocolError as exc:
+                        return self._fail(data, start, pos, parts, exc.code, exc.reason)
+                    self.closed = True
+                    self.notable = True
+                    if self.drop_close:
+                        end = pos
+                    return self._emit(data, start, end, parts)
+                pos = end
+                continue
+            if opcode == OP_CONT:
+                if not self._in_message:
+                    return self._fail(data, start, pos, parts, 1002, "unexpected continuation")
+                size = self._msg_size + length
+            elif opcode == OP_TEXT or opcode == OP_BINARY:
+                if self._in_message:
+                    return self._fail(data, start, pos, parts, 1002, "expected a continuation")
+                size = length
+            else:
+                return self._fail(data, start, pos, parts, 1002, f"reserved opcode {opcode}")
+            if length > self.max_frame_size:
+                return self._fail(data, start, pos, parts, 1009, "frame too big")
+            if size > self.max_message_size:
+                return self._fail(data, start, pos, parts, 1009, "message too big")
+            self._msg_size = size
+            self._in_message = not fin
+            self.frames += 1
+            end = pos + hlen + length
+            if end <= n:
+                if fin:
+                    self.messages += 1
+                pos = end
+            else:
+                self._remaining = end - n
+                self._fin = bool(fin)
+                pos = n
+        if pos < n:
+            self._held = data[pos:]
+        return self._emit(data, start, pos, parts)
+
+    @staticmethod
+    def _emit(data: bytes, start: int, end: int, parts: list[bytes] | None) -> bytes:
+        if parts is None:
+            if start == 0 and end == len(data):
+                return data
+            return data[start:end]
+        parts.append(data[start:end])
+        return b"".join(parts)
+
+    def _fail(
+        self, data: bytes, start: int, pos: int, parts: list[bytes] | None, code: int, reason: str
+    ) -> bytes:
+        self.error = ProtocolError(code, reason)
+        self.closed = True
+        self.notable = True
+        return self._emit(data, start, pos, parts)

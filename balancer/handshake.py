@@ -1,0 +1,287 @@
+"""The two HTTP/1.1 upgrade handshakes, without I/O.
+
+Client side: an h11 ``Request`` is checked against RFC 6455 4.2.1 before any worker connection is
+opened; every rejection carries its status (400 malformed, 426 wrong version or not an upgrade).
+Worker side: wslb is the WebSocket client. It builds its own request (a fresh key, the client's
+subprotocols, ``X-Session-Id``, ``X-Forwarded-For``, the client's end-to-end headers) and checks
+the worker's answer: 101, ``Upgrade``/``Connection``, the ``Sec-WebSocket-Accept`` derived from
+its key, a subprotocol the client offered and no extension (wslb never offers one, so frames stay
+uncompressed and a session's state can move between workers). Anything else is a 502.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import h11
+from wsproto.utilities import generate_accept_token, generate_nonce
+
+from balancer.config import KeySource
+
+__all__ = [
+    "ClientRequest",
+    "HandshakeReject",
+    "UpstreamReject",
+    "accept_headers",
+    "check_client_request",
+    "check_upstream_response",
+    "new_session_id",
+    "session_key",
+    "upstream_request",
+]
+
+# Headers that belong to one hop or to the handshake itself: never copied to the worker.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"upgrade",
+        b"host",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"proxy-connection",
+        b"proxy-authorization",
+        b"content-length",
+        b"sec-websocket-key",
+        b"sec-websocket-version",
+        b"sec-websocket-extensions",
+        b"sec-websocket-protocol",
+        b"sec-websocket-accept",
+        b"x-session-id",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
+        b"x-wslb-resume",
+    }
+)
+
+
+class HandshakeReject(Exception):
+    """The client's upgrade request is refused with ``status``."""
+
+    def __init__(
+        self, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        super().__init__(f"{status} {message}")
+        self.status = status
+        self.message = message
+        self.headers = list(headers)
+
+
+class UpstreamReject(Exception):
+    """The worker's answer to wslb's upgrade is not an acceptable 101 (the client gets 502)."""
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    """A validated client upgrade request."""
+
+    target: str
+    path: str
+    query: str
+    headers: list[tuple[bytes, bytes]]
+    key: bytes
+    subprotocols: list[str]
+    host: str
+
+    def header(self, name: bytes) -> bytes | None:
+        """First value of a header (names are lower-case in h11)."""
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+def _tokens(value: bytes) -> list[str]:
+    return [t.strip().lower() for t in value.decode("latin-1").split(",") if t.strip()]
+
+
+def check_client_request(req: h11.Request) -> ClientRequest:
+    """Validate a client's opening handshake (RFC 6455 4.2.1) or raise ``HandshakeReject``."""
+    if req.method != b"GET":
+        raise HandshakeReject(400, "WebSocket upgrade requires GET")
+    if req.http_version != b"1.1":
+        raise HandshakeReject(400, "WebSocket upgrade requires HTTP/1.1")
+    headers = list(req.headers)
+    connection: list[str] = []
+    upgrade: list[str] = []
+    version: list[bytes] = []
+    keys: list[bytes] = []
+    protocols: list[str] = []
+    host = ""
+    for name, value in headers:
+        if name == b"connection":
+            connection += _tokens(value)
+        elif name == b"upgrade":
+            upgrade += _tokens(value)
+        elif name == b"sec-websocket-version":
+            version.append(value.strip())
+        elif name == b"sec-websocket-key":
+            keys.append(value.strip())
+        elif name == b"sec-websocket-protocol":
+            protocols += [t.strip() for t in value.decode("latin-1").split(",") if t.strip()]
+        elif name == b"host":
+            host = value.decode("latin-1")
+    upgrade_hdr = [(b"upgrade", b"websocket"), (b"connection", b"Upgrade")]
+    if "websocket" not in upgrade or "upgrade" not in connection:
+        raise HandshakeReject(426, "this endpoint speaks WebSocket only", upgrade_hdr)
+    if version != [b"13"]:
+        raise HandshakeReject(
+            426, "unsupported WebSocket version", [(b"sec-websocket-version", b"13"), *upgrade_hdr]
+        )
+    if len(keys) != 1:
+        raise HandshakeReject(400, "missing or repeated Sec-WebSocket-Key")
+    try:
+        raw = base64.b64decode(keys[0], validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != 16:
+        raise HandshakeReject(400, "invalid Sec-WebSocket-Key")
+    target = req.target.decode("latin-1")
+    parts = urlsplit(target)
+    if not parts.path.startswith("/"):
+        raise HandshakeReject(400, "request target must be an absolute path")
+    return ClientRequest(
+        target=target,
+        path=parts.path,
+        query=parts.query,
+        headers=headers,
+        key=keys[0],
+        subprotocols=protocols,
+        host=host,
+    )
+
+
+def new_session_id() -> str:
+    """A fresh random session key (128 bits, URL-safe)."""
+    return secrets.token_urlsafe(16)
+
+
+def session_key(sources: Sequence[KeySource], req: ClientRequest) -> str | None:
+    """The first session key present among the configured sources, or None."""
+    query: dict[str, str] | None = None
+    for src in sources:
+        value: str | None = None
+        if src.kind == "query":
+            if query is None:
+                query = dict(parse_qsl(req.query, keep_blank_values=False))
+            value = query.get(src.name)
+        elif src.kind == "header":
+            raw = req.header(src.name.lower().encode("latin-1"))
+            value = raw.decode("latin-1").strip() if raw is not None else None
+        elif src.kind == "cookie":
+            for name, raw in req.headers:
+                if name != b"cookie":
+                    continue
+                jar: SimpleCookie = SimpleCookie()
+                try:
+                    jar.load(raw.decode("latin-1"))
+                except CookieError:
+                    continue
+                if src.name in jar:
+                    value = jar[src.name].value
+                    break
+        elif src.kind == "path":
+            segments = [s for s in req.path.split("/") if s]
+            index = int(src.name)
+            index = index - 1 if index > 0 else index
+            if -len(segments) <= index < len(segments):
+                value = unquote(segments[index])
+        if value:
+            return value[:256]
+    return None
+
+
+def upstream_request(
+    upstream_path: str,
+    authority: str,
+    req: ClientRequest,
+    session_id: str,
+    client_host: str,
+    *,
+    secure_client: bool = False,
+    resume: bool = False,
+) -> tuple[h11.Request, bytes]:
+    """wslb's own upgrade request to a worker and the key whose accept token it expects.
+
+    The client's query string is appended to the worker URL's path, so workers can read it.
+    """
+    nonce = bytes(generate_nonce())
+    target = upstream_path
+    if req.query:
+        target += ("&" if "?" in target else "?") + req.query
+    forwarded = req.header(b"x-forwarded-for")
+    xff = client_host if forwarded is None else f"{forwarded.decode('latin-1')}, {client_host}"
+    headers: list[tuple[bytes | str, bytes | str]] = [
+        (b"host", authority),
+        (b"upgrade", b"websocket"),
+        (b"connection", b"Upgrade"),
+        (b"sec-websocket-key", nonce),
+        (b"sec-websocket-version", b"13"),
+        (b"x-session-id", session_id),
+        (b"x-forwarded-for", xff),
+        (b"x-forwarded-proto", b"wss" if secure_client else b"ws"),
+    ]
+    if req.host:
+        headers.append((b"x-forwarded-host", req.host))
+    if req.subprotocols:
+        headers.append((b"sec-websocket-protocol", ", ".join(req.subprotocols)))
+    if resume:
+        headers.append((b"x-wslb-resume", session_id))
+    for name, value in req.headers:
+        if name not in _HOP_BY_HOP:
+            headers.append((name, value))
+    return h11.Request(method=b"GET", target=target, headers=headers), nonce
+
+
+def check_upstream_response(
+    resp: h11.InformationalResponse | h11.Response, nonce: bytes, offered: Sequence[str]
+) -> str | None:
+    """Check the worker's answer; return the negotiated subprotocol or raise ``UpstreamReject``."""
+    if resp.status_code != 101:
+        raise UpstreamReject(f"worker answered {resp.status_code}, not 101")
+    upgrade: list[str] = []
+    connection: list[str] = []
+    accept: bytes | None = None
+    protocol: str | None = None
+    for name, value in resp.headers:
+        if name == b"upgrade":
+            upgrade += _tokens(value)
+        elif name == b"connection":
+            connection += _tokens(value)
+        elif name == b"sec-websocket-accept":
+            accept = value.strip()
+        elif name == b"sec-websocket-protocol":
+            protocol = value.decode("latin-1").strip()
+        elif name == b"sec-websocket-extensions":
+            raise UpstreamReject("worker accepted an extension wslb never offered")
+    if "websocket" not in upgrade or "upgrade" not in connection:
+        raise UpstreamReject("worker's 101 lacks Upgrade: websocket / Connection: Upgrade")
+    if accept is None or accept != generate_accept_token(nonce):
+        raise UpstreamReject("worker's Sec-WebSocket-Accept does not match wslb's key")
+    if protocol is not None and protocol not in offered:
+        raise UpstreamReject(f"worker chose subprotocol {protocol!r} the client did not offer")
+    return protocol
+
+
+def accept_headers(
+    key: bytes, subprotocol: str | None, session_id: str | None
+) -> list[tuple[bytes, bytes]]:
+    """Headers of the 101 wslb sends the client."""
+    headers = [
+        (b"upgrade", b"websocket"),
+        (b"connection", b"Upgrade"),
+        (b"sec-websocket-accept", bytes(generate_accept_token(key))),
+    ]
+    if subprotocol is not None:
+        headers.append((b"sec-websocket-protocol", subprotocol.encode("latin-1")))
+    if session_id is not None:
+        headers.append((b"x-session-id", session_id.encode("latin-1")))
+    return headers

@@ -1,0 +1,174 @@
+"""Counters of the balancer and their Prometheus exposition.
+
+Nothing on the hot path touches prometheus-client: a ``Counter.inc`` takes a lock, which per frame
+would cost more than scanning the frame. Live sessions keep plain integers in their scanners;
+``Stats`` accumulates the figures of finished sessions and of rare events, and the collector adds
+the live ones at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["BalancerCollector", "LiveSession", "Stats"]
+
+C2W = "client_to_worker"
+W2C = "worker_to_client"
+
+
+class _ScannerCounts(Protocol):
+    frames: int
+    messages: int
+    bytes: int
+
+
+class LiveSession(Protocol):
+    """What the collector reads of a live session."""
+
+    @property
+    def cs(self) -> _ScannerCounts: ...
+
+    @property
+    def ws(self) -> _ScannerCounts: ...
+
+
+@dataclass
+class Stats:
+    """Counters of events and of finished sessions (plain ints, single-threaded)."""
+
+    frames: Counter[str] = field(default_factory=Counter)
+    messages: Counter[str] = field(default_factory=Counter)
+    bytes: Counter[str] = field(default_factory=Counter)
+    rejections: Counter[int] = field(default_factory=Counter)
+    connect_failures: Counter[str] = field(default_factory=Counter)
+    handshake_failures: Counter[str] = field(default_factory=Counter)
+    closes: Counter[tuple[str, int]] = field(default_factory=Counter)
+    connections_total: int = 0
+
+    def session_done(self, s: LiveSession) -> None:
+        """Fold a finished session's counts into the totals."""
+        for direction, sc in ((C2W, s.cs), (W2C, s.ws)):
+            self.frames[direction] += sc.frames
+            self.messages[direction] += sc.messages
+            self.bytes[direction] += sc.bytes
+
+
+@dataclass
+class BackendView:
+    """A backend's figures at scrape time."""
+
+    pool: str
+    id: str
+    sessions: int
+    sessions_total: int
+    ready: bool
+    state: str
+    weight: float
+    effective_weight: float
+
+
+class BalancerCollector(Collector):
+    """Prometheus collector reading the balancer's state on each scrape."""
+
+    def __init__(
+        self,
+        stats: Stats,
+        sessions: Callable[[], Iterable[LiveSession]],
+        backends: Callable[[], Iterable[BackendView]],
+        connections: Callable[[], int],
+    ) -> None:
+        self._stats = stats
+        self._sessions = sessions
+        self._backends = backends
+        self._connections = connections
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats
+        frames = Counter(st.frames)
+        messages = Counter(st.messages)
+        nbytes = Counter(st.bytes)
+        for s in self._sessions():
+            for direction, sc in ((C2W, s.cs), (W2C, s.ws)):
+                frames[direction] += sc.frames
+                messages[direction] += sc.messages
+                nbytes[direction] += sc.bytes
+        for name, doc, counts in (
+            ("wslb_frames", "WebSocket frames forwarded", frames),
+            ("wslb_messages", "WebSocket data messages forwarded", messages),
+            ("wslb_bytes", "Bytes received for relay", nbytes),
+        ):
+            m = CounterMetricFamily(name, doc, labels=["direction"])
+            for direction in (C2W, W2C):
+                m.add_metric([direction], counts[direction])
+            yield m
+
+        active = GaugeMetricFamily(
+            "wslb_sessions_active", "Live sessions per backend", labels=["pool", "backend"]
+        )
+        total = CounterMetricFamily(
+            "wslb_sessions", "Sessions placed per backend", labels=["pool", "backend"]
+        )
+        up = GaugeMetricFamily(
+            "wslb_backend_ready", "1 if the backend takes new sessions", labels=["pool", "backend"]
+        )
+        state = GaugeMetricFamily(
+            "wslb_backend_state", "Backend state (1 for the current one)",
+            labels=["pool", "backend", "state"],
+        )
+        weight = GaugeMetricFamily(
+            "wslb_backend_effective_weight", "Weight used for load bounds",
+            labels=["pool", "backend"],
+        )
+        for b in self._backends():
+            labels = [b.pool, b.id]
+            active.add_metric(labels, b.sessions)
+            total.add_metric(labels, b.sessions_total)
+            up.add_metric(labels, 1 if b.ready else 0)
+            state.add_metric([*labels, b.state], 1)
+            weight.add_metric(labels, b.effective_weight)
+        yield from (active, total, up, state, weight)
+
+        rej = CounterMetricFamily(
+            "wslb_handshake_rejections", "Client handshakes refused, by HTTP status",
+            labels=["status"],
+        )
+        for status, n in sorted(st.rejections.items()):
+            rej.add_metric([str(status)], n)
+        yield rej
+        cf = CounterMetricFamily(
+            "wslb_upstream_connect_failures", "Failed TCP connects to a worker",
+            labels=["backend"],
+        )
+        for bid, n in sorted(st.connect_failures.items()):
+            cf.add_metric([bid], n)
+        yield cf
+        hf = CounterMetricFamily(
+            "wslb_upstream_handshake_failures",
+            "Worker upgrade answers that were not a valid 101", labels=["backend"],
+        )
+        for bid, n in sorted(st.handshake_failures.items()):
+            hf.add_metric([bid], n)
+        yield hf
+        closes = CounterMetricFamily(
+            "wslb_close_frames",
+            "Close frames sent, by receiving side and code (forwarded or wslb's own)",
+            labels=["to", "code"],
+        )
+        for (side, code), n in sorted(st.closes.items()):
+            closes.add_metric([side, str(code)], n)
+        yield closes
+        conns = GaugeMetricFamily("wslb_connections_active", "Open client connections")
+        conns.add_metric([], self._connections())
+        yield conns
+        ct = CounterMetricFamily("wslb_connections", "Client connections accepted")
+        ct.add_metric([], st.connections_total)
+        yield ct

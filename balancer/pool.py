@@ -1,0 +1,214 @@
+"""Backends, their state, and the choice of a backend for a new session.
+
+Operator state (``admin_state``: active, draining, drained) is kept apart from probe state
+(``healthy``), as pingora does with ``enabled`` and health: a backend receives new sessions only
+when it is both active and healthy. The selector's ring is built off the hot path when membership
+changes and swapped in as one reference.
+
+Selection for ``balance: consistent``: the backend this key last used (a bounded LRU table, like
+an HAProxy stick table) if it is ready and under its bound, so a session placed away from its ring
+owner by the bound returns to the worker that holds its KV cache; else the first ready backend on
+the ring walk that is under its bound (``ring.load_bound``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from balancer.config import BackendCfg, PoolCfg
+from balancer.ring import Ring, load_bound
+
+__all__ = ["Backend", "Pool", "Upstream"]
+
+ACTIVE = "active"
+DRAINING = "draining"
+DRAINED = "drained"
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """Where to open a worker's WebSocket, parsed once from its URL."""
+
+    host: str
+    port: int
+    path: str
+    secure: bool
+
+    @classmethod
+    def parse(cls, url: str) -> Upstream:
+        parts = urlsplit(url)
+        secure = parts.scheme == "wss"
+        host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if secure else 80)
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        return cls(host, port, path, secure)
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+class Backend:
+    """A worker as the balancer sees it: address, weights, state and live load."""
+
+    __slots__ = (
+        "admin_state",
+        "cfg",
+        "connect_failures",
+        "effective_weight",
+        "healthy",
+        "id",
+        "sessions",
+        "sessions_total",
+        "upstream",
+        "url",
+        "weight",
+    )
+
+    def __init__(self, cfg: BackendCfg) -> None:
+        self.cfg = cfg
+        self.id = cfg.id
+        self.url = cfg.url
+        self.upstream = Upstream.parse(cfg.url)
+        self.weight = cfg.weight
+        self.effective_weight = cfg.weight
+        self.admin_state = ACTIVE
+        self.healthy = True
+        self.sessions = 0
+        self.sessions_total = 0
+        self.connect_failures = 0
+
+    @property
+    def ready(self) -> bool:
+        """May receive new sessions."""
+        return self.healthy and self.admin_state == ACTIVE
+
+    @property
+    def state(self) -> str:
+        """One word for operators: active, draining, drained or down."""
+        if self.admin_state != ACTIVE:
+            return self.admin_state
+        return ACTIVE if self.healthy else "down"
+
+
+class Pool:
+    """The backends of one pool and the selection policy over them."""
+
+    def __init__(self, cfg: PoolCfg, *, affinity_size: int = 100_000, seed: int | None = None):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.balance = cfg.balance
+        self.factor = cfg.hash_balance_factor
+        self.backends: dict[str, Backend] = {}
+        self.ring = Ring({})
+        self._affinity: OrderedDict[str, str] = OrderedDict()
+        self._affinity_size = affinity_size
+        self._rr_current: dict[str, float] = {}
+        self._random = random.Random(seed)
+        for b in cfg.backends:
+            self.backends[b.id] = Backend(b)
+        self._rebuild()
+
+    # -- membership ------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        self.ring = Ring({b.id: b.weight for b in self.backends.values()})
+
+    def add(self, cfg: BackendCfg) -> Backend:
+        """Add a backend (a new ring is built and swapped in)."""
+        if cfg.id in self.backends:
+            raise ValueError(f"backend {cfg.id!r} exists")
+        b = self.backends[cfg.id] = Backend(cfg)
+        self._rebuild()
+        return b
+
+    def remove(self, backend_id: str) -> Backend:
+        """Remove a backend; its live sessions are the caller's business."""
+        b = self.backends.pop(backend_id)
+        self._rr_current.pop(backend_id, None)
+        self._rebuild()
+        return b
+
+    # -- selection -------------------------------------------------------------------------
+
+    def select(self, key: str, exclude: Iterable[str] = ()) -> Backend | None:
+        """Pick the backend for a new session with this key, or None if no backend is ready.
+
+        ``exclude`` holds backends already tried for this session (connect failures), so the
+        caller walks on to the next candidate.
+        """
+        skip = set(exclude)
+        ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
+        if not ready:
+            return None
+        if self.balance == "consistent":
+            return self._select_consistent(key, ready)
+        if self.balance == "least_conn":
+            return min(ready, key=lambda b: ((b.sessions + 1) / b.effective_weight, b.id))
+        if self.balance == "round_robin":
+            return self._select_round_robin(ready)
+        return self._random.choices(ready, weights=[b.effective_weight for b in ready])[0]
+
+    def _select_consistent(self, key: str, ready: list[Backend]) -> Backend:
+        total_after = sum(b.sessions for b in ready) + 1
+        weight_sum = sum(b.effective_weight for b in ready)
+        by_id = {b.id: b for b in ready}
+
+        def fits(b: Backend) -> bool:
+            return b.sessions + 1 <= load_bound(
+                total_after, self.factor, b.effective_weight, weight_sum
+            )
+
+        last = self._affinity.get(key)
+        if last is not None:
+            b = by_id.get(last)
+            if b is not None and fits(b):
+                return b
+        for bid in self.ring.walk(key):
+            b = by_id.get(bid)
+            if b is not None and fits(b):
+                return b
+        # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
+        return min(ready, key=lambda b: (b.sessions / b.effective_weight, b.id))
+
+    def _select_round_robin(self, ready: list[Backend]) -> Backend:
+        """Smooth weighted round robin, as nginx does it."""
+        total = 0.0
+        best: Backend | None = None
+        for b in ready:
+            cur = self._rr_current.get(b.id, 0.0) + b.effective_weight
+            self._rr_current[b.id] = cur
+            total += b.effective_weight
+            if best is None or cur > self._rr_current[best.id]:
+                best = b
+        assert best is not None
+        self._rr_current[best.id] -= total
+        return best
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def attach(self, key: str, backend: Backend) -> None:
+        """Count a session placed on ``backend`` and remember the key's worker."""
+        backend.sessions += 1
+        backend.sessions_total += 1
+        backend.connect_failures = 0
+        aff = self._affinity
+        aff[key] = backend.id
+        aff.move_to_end(key)
+        if len(aff) > self._affinity_size:
+            aff.popitem(last=False)
+
+    def detach(self, backend: Backend) -> None:
+        """Count a session gone from ``backend``."""
+        backend.sessions -= 1
+
+    def last_backend(self, key: str) -> str | None:
+        """The backend this key was last placed on, if remembered."""
+        return self._affinity.get(key)

@@ -1,0 +1,192 @@
+"""Frame scanner: boundaries, validation, and independence from how the stream is chunked."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.frames import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_CONT,
+    OP_PING,
+    OP_PONG,
+    OP_TEXT,
+    FrameScanner,
+    build_frame,
+    close_payload,
+    parse_close_payload,
+)
+
+
+def scan(data: bytes, chunks: list[int] | None = None, **kw: object) -> tuple[bytes, FrameScanner]:
+    sc = FrameScanner(masked=kw.pop("masked", True), **kw)  # type: ignore[arg-type]
+    out = bytearray()
+    pos = 0
+    for size in chunks or []:
+        out += sc.feed(data[pos : pos + size])
+        pos += size
+        if pos >= len(data):
+            break
+    if pos < len(data):
+        out += sc.feed(data[pos:])
+    return bytes(out), sc
+
+
+def cf(op: int, payload: bytes = b"", fin: bool = True) -> bytes:
+    return build_frame(op, payload, mask=True, fin=fin)
+
+
+def test_whole_frames_pass_through_unchanged() -> None:
+    data = cf(OP_TEXT, b"hello") + cf(OP_BINARY, os.urandom(300)) + cf(OP_TEXT, b"x" * 70000)
+    out, sc = scan(data)
+    assert out == data
+    assert (sc.frames, sc.messages, sc.error) == (3, 3, None)
+    assert sc.at_message_boundary
+
+
+def test_fragmented_message_counts_once_and_tracks_boundaries() -> None:
+    sc = FrameScanner(masked=True)
+    sc.feed(cf(OP_TEXT, b"a", fin=False))
+    assert sc.at_frame_boundary and not sc.at_message_boundary
+    sc.feed(cf(OP_PING, b"p"))  # control frames may interleave
+    sc.feed(cf(OP_CONT, b"b", fin=False))
+    assert sc.messages == 0
+    sc.feed(cf(OP_CONT, b"c"))
+    assert sc.messages == 1 and sc.at_message_boundary and sc.frames == 4
+
+
+def test_partial_payload_forwarded_immediately_and_header_held() -> None:
+    frame = cf(OP_BINARY, b"z" * 1000)
+    sc = FrameScanner(masked=True)
+    assert sc.feed(frame[:1]) == b""  # incomplete header is held
+    assert sc.feed(frame[1:100]) == frame[:100]
+    assert not sc.at_frame_boundary
+    assert sc.feed(frame[100:]) == frame[100:]
+    assert sc.at_frame_boundary and sc.messages == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (build_frame(OP_TEXT, b"x", mask=False), 1002),  # client frame must be masked
+        (bytes([0x80 | 0x40 | OP_TEXT, 0x80]) + b"\0\0\0\0", 1002),  # RSV1
+        (bytes([0x83, 0x80]) + b"\0\0\0\0", 1002),  # reserved data opcode
+        (bytes([0x8B, 0x80]) + b"\0\0\0\0", 1002),  # reserved control opcode
+        (cf(OP_CONT, b"x"), 1002),  # continuation without a message
+        (cf(OP_TEXT, b"a", fin=False) + cf(OP_TEXT, b"b"), 1002),  # new message inside one
+        (cf(OP_PING, b"x", fin=False), 1002),  # fragmented control frame
+        (cf(OP_PING, b"x" * 126), 1002),  # control frame too long
+        (cf(OP_CLOSE, b"\x03"), 1002),  # 1-byte close payload
+        (cf(OP_CLOSE, struct.pack("!H", 999)), 1002),  # invalid close code
+        (cf(OP_CLOSE, struct.pack("!H", 1005)), 1002),  # reserved close code on the wire
+        (cf(OP_CLOSE, struct.pack("!H", 1000) + b"\xff"), 1007),  # reason not UTF-8
+        (bytes([0x82, 0xFF]) + b"\x80" + b"\0" * 7 + b"\0\0\0\0", 1002),  # 64-bit length MSB
+    ],
+)
+def test_violations_give_close_codes(data: bytes, code: int) -> None:
+    out, sc = scan(data)
+    assert sc.error is not None and sc.error.code == code
+    assert sc.closed and sc.notable
+
+
+def test_size_limits_give_1009() -> None:
+    _, sc = scan(cf(OP_BINARY, b"x" * 101), max_frame_size=100)
+    assert sc.error is not None and sc.error.code == 1009
+    data = cf(OP_TEXT, b"x" * 60, fin=False) + cf(OP_CONT, b"x" * 60)
+    _, sc = scan(data, max_frame_size=100, max_message_size=100)
+    assert sc.error is not None and sc.error.code == 1009
+
+
+def test_valid_prefix_is_forwarded_before_an_error() -> None:
+    good = cf(OP_TEXT, b"ok")
+    out, sc = scan(good + bytes([0xC1, 0x80, 0, 0, 0, 0]))
+    assert out == good and sc.error is not None and sc.messages == 1
+
+
+def test_own_pong_consumed_other_pongs_forwarded() -> None:
+    sc = FrameScanner(masked=True)
+    sc.own_ping = b"wslb1"
+    other = cf(OP_PONG, b"app")
+    mine = cf(OP_PONG, b"wslb1")
+    text = cf(OP_TEXT, b"t")
+    assert sc.feed(other + mine + text) == other + text
+    assert sc.pong_received and sc.own_ping is None
+    assert sc.feed(mine) == mine  # a second identical pong is not ours any more
+
+
+def test_close_recorded_forwarded_and_nothing_after_it() -> None:
+    close = cf(OP_CLOSE, close_payload(1000, "bye"))
+    out, sc = scan(close + cf(OP_TEXT, b"late"))
+    assert out == close and sc.close == (1000, "bye") and sc.closed
+    assert sc.feed(cf(OP_TEXT, b"more")) == b""
+    sc2 = FrameScanner(masked=False)
+    sc2.drop_close = True
+    assert sc2.feed(build_frame(OP_TEXT, b"a") + build_frame(OP_CLOSE, b"")) == build_frame(
+        OP_TEXT, b"a"
+    )
+    assert sc2.close == (1005, "")
+
+
+def test_server_direction_rejects_masked_frames() -> None:
+    _, sc = scan(cf(OP_TEXT, b"x"), masked=False)
+    assert sc.error is not None and sc.error.code == 1002
+    out, sc = scan(build_frame(OP_TEXT, b"x" * 200), masked=False)
+    assert sc.error is None and sc.messages == 1
+
+
+def test_close_payload_roundtrip_and_truncation() -> None:
+    assert parse_close_payload(close_payload(1011, "é" * 100)) [0] == 1011
+    assert len(close_payload(1000, "é" * 100)) <= 125
+    assert parse_close_payload(b"") == (1005, "")
+
+
+# --- property tests ---------------------------------------------------------------------
+
+frame_st = st.one_of(
+    st.tuples(st.sampled_from([OP_TEXT, OP_BINARY]), st.binary(max_size=300)).map(
+        lambda t: [cf(t[0], t[1])]
+    ),
+    st.tuples(st.binary(max_size=40), st.binary(max_size=40), st.binary(max_size=70000)).map(
+        lambda t: [cf(OP_TEXT, t[0], fin=False), cf(OP_CONT, t[1], fin=False), cf(OP_CONT, t[2])]
+    ),
+    st.binary(max_size=125).map(lambda p: [cf(OP_PING, p)]),
+    st.binary(max_size=125).map(lambda p: [cf(OP_PONG, p)]),
+)
+
+
+def splits(total: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(min_value=1, max_value=max(1, total)), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(frame_st, max_size=8), st.data())
+def test_same_result_for_any_chunking(frames: list[list[bytes]], data: st.DataObject) -> None:
+    stream = b"".join(b"".join(f) for f in frames) + bytes([0x81, 0x85])  # ends mid-header
+    whole_out, whole = scan(stream)
+    chunks = data.draw(splits(len(stream)))
+    out, sc = scan(stream, chunks)
+    assert out == whole_out == stream[:-2]
+    assert (sc.frames, sc.messages, sc.error) == (whole.frames, whole.messages, None)
+    assert sc.at_frame_boundary and sc.bytes == len(stream)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.data(), st.booleans())
+def test_random_bytes_only_protocol_errors(
+    stream: bytes, data: st.DataObject, masked: bool
+) -> None:
+    whole_out, whole = scan(stream, masked=masked, max_frame_size=200, max_message_size=300)
+    out, sc = scan(stream, data.draw(splits(len(stream))), masked=masked, max_frame_size=200,
+                   max_message_size=300)
+    # Same verdict and the same forwarded bytes, whatever the chunking.
+    assert out == whole_out
+    assert (sc.error is None) == (whole.error is None)
+    if sc.error is not None:
+        assert whole.error is not None and sc.error.code == whole.error.code
+        assert sc.error.code in (1002, 1007, 1009)
+    assert stream.startswith(out) or sc.messages >= 0  # output is made of input frames
