@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import struct
 
@@ -11,7 +12,10 @@ from balancer.frames import OP_CLOSE, build_frame, parse_close_payload
 
 
 class RawClient:
+    opened: list[RawClient] = []  # closed by the autouse fixture in conftest.py
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        RawClient.opened.append(self)
         self.reader = reader
         self.writer = writer
         self.status = 0
@@ -69,11 +73,23 @@ class RawClient:
         self.writer.write(build_frame(op, payload, mask=mask, fin=fin))
 
     async def eof(self, timeout: float = 5.0) -> bool:
+        """True once the peer has closed the connection (whatever it sent before)."""
         try:
-            data = await asyncio.wait_for(self.reader.read(), timeout)
-        except (ConnectionError, TimeoutError):
+            await asyncio.wait_for(self.reader.read(), timeout)
+        except TimeoutError:
             return False
-        return data == b""
+        except ConnectionError:
+            return True
+        return True
 
     def close(self) -> None:
-        self.writer.close()
+        if not self.writer.is_closing():
+            self.writer.close()
+
+    @classmethod
+    async def close_all(cls) -> None:
+        while cls.opened:
+            c = cls.opened.pop()
+            c.close()
+            with contextlib.suppress(Exception):
+                await c.writer.wait_closed()

@@ -1,0 +1,340 @@
+"""Unit tests of the simulated model (backends.model): no I/O, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backends.model import (
+    KVCache,
+    Model,
+    ModelConfig,
+    Prompt,
+    TurnPhase,
+    TurnResult,
+    token_text,
+)
+
+
+def run_turn(
+    model: Model, sid: str, prompt: Prompt, max_tokens: int, now: float = 0.0
+) -> TurnResult:
+    """Drive one turn to completion, as the worker does but without waiting."""
+    turn = model.start_turn(sid, prompt, max_tokens, now)
+    model.begin_decode(turn)
+    while turn.remaining:
+        model.emit(turn)
+    return model.finish(turn)
+
+
+def text(s: str) -> Prompt:
+    return Prompt.from_text(s)
+
+
+# -- token_text ---------------------------------------------------------------------------
+
+
+def test_token_text_is_documented_format() -> None:
+    t = token_text("alice", 3, 7)
+    assert t.startswith("t3.7-")
+    assert len(t.split("-")[1]) == 8
+    assert t == token_text("alice", 3, 7)
+
+
+@given(st.text(), st.integers(1, 10**6), st.integers(0, 10**6))
+def test_token_text_is_pure_and_one_word(session: str, turn: int, i: int) -> None:
+    t = token_text(session, turn, i)
+    assert t == token_text(session, turn, i)
+    assert t.split() == [t]
+    assert t.startswith(f"t{turn}.{i}-")
+
+
+def test_token_text_depends_on_session() -> None:
+    assert token_text("a", 1, 0) != token_text("b", 1, 0)
+
+
+def test_emitted_tokens_follow_token_text() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("hi"), 3, 0.0)
+    model.begin_decode(turn)
+    toks = [model.emit(turn) for _ in range(3)]
+    assert [(t.turn, t.i, t.text) for t in toks] == [
+        (1, i, token_text("s", 1, i)) for i in range(3)
+    ]
+    with pytest.raises(RuntimeError):
+        model.emit(turn)
+
+
+# -- context and KV hits --------------------------------------------------------------------
+
+
+def test_second_turn_hits_cache_for_whole_conversation() -> None:
+    model = Model(ModelConfig(prefill_ms_per_token=1.0))
+    model.attach("s", 0.0)
+    first = run_turn(model, "s", text("one two three"), 4)
+    assert (first.turn, first.tokens, first.cached_tokens, first.prefill_ms) == (1, 4, 0, 3.0)
+    second = run_turn(model, "s", text("four five"), 2)
+    assert second.turn == 2
+    assert second.cached_tokens == 3 + 4  # prompt 1 + answer 1
+    assert second.prefill_ms == pytest.approx(2.0)
+    state = model.session("s")
+    assert state is not None
+    assert state.context[:3] == ["one", "two", "three"]
+    assert state.context[3:7] == [token_text("s", 1, i) for i in range(4)]
+    assert len(state.context) == 3 + 4 + 2 + 2
+    stats = model.stats()
+    assert stats.kv_hit_tokens_total == 7
+    assert stats.prefill_tokens_total == 3 + 2
+    assert stats.decode_tokens_total == 6
+
+
+def test_messages_replace_context_and_hit_common_prefix() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    run_turn(model, "s", text("a b c"), 2)
+    answer = [token_text("s", 1, 0), token_text("s", 1, 1)]
+    # The whole conversation resent, as chat-completions clients do: all of it is cached.
+    msgs = Prompt.from_messages(["a b c", " ".join(answer), "d e"])
+    assert msgs.replace
+    turn = model.start_turn("s", msgs, 0, 0.0)
+    assert turn.cached_tokens == 5
+    assert turn.prefill_tokens == 2
+    model.finish(turn)
+    state = model.session("s")
+    assert state is not None
+    assert state.context == ["a", "b", "c", *answer, "d", "e"]
+    # A different history shares only its leading tokens.
+    turn = model.start_turn("s", Prompt.from_messages(["a b x y"]), 0, 0.0)
+    assert turn.cached_tokens == 2
+    model.finish(turn)
+    assert state.context == ["a", "b", "x", "y"]
+
+
+def test_cache_is_per_session() -> None:
+    model = Model(ModelConfig())
+    model.attach("a", 0.0)
+    model.attach("b", 0.0)
+    run_turn(model, "a", text("same words here"), 1)
+    result = run_turn(model, "b", text("same words here"), 1)
+    assert result.cached_tokens == 0
+
+
+def test_cancel_keeps_produced_tokens_only() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("x y"), 10, 0.0)
+    model.begin_decode(turn)
+    model.emit(turn)
+    model.emit(turn)
+    result = model.finish(turn)
+    assert result.tokens == 2
+    assert model.finish(turn) == result  # idempotent
+    state = model.session("s")
+    assert state is not None
+    assert state.context == ["x", "y", token_text("s", 1, 0), token_text("s", 1, 1)]
+    nxt = run_turn(model, "s", text("z"), 0)
+    assert nxt.cached_tokens == 4
+
+
+def test_cancel_during_prefill_caches_nothing_new() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("x y"), 10, 0.0)
+    assert model.stats().queue_depth == 1
+    assert model.finish(turn).tokens == 0
+    assert model.stats().queue_depth == 0
+    assert model.kv.cached("s") == 0
+
+
+def test_negative_max_tokens_rejected_and_unknown_session() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    with pytest.raises(ValueError):
+        model.start_turn("s", text("x"), -1, 0.0)
+    with pytest.raises(KeyError):
+        model.start_turn("nobody", text("x"), 1, 0.0)
+
+
+# -- KV cache LRU -----------------------------------------------------------------------------
+
+
+def test_kv_lru_evicts_least_recent_session_tail_first() -> None:
+    kv = KVCache(10)
+    a, b, c = ["a"] * 4, ["b"] * 4, ["c"] * 4
+    kv.store("a", a)
+    kv.store("b", b)
+    assert kv.used == 8
+    assert kv.match("a", a) == 4  # touch a: b is now least recently used
+    kv.store("c", c)  # 12 > 10: b loses 2 tokens from its tail
+    assert (kv.cached("a"), kv.cached("b"), kv.cached("c")) == (4, 2, 4)
+    assert kv.used == 10
+    kv.store("d", ["d"] * 5)  # b goes entirely, then a loses 3
+    assert kv.lru_order() == ["a", "c", "d"]
+    assert (kv.cached("a"), kv.cached("c"), kv.cached("d")) == (1, 4, 5)
+    assert kv.used == 10
+
+
+def test_kv_single_session_over_capacity_is_capped() -> None:
+    kv = KVCache(5)
+    kv.store("a", list("abcdefgh"))
+    assert kv.cached("a") == 5
+    assert kv.match("a", list("abcdefgh")) == 5
+    zero = KVCache(0)
+    zero.store("a", ["x"])
+    assert zero.used == 0
+    assert zero.match("a", ["x"]) == 0
+
+
+def test_kv_extend_only_when_contiguous() -> None:
+    kv = KVCache(100)
+    toks = ["a", "b"]
+    kv.store("s", toks)
+    toks.append("c")
+    kv.extend("s", toks)
+    assert kv.cached("s") == 3
+    other = ["a", "b", "c", "d"]
+    kv.extend("s", other)  # not the cached list: ignored
+    assert kv.cached("s") == 3
+
+
+def test_model_eviction_lowers_later_hits() -> None:
+    model = Model(ModelConfig(kv_capacity_tokens=10))
+    for sid in ("a", "b"):
+        model.attach(sid, 0.0)
+    run_turn(model, "a", text("1 2 3 4"), 2)  # a caches 6
+    run_turn(model, "b", text("5 6 7 8"), 2)  # b caches 6 -> a cut to 4
+    assert model.kv.cached("a") == 4
+    assert model.stats().kv_cache_usage == pytest.approx(1.0)
+    result = run_turn(model, "a", text("9"), 0)
+    assert result.cached_tokens == 4
+
+
+# -- ttl ----------------------------------------------------------------------------------------
+
+
+def test_session_kept_within_ttl_and_swept_after() -> None:
+    model = Model(ModelConfig(session_ttl=10.0))
+    model.attach("s", 0.0)
+    run_turn(model, "s", text("hello"), 2)
+    model.detach("s", 100.0)
+    assert model.stats(105.0).active_sessions == 0
+    assert model.stats(105.0).held_sessions == 1
+    state = model.attach("s", 109.0)  # reconnect within ttl: same conversation
+    assert state.turns == 1
+    assert run_turn(model, "s", text("again"), 1, now=109.0).turn == 2
+    model.detach("s", 110.0)
+    assert model.sweep(119.9) == 0
+    assert model.sweep(120.0) == 1
+    assert model.session("s") is None
+    assert model.kv.cached("s") == 0
+    fresh = model.attach("s", 121.0)
+    assert fresh.turns == 0
+    assert fresh.context == []
+
+
+def test_ttl_counts_from_last_connection() -> None:
+    model = Model(ModelConfig(session_ttl=5.0))
+    model.attach("s", 0.0)
+    model.attach("s", 0.0)
+    model.detach("s", 1.0)
+    assert model.stats(100.0).active_sessions == 1
+    assert model.session("s") is not None
+    model.detach("s", 100.0)
+    assert model.stats(104.0).held_sessions == 1
+    assert model.stats(105.0).held_sessions == 0
+
+
+def test_sweep_keeps_session_with_running_turn() -> None:
+    model = Model(ModelConfig(session_ttl=0.0))
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("x"), 5, 0.0)
+    model.detach("s", 1.0)
+    assert model.sweep(2.0) == 0
+    model.finish(turn)
+    assert model.sweep(3.0) == 1
+
+
+# -- timing and load ----------------------------------------------------------------------------
+
+
+def start_decoding(model: Model, n: int) -> None:
+    for k in range(n):
+        sid = f"s{k}"
+        model.attach(sid, 0.0)
+        model.begin_decode(model.start_turn(sid, text("x"), 100, 0.0))
+
+
+def test_decode_rate_full_speed_up_to_max_batch_then_proportional() -> None:
+    model = Model(ModelConfig(tokens_per_s=100.0, max_batch=4))
+    assert model.token_delay() == pytest.approx(0.01)
+    start_decoding(model, 4)
+    assert model.token_delay() == pytest.approx(0.01)
+    assert model.stats().gpu_utilization == pytest.approx(1.0)
+    assert model.stats().queue_depth == 0
+    start_decoding(model, 4)  # 8 streams over a batch of 4: each at half speed
+    assert model.decoding == 8
+    assert model.token_delay() == pytest.approx(0.02)
+    assert model.stats().queue_depth == 4
+    assert model.stats().gpu_utilization == pytest.approx(1.0)
+
+
+def test_gpu_utilization_scales_with_streams() -> None:
+    model = Model(ModelConfig(max_batch=4))
+    assert model.stats().gpu_utilization == 0.0
+    start_decoding(model, 1)
+    assert model.stats().gpu_utilization == pytest.approx(0.25)
+
+
+def test_background_util_slows_everything_and_floors_utilization() -> None:
+    base = Model(ModelConfig(tokens_per_s=100.0, prefill_ms_per_token=1.0))
+    busy = Model(ModelConfig(tokens_per_s=100.0, prefill_ms_per_token=1.0, background_util=0.5))
+    for model in (base, busy):
+        model.attach("s", 0.0)
+    t_base = base.start_turn("s", text("a b c d"), 1, 0.0)
+    t_busy = busy.start_turn("s", text("a b c d"), 1, 0.0)
+    assert t_busy.prefill_ms == pytest.approx(2 * t_base.prefill_ms) == pytest.approx(8.0)
+    assert busy.token_delay() == pytest.approx(2 * base.token_delay())
+    assert busy.stats().gpu_utilization == pytest.approx(0.5)
+    assert base.stats().gpu_utilization == 0.0
+
+
+@pytest.mark.parametrize("tps", [0.0, 1e6, 5e6])
+def test_unlimited_decode_has_no_delay(tps: float) -> None:
+    model = Model(ModelConfig(tokens_per_s=tps))
+    start_decoding(model, 100)
+    assert model.token_delay() == 0.0
+
+
+def test_active_sessions_and_phases() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("x"), 1, 0.0)
+    phases = [turn.phase]
+    assert model.stats().prefilling == 1
+    model.begin_decode(turn)
+    phases.append(turn.phase)
+    assert (model.stats().prefilling, model.stats().decoding) == (0, 1)
+    model.finish(turn)
+    phases.append(turn.phase)
+    assert phases == [TurnPhase.PREFILL, TurnPhase.DECODE, TurnPhase.DONE]
+    stats = model.stats()
+    assert (stats.active_sessions, stats.decoding, stats.queue_depth) == (1, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tokens_per_s": -1.0},
+        {"prefill_ms_per_token": -0.1},
+        {"kv_capacity_tokens": -1},
+        {"session_ttl": -1.0},
+        {"max_batch": 0},
+        {"background_util": 1.0},
+        {"background_util": -0.1},
+    ],
+)
+def test_config_validation(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ModelConfig(**kwargs)  # type: ignore[arg-type]
