@@ -1,0 +1,5 @@
+"""``python -m backends``: run the reference worker (same as ``wslb-worker``)."""
+
+from backends.worker import main
+
+main()

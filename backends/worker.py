@@ -1,0 +1,663 @@
+"""Reference model worker (``wslb-worker``): the simulated model behind HTTP and WebSocket.
+
+One aiohttp server on one port (SPEC.md section 6):
+
+- ``GET /healthz``: 200 ``{"status":"ok"}``, 503 ``{"status":"draining"}`` once shutting down.
+- ``GET /metrics``: Prometheus text from the worker's own registry (see ``METRIC_NAMES``).
+- WebSocket on ``/ws``, and leniently on any other path. The session id is the
+  ``X-Session-Id`` request header, else the ``session`` query parameter, else a generated one;
+  it is returned in the 101's ``X-Session-Id`` header and in ``hello``.
+
+Chat protocol, JSON text messages, one WebSocket message each:
+
+- worker on connect: ``{"type":"hello","worker":ID,"session":SID}``
+- client: ``{"type":"prompt","text":STR,"max_tokens":N}`` (continue the held conversation) or
+  ``{"type":"prompt","messages":[{"role":R,"content":STR},...],"max_tokens":N}`` (replace it);
+  ``max_tokens`` defaults to ``--max-tokens-default``.
+- worker: ``{"type":"token","turn":K,"i":I,"text":STR}`` for I = 0..N-1, after the simulated
+  prefill and each at the current decode rate, then
+  ``{"type":"done","turn":K,"tokens":N,"cached_tokens":C,"prefill_ms":F,"worker":ID}``.
+  K starts at 1 per session and continues across reconnects while the session is held;
+  token texts are ``backends.model.token_text(SID, K, I)``.
+- client: ``{"type":"cancel"}`` stops the current answer, which then ends with ``done`` carrying
+  the tokens produced. ``{"type":"cancel","turn":K}`` only stops turn K (no race with a queued
+  prompt starting). A cancel with no matching answer is ignored.
+- A prompt that arrives while an answer streams is queued (up to ``MAX_QUEUED_PROMPTS`` per
+  connection) and answered after it, in order.
+- Bad JSON, an unknown type, a malformed prompt, a full queue or a binary message get
+  ``{"type":"error","error":"..."}``; the connection stays open.
+
+Subprotocols: a requested subprotocol is echoed only if listed in ``--subprotocols`` (default:
+none, so the 101 carries no ``Sec-WebSocket-Protocol``). Compression is never negotiated: the
+balancer scans raw frames and a deflate context could not migrate.
+
+The process prints ``wslb-worker ready id=ID port=PORT url=ws://HOST:PORT/ws`` on stdout once
+listening (useful with ``--port 0``). SIGTERM/SIGINT: health turns 503, every WebSocket is
+closed with 1001, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import WSMsgType, web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.gpu import NvmlGpu, open_gpu
+from backends.model import Model, ModelConfig, ModelStats, Prompt, Turn
+
+__all__ = [
+    "MAX_QUEUED_PROMPTS",
+    "METRIC_NAMES",
+    "READY_PREFIX",
+    "Worker",
+    "WorkerConfig",
+    "build_parser",
+    "config_from_args",
+    "main",
+    "serve",
+]
+
+log = logging.getLogger("wslb.worker")
+
+READY_PREFIX = "wslb-worker ready"
+MAX_QUEUED_PROMPTS = 16
+MAX_SESSION_ID_LEN = 256
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRIC_NAMES = (
+    "wslb_worker_gpu_utilization",
+    "wslb_worker_kv_cache_usage",
+    "wslb_worker_active_sessions",
+    "wslb_worker_queue_depth",
+    "wslb_worker_kv_hit_tokens_total",
+    "wslb_worker_prefill_tokens_total",
+    "wslb_worker_connections_total",
+)
+_YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything the worker's options set."""
+
+    host: str = "127.0.0.1"
+    port: int = 9001
+    worker_id: str | None = None
+    """None: ``worker-PORT`` with the port actually bound."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    subprotocols: tuple[str, ...] = ()
+    handoff: bool = True
+    """False with ``--no-handoff``; the handoff API itself comes later."""
+    max_tokens_default: int = 64
+    max_tokens_limit: int = 1_000_000
+    use_nvml: bool = True
+    close_timeout: float = 5.0
+
+
+class ProtocolError(Exception):
+    """A client message the worker cannot act on; reported as an ``error`` message."""
+
+
+def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Prompt, int]:
+    """Validate a ``prompt`` message into a model prompt and its ``max_tokens``.
+
+    Raises:
+        ProtocolError: the message does not follow SPEC section 6.
+    """
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ProtocolError("max_tokens must be a non-negative integer")
+    if max_tokens > limit:
+        raise ProtocolError(f"max_tokens must be at most {limit}")
+    has_text, has_messages = "text" in obj, "messages" in obj
+    if has_text and has_messages:
+        raise ProtocolError("a prompt takes 'text' or 'messages', not both")
+    if has_text:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise ProtocolError("'text' must be a string")
+        return Prompt.from_text(text), max_tokens
+    if has_messages:
+        return Prompt.from_messages(_message_contents(obj["messages"])), max_tokens
+    raise ProtocolError("a prompt needs 'text' or 'messages'")
+
+
+def _message_contents(messages: object) -> list[str]:
+    """Contents of chat messages; content parts (``[{"type":"text","text":...}]``) are joined."""
+    if not isinstance(messages, list):
+        raise ProtocolError("'messages' must be a list")
+    contents: list[str] = []
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ProtocolError(f"messages[{n}] must be an object")
+        content = message.get("content")
+        if isinstance(content, str):
+            contents.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    contents.append(part["text"])
+        elif content is not None:
+            raise ProtocolError(f"messages[{n}].content must be a string or a list of parts")
+    return contents
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+class _Waker:
+    """An interruptible sleep, so a cancel ends a long prefill or a slow token at once."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self) -> None:
+        self._fut: asyncio.Future[None] | None = None
+
+    async def sleep(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        handle = loop.call_later(delay, _resolve, fut)
+        self._fut = fut
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._fut = None
+
+    def interrupt(self) -> None:
+        if self._fut is not None:
+            _resolve(self._fut)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Connection:
+    """One WebSocket connection: reads client messages, answers prompts one at a time."""
+
+    def __init__(self, worker: Worker, ws: web.WebSocketResponse, session: str) -> None:
+        self.worker = worker
+        self.ws = ws
+        self.session = session
+        self.queue: asyncio.Queue[tuple[Prompt, int]] = asyncio.Queue(MAX_QUEUED_PROMPTS)
+        self.current: Turn | None = None
+        self.cancelled = False
+        self.waker = _Waker()
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        await self.ws.send_str(_dumps(obj))
+
+    async def error(self, message: str) -> None:
+        with contextlib.suppress(ConnectionError):
+            await self.send({"type": "error", "error": message})
+
+    async def on_text(self, data: str) -> None:
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            await self.error(f"invalid JSON: {exc}")
+            return
+        if not isinstance(obj, dict):
+            await self.error("a message must be a JSON object")
+            return
+        kind = obj.get("type")
+        if kind == "prompt":
+            cfg = self.worker.config
+            try:
+                request = parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
+            except ProtocolError as exc:
+                await self.error(str(exc))
+                return
+            try:
+                self.queue.put_nowait(request)
+            except asyncio.QueueFull:
+                await self.error(f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})")
+                return
+        elif kind == "cancel":
+            self.cancel(obj.get("turn"))
+        else:
+            await self.error(f"unknown message type: {kind!r}")
+
+    def stopped(self) -> bool:
+        """True once the current answer was cancelled (a call, so mypy does not narrow it)."""
+        return self.cancelled
+
+    def cancel(self, turn: object) -> None:
+        current = self.current
+        if current is None or (turn is not None and turn != current.turn):
+            return
+        self.cancelled = True
+        self.waker.interrupt()
+
+    async def answer_loop(self) -> None:
+        """Answer queued prompts in order until the connection goes away."""
+        try:
+            while True:
+                prompt, max_tokens = await self.queue.get()
+                await self.answer(prompt, max_tokens)
+        except ConnectionError:
+            pass  # the client left; the reader notices and cleans up
+        except Exception:
+            # A bug must not leave a connection that silently never answers again.
+            log.exception("answer failed on session %s", self.session)
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=1011, message=b"internal error")
+
+    async def answer(self, prompt: Prompt, max_tokens: int) -> None:
+        """Prefill, stream the tokens at the simulated rate, then send ``done``."""
+        worker = self.worker
+        model = worker.model
+        loop = asyncio.get_running_loop()
+        turn = model.start_turn(self.session, prompt, max_tokens, time.monotonic())
+        self.current, self.cancelled = turn, False
+        try:
+            if turn.prefill_s > 0:
+                await self.waker.sleep(turn.prefill_s)
+            if not self.cancelled:
+                model.begin_decode(turn)
+                await self._decode(turn, loop)
+        finally:
+            result = model.finish(turn)
+            self.current = None
+        await self.send(
+            {
+                "type": "done",
+                "turn": result.turn,
+                "tokens": result.tokens,
+                "cached_tokens": result.cached_tokens,
+                "prefill_ms": round(result.prefill_ms, 3),
+                "worker": worker.worker_id,
+            }
+        )
+
+    async def _decode(self, turn: Turn, loop: asyncio.AbstractEventLoop) -> None:
+        # One timer per token, on a deadline schedule so the average rate holds; a stream
+        # that falls more than a token behind (slow reader) restarts its schedule, no burst.
+        model = self.worker.model
+        deadline = loop.time()
+        burst = 0
+        while turn.remaining > 0 and not self.stopped():
+            delay = model.token_delay()
+            if delay > 0:
+                now = loop.time()
+                deadline += delay
+                if deadline < now - delay:
+                    deadline = now
+                if deadline > now:
+                    await self.waker.sleep(deadline - now)
+                    if self.stopped():
+                        break
+            else:
+                burst += 1
+                if burst >= _YIELD_EVERY:
+                    burst = 0
+                    await asyncio.sleep(0)
+                    if self.stopped():
+                        break
+            token = model.emit(turn)
+            await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
+
+
+class _WorkerCollector(Collector):
+    """Reads the model at scrape time, so the numbers are never stale."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator[Metric]:
+        worker = self.worker
+        stats = worker.model.stats(time.monotonic())
+        yield GaugeMetricFamily(
+            "wslb_worker_gpu_utilization",
+            "GPU utilisation 0..1 (NVML when available, else simulated)",
+            value=worker.gpu_utilization(stats),
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_kv_cache_usage",
+            "Share of the KV cache token capacity in use, 0..1",
+            value=stats.kv_cache_usage,
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_active_sessions",
+            "Sessions with at least one open WebSocket connection",
+            value=stats.active_sessions,
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_queue_depth",
+            "Answers waiting: in prefill, decoding beyond max_batch, or queued behind another",
+            value=stats.queue_depth + worker.queued_prompts(),
+        )
+        yield CounterMetricFamily(
+            "wslb_worker_kv_hit_tokens",
+            "Context tokens found in the KV cache",
+            value=stats.kv_hit_tokens_total,
+        )
+        yield CounterMetricFamily(
+            "wslb_worker_prefill_tokens",
+            "Context tokens prefilled (not found in the KV cache)",
+            value=stats.prefill_tokens_total,
+        )
+        yield CounterMetricFamily(
+            "wslb_worker_connections",
+            "WebSocket connections accepted",
+            value=worker.connections_total,
+        )
+
+
+class Worker:
+    """The worker's HTTP/WebSocket shell around one ``Model``."""
+
+    def __init__(self, config: WorkerConfig, gpu: NvmlGpu | None = None) -> None:
+        self.config = config
+        self.model = Model(config.model)
+        self.gpu = gpu
+        self.worker_id = config.worker_id or f"worker-{config.port}"
+        self.connections_total = 0
+        self.draining = False
+        self.port = config.port
+        self.registry = CollectorRegistry()
+        self.registry.register(_WorkerCollector(self))
+        self._connections: set[_Connection] = set()
+        self._runner: web.AppRunner | None = None
+
+    def gpu_utilization(self, stats: ModelStats) -> float:
+        """NVML's reading when there is one, else the simulated one; at least the background."""
+        if self.gpu is not None:
+            real = self.gpu.utilization()
+            if real is not None:
+                return max(real, self.config.model.background_util)
+        return stats.gpu_utilization
+
+    def queued_prompts(self) -> int:
+        """Prompts waiting behind another answer on their connection."""
+        return sum(conn.queue.qsize() for conn in self._connections)
+
+    def make_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/{tail:.*}", self._websocket)
+        return app
+
+    async def start(self) -> None:
+        """Bind and listen; ``self.port`` is the bound port afterwards (for ``--port 0``)."""
+        cfg = self.config
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((cfg.host, cfg.port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        if cfg.worker_id is None:
+            self.worker_id = f"worker-{self.port}"
+        runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        self._runner = runner
+
+    async def close(self) -> None:
+        """Stop: health 503, close every WebSocket with 1001, then stop the server."""
+        self.draining = True
+        timeout = self.config.close_timeout
+        if self._connections:
+            await asyncio.gather(
+                *(self._close_ws(conn.ws, timeout) for conn in list(self._connections)),
+                return_exceptions=True,
+            )
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.gpu is not None:
+            self.gpu.close()
+            self.gpu = None
+
+    @staticmethod
+    async def _close_ws(ws: web.WebSocketResponse, limit: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            await asyncio.wait_for(
+                ws.close(code=1001, message=b"worker shutting down"), timeout=limit
+            )
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry),
+            headers={"Content-Type": METRICS_CONTENT_TYPE},
+        )
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return web.json_response({"error": "worker shutting down"}, status=503)
+        session = (
+            request.headers.get("X-Session-Id", "").strip()
+            or request.query.get("session", "").strip()
+            or uuid.uuid4().hex
+        )
+        if len(session) > MAX_SESSION_ID_LEN:
+            return web.json_response({"error": "session id too long"}, status=400)
+        ws = web.WebSocketResponse(
+            protocols=self.config.subprotocols,
+            compress=False,
+            timeout=self.config.close_timeout,
+        )
+        if not ws.can_prepare(request).ok:
+            return web.json_response(
+                {"error": "expected a WebSocket upgrade"},
+                status=426,
+                headers={"Upgrade": "websocket", "Connection": "Upgrade"},
+            )
+        ws.headers["X-Session-Id"] = session
+        await ws.prepare(request)
+        self.connections_total += 1
+        conn = _Connection(self, ws, session)
+        self._connections.add(conn)
+        self.model.attach(session, time.monotonic())
+        answers: asyncio.Task[None] | None = None
+        try:
+            await conn.send({"type": "hello", "worker": self.worker_id, "session": session})
+            answers = asyncio.create_task(conn.answer_loop())
+            async for msg in ws:
+                if msg.type == WSMsgType.TEXT:
+                    await conn.on_text(msg.data)
+                elif msg.type == WSMsgType.BINARY:
+                    await conn.error("binary messages are not supported; send JSON text")
+                else:
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            if answers is not None:
+                answers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answers
+            self.model.detach(session, time.monotonic())
+            self._connections.discard(conn)
+        return ws
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wslb-worker",
+        description="Reference model worker for wslb: a simulated LLM that streams tokens "
+        "over WebSocket, with a per-session KV cache and Prometheus metrics.",
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=9001, help="port; 0 picks a free one (default: %(default)s)")
+    add("--id", dest="worker_id", default=None, help="worker id (default: worker-PORT)")
+    add(
+        "--tokens-per-s",
+        type=float,
+        default=50.0,
+        help="decode speed of one stream; 0 or >= 1e6: unlimited (default: %(default)s)",
+    )
+    add(
+        "--prefill-ms-per-token",
+        type=float,
+        default=0.2,
+        help="prefill time per uncached context token (default: %(default)s)",
+    )
+    add(
+        "--kv-capacity-tokens",
+        type=int,
+        default=200_000,
+        help="KV cache capacity shared by all sessions (default: %(default)s)",
+    )
+    add(
+        "--session-ttl",
+        type=float,
+        default=300.0,
+        help="seconds a session is kept after its last connection closes (default: %(default)s)",
+    )
+    add(
+        "--max-batch",
+        type=int,
+        default=64,
+        help="streams decoded at full speed before each slows down (default: %(default)s)",
+    )
+    add(
+        "--background-util",
+        type=float,
+        default=0.0,
+        metavar="U",
+        help="share of the GPU taken by something else, in [0, 1) (default: %(default)s)",
+    )
+    add(
+        "--max-tokens-default",
+        type=int,
+        default=64,
+        help="max_tokens of a prompt that gives none (default: %(default)s)",
+    )
+    add("--subprotocols", default="", help="comma-separated subprotocols to accept (default: none)")
+    add(
+        "--no-handoff",
+        action="store_true",
+        help="act as a worker without the handoff API (no live migration)",
+    )
+    add(
+        "--simulate-gpu",
+        action="store_true",
+        help="report the simulated GPU utilisation even when NVML works",
+    )
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, str]:
+    """Parse options into a config (exiting with status 2 on bad values) and the log level."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model = ModelConfig(
+            tokens_per_s=args.tokens_per_s,
+            prefill_ms_per_token=args.prefill_ms_per_token,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+            session_ttl=args.session_ttl,
+            max_batch=args.max_batch,
+            background_util=args.background_util,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    if args.max_tokens_default < 0:
+        parser.error("--max-tokens-default must be >= 0")
+    config = WorkerConfig(
+        host=args.host,
+        port=args.port,
+        worker_id=args.worker_id,
+        model=model,
+        subprotocols=tuple(p.strip() for p in args.subprotocols.split(",") if p.strip()),
+        handoff=not args.no_handoff,
+        max_tokens_default=args.max_tokens_default,
+        use_nvml=not args.simulate_gpu,
+    )
+    return config, args.log_level
+
+
+async def serve(config: WorkerConfig, ready: Callable[[Worker], None] | None = None) -> None:
+    """Run a worker until SIGTERM or SIGINT, then close it cleanly."""
+    gpu = open_gpu() if config.use_nvml else None
+    worker = Worker(config, gpu=gpu)
+    await worker.start()
+    log.info(
+        "worker %s on %s:%d (GPU utilisation: %s)",
+        worker.worker_id,
+        config.host,
+        worker.port,
+        f"NVML, {gpu.devices} device(s)" if gpu is not None else "simulated",
+    )
+    if ready is not None:
+        ready(worker)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):  # not on Windows
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("worker %s shutting down", worker.worker_id)
+    finally:
+        await worker.close()
+
+
+def _announce(worker: Worker) -> None:
+    host = worker.config.host
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"{READY_PREFIX} id={worker.worker_id} port={worker.port} url=ws://{shown}:{worker.port}/ws",
+        flush=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``wslb-worker``."""
+    config, level = config_from_args(argv)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config, ready=_announce))
+    except OSError as exc:
+        print(f"wslb-worker: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
