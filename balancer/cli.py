@@ -49,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="wslb", description="WebSocket-aware load balancer for LLM serving"
     )
     parser.add_argument("--config", "-c", default="balancer.yaml", help="balancer.yaml path")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("check", help="validate a config: exit 0, or 2 with every error")
     check.add_argument("--config", "-c", dest="check_config", default=None)

@@ -113,7 +113,9 @@ def _unmask(payload: bytes, key: bytes) -> bytes:
     return (int.from_bytes(payload, "big") ^ int.from_bytes(k, "big")).to_bytes(n, "big")
 
 
-def build_frame(opcode: int, payload: bytes = b"", *, mask: bool = False, fin: bool = True) -> bytes:
+def build_frame(
+    opcode: int, payload: bytes = b"", *, mask: bool = False, fin: bool = True
+) -> bytes:
     """Build one frame that wslb itself originates (pings, pongs, closes, tests).
 
     Frames towards a worker are masked (wslb is the client on that leg) with a fresh random key.
@@ -296,7 +298,7 @@ class FrameScanner:
                 if not self._in_message:
                     return self._fail(data, start, pos, parts, 1002, "unexpected continuation")
                 size = self._msg_size + length
-            elif opcode == OP_TEXT or opcode == OP_BINARY:
+            elif opcode in (OP_TEXT, OP_BINARY):
                 if self._in_message:
                     return self._fail(data, start, pos, parts, 1002, "expected a continuation")
                 size = length

@@ -219,22 +219,22 @@ def upstream_request(
         target += ("&" if "?" in target else "?") + req.query
     forwarded = req.header(b"x-forwarded-for")
     xff = client_host if forwarded is None else f"{forwarded.decode('latin-1')}, {client_host}"
-    headers: list[tuple[bytes | str, bytes | str]] = [
-        (b"host", authority),
+    headers: list[tuple[bytes, bytes]] = [
+        (b"host", authority.encode("latin-1")),
         (b"upgrade", b"websocket"),
         (b"connection", b"Upgrade"),
         (b"sec-websocket-key", nonce),
         (b"sec-websocket-version", b"13"),
-        (b"x-session-id", session_id),
-        (b"x-forwarded-for", xff),
+        (b"x-session-id", session_id.encode("latin-1")),
+        (b"x-forwarded-for", xff.encode("latin-1")),
         (b"x-forwarded-proto", b"wss" if secure_client else b"ws"),
     ]
     if req.host:
-        headers.append((b"x-forwarded-host", req.host))
+        headers.append((b"x-forwarded-host", req.host.encode("latin-1")))
     if req.subprotocols:
-        headers.append((b"sec-websocket-protocol", ", ".join(req.subprotocols)))
+        headers.append((b"sec-websocket-protocol", ", ".join(req.subprotocols).encode("latin-1")))
     if resume:
-        headers.append((b"x-wslb-resume", session_id))
+        headers.append((b"x-wslb-resume", session_id.encode("latin-1")))
     for name, value in req.headers:
         if name not in _HOP_BY_HOP:
             headers.append((name, value))

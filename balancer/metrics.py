@@ -121,11 +121,13 @@ class BalancerCollector(Collector):
             "wslb_backend_ready", "1 if the backend takes new sessions", labels=["pool", "backend"]
         )
         state = GaugeMetricFamily(
-            "wslb_backend_state", "Backend state (1 for the current one)",
+            "wslb_backend_state",
+            "Backend state (1 for the current one)",
             labels=["pool", "backend", "state"],
         )
         weight = GaugeMetricFamily(
-            "wslb_backend_effective_weight", "Weight used for load bounds",
+            "wslb_backend_effective_weight",
+            "Weight used for load bounds",
             labels=["pool", "backend"],
         )
         for b in self._backends():
@@ -138,14 +140,16 @@ class BalancerCollector(Collector):
         yield from (active, total, up, state, weight)
 
         rej = CounterMetricFamily(
-            "wslb_handshake_rejections", "Client handshakes refused, by HTTP status",
+            "wslb_handshake_rejections",
+            "Client handshakes refused, by HTTP status",
             labels=["status"],
         )
         for status, n in sorted(st.rejections.items()):
             rej.add_metric([str(status)], n)
         yield rej
         cf = CounterMetricFamily(
-            "wslb_upstream_connect_failures", "Failed TCP connects to a worker",
+            "wslb_upstream_connect_failures",
+            "Failed TCP connects to a worker",
             labels=["backend"],
         )
         for bid, n in sorted(st.connect_failures.items()):
@@ -153,7 +157,8 @@ class BalancerCollector(Collector):
         yield cf
         hf = CounterMetricFamily(
             "wslb_upstream_handshake_failures",
-            "Worker upgrade answers that were not a valid 101", labels=["backend"],
+            "Worker upgrade answers that were not a valid 101",
+            labels=["backend"],
         )
         for bid, n in sorted(st.handshake_failures.items()):
             hf.add_metric([bid], n)

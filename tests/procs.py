@@ -26,7 +26,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_port(
+    port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -105,7 +107,10 @@ class Wslb:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "balancer", "--config", str(self.path)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
         wait_port(self.port, proc=self.proc)
         wait_port(self.admin_port, proc=self.proc)

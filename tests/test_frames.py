@@ -89,7 +89,7 @@ def test_partial_payload_forwarded_immediately_and_header_held() -> None:
     ],
 )
 def test_violations_give_close_codes(data: bytes, code: int) -> None:
-    out, sc = scan(data)
+    _, sc = scan(data)
     assert sc.error is not None and sc.error.code == code
     assert sc.closed and sc.notable
 
@@ -135,12 +135,12 @@ def test_close_recorded_forwarded_and_nothing_after_it() -> None:
 def test_server_direction_rejects_masked_frames() -> None:
     _, sc = scan(cf(OP_TEXT, b"x"), masked=False)
     assert sc.error is not None and sc.error.code == 1002
-    out, sc = scan(build_frame(OP_TEXT, b"x" * 200), masked=False)
+    _, sc = scan(build_frame(OP_TEXT, b"x" * 200), masked=False)
     assert sc.error is None and sc.messages == 1
 
 
 def test_close_payload_roundtrip_and_truncation() -> None:
-    assert parse_close_payload(close_payload(1011, "é" * 100)) [0] == 1011
+    assert parse_close_payload(close_payload(1011, "é" * 100))[0] == 1011
     assert len(close_payload(1000, "é" * 100)) <= 125
     assert parse_close_payload(b"") == (1005, "")
 
@@ -181,8 +181,13 @@ def test_random_bytes_only_protocol_errors(
     stream: bytes, data: st.DataObject, masked: bool
 ) -> None:
     whole_out, whole = scan(stream, masked=masked, max_frame_size=200, max_message_size=300)
-    out, sc = scan(stream, data.draw(splits(len(stream))), masked=masked, max_frame_size=200,
-                   max_message_size=300)
+    out, sc = scan(
+        stream,
+        data.draw(splits(len(stream))),
+        masked=masked,
+        max_frame_size=200,
+        max_message_size=300,
+    )
     # Same verdict and the same forwarded bytes, whatever the chunking.
     assert out == whole_out
     assert (sc.error is None) == (whole.error is None)

@@ -7,13 +7,21 @@ from collections import Counter
 
 import pytest
 
-from balancer.config import BackendCfg, DrainCfg, HealthCfg, KeySource, OutlierCfg, PoolCfg
-from balancer.config import WeightsCfg
+from balancer.config import (
+    BackendCfg,
+    DrainCfg,
+    HealthCfg,
+    KeySource,
+    OutlierCfg,
+    PoolCfg,
+    WeightsCfg,
+)
 from balancer.pool import Pool
 
 
-def make_pool(n: int = 4, balance: str = "consistent", c: float = 1.25,
-              weights: list[float] | None = None) -> Pool:
+def make_pool(
+    n: int = 4, balance: str = "consistent", c: float = 1.25, weights: list[float] | None = None
+) -> Pool:
     ws = weights or [1.0] * n
     cfg = PoolCfg(
         name="p",

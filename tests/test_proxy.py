@@ -170,9 +170,14 @@ async def test_metrics_report_rejections_and_traffic(lb: Wslb) -> None:
     await chat(lb.url, "metrics-1", ["x"])
     text = lb.admin("/metrics")
     for name in (
-        "wslb_frames_total", "wslb_bytes_total", "wslb_messages_total",
-        "wslb_sessions_active", "wslb_sessions_total", "wslb_handshake_rejections_total",
-        "wslb_upstream_connect_failures_total", "wslb_close_frames_total",
+        "wslb_frames_total",
+        "wslb_bytes_total",
+        "wslb_messages_total",
+        "wslb_sessions_active",
+        "wslb_sessions_total",
+        "wslb_handshake_rejections_total",
+        "wslb_upstream_connect_failures_total",
+        "wslb_close_frames_total",
     ):
         assert name in text, name
     assert 'direction="worker_to_client"' in text
@@ -200,8 +205,10 @@ async def _open_raw(lb: Wslb, key: str) -> RawClient:
         (lambda c: c.send_frame(OP_CLOSE, b"\x03\xe7"), 1002),  # code 999
         (lambda c: c.send_frame(OP_BINARY, b"x" * (64 * 1024 + 1)), 1009),
         (
-            lambda c: [c.send_frame(OP_TEXT, b"x" * 60000, fin=False) for _ in range(1)]
-            + [c.send_frame(0, b"x" * 60000, fin=False) for _ in range(4)],
+            lambda c: (
+                [c.send_frame(OP_TEXT, b"x" * 60000, fin=False) for _ in range(1)]
+                + [c.send_frame(0, b"x" * 60000, fin=False) for _ in range(4)]
+            ),
             1009,
         ),
     ],
@@ -264,6 +271,7 @@ class Recorder:
 @pytest.fixture
 async def recorder() -> AsyncIterator[Recorder]:
     rec = Recorder()
+
     def pick(conn: ServerConnection, offered: Sequence[str]) -> Subprotocol | None:
         return Subprotocol("chat.v2") if "chat.v2" in offered else None
 
@@ -295,13 +303,16 @@ def _lb_for(urls: list[tuple[str, str]], tmp: Path, **extra: Any) -> Wslb:
     return Wslb(cfg, tmp).start(wait_ready=False)
 
 
-async def test_headers_subprotocol_and_echo_through_recorder(recorder: Recorder,
-                                                             tmp_path: Path) -> None:
+async def test_headers_subprotocol_and_echo_through_recorder(
+    recorder: Recorder, tmp_path: Path
+) -> None:
     lb = _lb_for([("rec", f"ws://127.0.0.1:{recorder.port}/echo")], tmp_path)
     try:
-        async with connect(f"{lb.url}/ws?session=s1&x=1", subprotocols=["nope", "chat.v2"],  # type: ignore[list-item]
-                           additional_headers={"X-Forwarded-For": "10.1.1.1",
-                                               "Authorization": "Bearer t"}) as ws:
+        async with connect(
+            f"{lb.url}/ws?session=s1&x=1",
+            subprotocols=["nope", "chat.v2"],  # type: ignore[list-item]
+            additional_headers={"X-Forwarded-For": "10.1.1.1", "Authorization": "Bearer t"},
+        ) as ws:
             assert ws.subprotocol == "chat.v2"
             await ws.send("ping-me")
             assert await ws.recv() == "ping-me"
@@ -336,8 +347,11 @@ async def test_client_lost_gives_worker_1001(recorder: Recorder, tmp_path: Path)
 
 
 async def test_backpressure_stops_a_flooding_worker(recorder: Recorder, tmp_path: Path) -> None:
-    lb = _lb_for([("rec", f"ws://127.0.0.1:{recorder.port}/")], tmp_path,
-                 limits={"write_buffer_high": "64KiB"})
+    lb = _lb_for(
+        [("rec", f"ws://127.0.0.1:{recorder.port}/")],
+        tmp_path,
+        limits={"write_buffer_high": "64KiB"},
+    )
     try:
         c = await RawClient.connect(lb.port)
         c.send_frame(OP_TEXT, b"flood")
@@ -349,7 +363,7 @@ async def test_backpressure_stops_a_flooding_worker(recorder: Recorder, tmp_path
         # Reading resumes the flow, and everything arrives.
         n = 0
         while True:
-            op, payload = await c.read_frame(10)
+            _, payload = await c.read_frame(10)
             if payload == b"flood-done":
                 break
             n += 1
@@ -368,8 +382,9 @@ async def test_backpressure_stops_a_flooding_worker(recorder: Recorder, tmp_path
     ],
     ids=["non-101", "wrong-accept"],
 )
-async def test_bad_worker_answer_gives_502_and_nothing_tunnelled(answer: bytes,
-                                                                tmp_path: Path) -> None:
+async def test_bad_worker_answer_gives_502_and_nothing_tunnelled(
+    answer: bytes, tmp_path: Path
+) -> None:
     server, port, seen = await _raw_server(answer)
     lb = _lb_for([("bad", f"ws://127.0.0.1:{port}/")], tmp_path)
     try:
@@ -423,7 +438,10 @@ async def test_unknown_path_gives_404_and_prefix_routes(tmp_path: Path) -> None:
 async def test_worker_killed_mid_stream_gives_1011_fast_and_others_continue(
     tmp_path: Path,
 ) -> None:
-    a, b = Worker("a", ["--tokens-per-s", "50"]).start(), Worker("b", ["--tokens-per-s", "50"]).start()
+    a, b = (
+        Worker("a", ["--tokens-per-s", "50"]).start(),
+        Worker("b", ["--tokens-per-s", "50"]).start(),
+    )
     lb = _lb_for([("a", a.url), ("b", b.url)], tmp_path)
     try:
         conns: dict[str, list[ClientConnection]] = {"a": [], "b": []}
@@ -458,8 +476,11 @@ async def test_worker_killed_mid_stream_gives_1011_fast_and_others_continue(
 
 
 async def test_ping_timeout_and_idle_timeout(recorder: Recorder, tmp_path: Path) -> None:
-    lb = _lb_for([("rec", f"ws://127.0.0.1:{recorder.port}/")], tmp_path,
-                 timeouts={"ping_interval": "0.3s", "ping_timeout": "0.3s", "idle": "1h"})
+    lb = _lb_for(
+        [("rec", f"ws://127.0.0.1:{recorder.port}/")],
+        tmp_path,
+        timeouts={"ping_interval": "0.3s", "ping_timeout": "0.3s", "idle": "1h"},
+    )
     try:
         # A raw client that never answers pings is closed with 1011.
         c = await RawClient.connect(lb.port)
@@ -474,8 +495,11 @@ async def test_ping_timeout_and_idle_timeout(recorder: Recorder, tmp_path: Path)
             assert await ws.recv() == "still"
     finally:
         lb.stop()
-    lb = _lb_for([("rec", f"ws://127.0.0.1:{recorder.port}/")], tmp_path,
-                 timeouts={"ping_interval": "0s", "idle": "0.5s"})
+    lb = _lb_for(
+        [("rec", f"ws://127.0.0.1:{recorder.port}/")],
+        tmp_path,
+        timeouts={"ping_interval": "0s", "idle": "0.5s"},
+    )
     try:
         async with connect(lb.url) as ws:
             with pytest.raises(ConnectionClosed) as exc:
@@ -505,12 +529,17 @@ async def test_sigterm_closes_sessions_with_1001(tmp_path: Path) -> None:
 async def test_handshake_rejected_before_any_worker_connection(
     recorder: Recorder, tmp_path: Path
 ) -> None:
-    lb = _lb_for([("rec", f"ws://127.0.0.1:{recorder.port}/")], tmp_path,
-                 auth={"origins": ["https://app.example"]})
+    lb = _lb_for(
+        [("rec", f"ws://127.0.0.1:{recorder.port}/")],
+        tmp_path,
+        auth={"origins": ["https://app.example"]},
+    )
     try:
-        for headers, status in (({"Sec-WebSocket-Version": "7"}, 426),
-                                ({"Sec-WebSocket-Key": "x"}, 400),
-                                ({"Origin": "https://evil.example"}, 403)):
+        for headers, status in (
+            ({"Sec-WebSocket-Version": "7"}, 426),
+            ({"Sec-WebSocket-Key": "x"}, 400),
+            ({"Origin": "https://evil.example"}, 403),
+        ):
             c = await RawClient.connect(lb.port, headers=headers)
             assert c.status == status
             c.close()

@@ -23,7 +23,10 @@ class RawClient:
 
     @classmethod
     async def connect(
-        cls, port: int, path: str = "/ws", headers: dict[str, str] | None = None,
+        cls,
+        port: int,
+        path: str = "/ws",
+        headers: dict[str, str] | None = None,
         raw_request: bytes | None = None,
     ) -> RawClient:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -31,8 +34,11 @@ class RawClient:
         if raw_request is None:
             key = base64.b64encode(os.urandom(16)).decode()
             h = {
-                "Host": f"127.0.0.1:{port}", "Upgrade": "websocket", "Connection": "Upgrade",
-                "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13",
+                "Host": f"127.0.0.1:{port}",
+                "Upgrade": "websocket",
+                "Connection": "Upgrade",
+                "Sec-WebSocket-Key": key,
+                "Sec-WebSocket-Version": "13",
             }
             h.update(headers or {})
             lines = [f"GET {path} HTTP/1.1"] + [f"{k}: {v}" for k, v in h.items() if v]
@@ -69,7 +75,9 @@ class RawClient:
     def send(self, data: bytes) -> None:
         self.writer.write(data)
 
-    def send_frame(self, op: int, payload: bytes = b"", mask: bool = True, fin: bool = True) -> None:
+    def send_frame(
+        self, op: int, payload: bytes = b"", mask: bool = True, fin: bool = True
+    ) -> None:
         self.writer.write(build_frame(op, payload, mask=mask, fin=fin))
 
     async def eof(self, timeout: float = 5.0) -> bool:

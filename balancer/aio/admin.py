@@ -115,9 +115,7 @@ class Admin:
         }
 
     async def backends(self, request: web.Request) -> web.Response:
-        out = [
-            self._backend_json(p.name, b) for p in self.app.pools for b in p.backends.values()
-        ]
+        out = [self._backend_json(p.name, b) for p in self.app.pools for b in p.backends.values()]
         return web.json_response(out)
 
     async def backend(self, request: web.Request) -> web.Response:
@@ -130,9 +128,7 @@ class Admin:
     async def sessions(self, request: web.Request) -> web.Response:
         backend = request.query.get("backend")
         out = [
-            s.describe()
-            for s in self.app.sessions
-            if backend is None or s.backend.id == backend
+            s.describe() for s in self.app.sessions if backend is None or s.backend.id == backend
         ]
         return web.json_response(out)
 

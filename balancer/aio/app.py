@@ -58,7 +58,7 @@ class Balancer:
                     self.spawner.start(b)
         for lst in self.config.listen:
             server = await self.loop.create_server(
-                lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),  # type: ignore[misc]
+                lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),
                 lst.host,
                 lst.port,
                 backlog=4096,
@@ -88,8 +88,11 @@ class Balancer:
         for server in self._servers:
             server.close()
         if self.sessions:
-            log.info("shutdown: waiting up to %.1fs for %d sessions", t.shutdown_grace,
-                     len(self.sessions))
+            log.info(
+                "shutdown: waiting up to %.1fs for %d sessions",
+                t.shutdown_grace,
+                len(self.sessions),
+            )
             waits = {
                 self.loop.create_task(self._idle.wait()),
                 self.loop.create_task(self.hurry.wait()),
@@ -154,7 +157,13 @@ class Balancer:
         for pool in self.pools:
             for b in pool.backends.values():
                 yield BackendView(
-                    pool.name, b.id, b.sessions, b.sessions_total, b.ready, b.state, b.weight,
+                    pool.name,
+                    b.id,
+                    b.sessions,
+                    b.sessions_total,
+                    b.ready,
+                    b.state,
+                    b.weight,
                     b.effective_weight,
                 )
 

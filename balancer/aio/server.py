@@ -461,8 +461,9 @@ class Session(asyncio.Protocol):
     def _worker_event(self) -> None:
         ws = self.ws
         if ws.error is not None:
-            log.warning("session %s: worker %s broke framing: %s", self.sid, self.backend.id,
-                        ws.error)
+            log.warning(
+                "session %s: worker %s broke framing: %s", self.sid, self.backend.id, ws.error
+            )
             self._send_worker_close(1002, ws.error.reason)
             self._send_client_close(1014, "bad frame from worker")
         elif ws.close is not None:
@@ -579,9 +580,11 @@ class Session(asyncio.Protocol):
 
     def _first_tick_delay(self) -> float:
         t = self.app.config.timeouts
-        return min(x for x in (t.ping_interval, t.idle) if x > 0) if (
-            t.ping_interval > 0 or t.idle > 0
-        ) else 0.0
+        return (
+            min(x for x in (t.ping_interval, t.idle) if x > 0)
+            if (t.ping_interval > 0 or t.idle > 0)
+            else 0.0
+        )
 
     def _schedule_tick(self, delay: float) -> None:
         if self.timer is not None:
@@ -648,7 +651,10 @@ class Session(asyncio.Protocol):
             "backend": self.backend.id,
             "client": self.peer,
             "since": self.started_wall,
-            "messages": {"client_to_worker": self.cs.messages, "worker_to_client": self.ws.messages},
+            "messages": {
+                "client_to_worker": self.cs.messages,
+                "worker_to_client": self.ws.messages,
+            },
             "frames": {"client_to_worker": self.cs.frames, "worker_to_client": self.ws.frames},
             "migrations": 0,
         }

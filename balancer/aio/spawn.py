@@ -74,7 +74,7 @@ class Spawner:
     async def _supervise(self, backend: Backend) -> None:
         loop = asyncio.get_running_loop()
         backoff = BACKOFF_MIN
-        while not self._stopping:
+        while True:
             started = loop.time()
             proc = await asyncio.create_subprocess_exec(
                 *self.command(backend), start_new_session=True, preexec_fn=_die_with_parent
