@@ -491,6 +491,10 @@ class Session(asyncio.Protocol):
         if not self.client_close_sent and not self.client_gone:
             if self.pending_client_close is not None:
                 code, reason = self.pending_client_close
+            elif self.cs.close is not None:
+                # The client was closing anyway: complete its handshake with its own code.
+                code, reason = self.cs.close
+                code = 1000 if code == 1005 else code
             elif self.backend.admin_state != "active":
                 code, reason = 1012, "worker restarting"
             else:

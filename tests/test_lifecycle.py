@@ -1,0 +1,152 @@
+"""Process lifecycle: spawned workers, restart with backoff, graceful stop, `wslb check`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+from websockets.asyncio.client import connect
+
+from tests.procs import ROOT, Wslb, free_port, pool_config
+from tests.wsraw import RawClient
+
+
+def children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+async def test_spawned_workers_restart_and_stop_with_the_balancer(tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    cfg = pool_config(
+        [
+            {
+                "id": f"s{i}",
+                "url": f"ws://127.0.0.1:{p}/ws",
+                "spawn": "reference",
+                "args": ["--tokens-per-s", "200"],
+            }
+            for i, p in enumerate(ports)
+        ]
+    )
+    cfg["timeouts"] = {"shutdown_grace": "0.2s", "close": "1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    assert lb.proc is not None
+    try:
+        kids = children(lb.proc.pid)
+        assert len(kids) == 2
+        async with connect(f"{lb.url}/ws?session=x") as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+        # Kill one worker: it is marked down, then restarted and active again.
+        victim = kids[0]
+        victim.kill()
+        deadline = time.monotonic() + 10
+        states: set[str] = set()
+        while time.monotonic() < deadline:
+            states |= {b["state"] for b in lb.admin("/backends")}
+            pids = {p.pid for p in children(lb.proc.pid)}
+            if (
+                victim.pid not in pids
+                and len(pids) == 2
+                and all(b["state"] == "active" for b in lb.admin("/backends"))
+            ):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"worker not restarted: {lb.output()[-2000:]}")
+        assert "down" in states
+        for i in range(6):
+            async with connect(f"{lb.url}/ws?session=after-{i}") as ws:
+                assert json.loads(await ws.recv())["type"] == "hello"
+        kids = children(lb.proc.pid)
+    finally:
+        assert lb.stop() == 0
+    _, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive  # spawned workers stopped with the balancer
+
+
+async def test_max_connections_gives_503(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = pool_config([{"id": "a", "url": f"ws://127.0.0.1:{port}/ws", "spawn": "reference"}])
+    cfg["limits"] = {"max_connections": 2}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        held = [await connect(f"{lb.url}/ws?session=m{i}") for i in range(2)]
+        c = await RawClient.connect(lb.port)
+        assert c.status == 503
+        for ws in held:
+            await ws.close()
+        await asyncio.sleep(0.2)
+        async with connect(f"{lb.url}/ws?session=m9") as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+        assert 'wslb_handshake_rejections_total{status="503"} 1.0' in lb.admin("/metrics")
+    finally:
+        lb.stop()
+
+
+def wslb(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "balancer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_accepts_the_repo_config() -> None:
+    result = wslb("check", "--config", "balancer.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_check_names_every_error_by_yaml_path(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "pools": [
+                    {
+                        "name": "p",
+                        "balance": "fastest",
+                        "backends": [{"id": "a", "url": "http://x:1/"}],
+                    }
+                ],
+                "limits": {"max_frame_size": "lots"},
+            }
+        )
+    )
+    result = wslb("check", "--config", str(bad))
+    assert result.returncode == 2
+    for path in ("pools[0].balance", "pools[0].backends[0].url", "limits.max_frame_size"):
+        assert path in result.stderr, result.stderr
+    # Running with a bad config fails the same way, before listening.
+    run = wslb("--config", str(bad))
+    assert run.returncode == 2 and "pools[0].balance" in run.stderr
+
+
+async def test_no_ready_worker_gives_503(tmp_path: Path) -> None:
+    # A spawned worker whose arguments make it exit at once never becomes ready.
+    port = free_port()
+    cfg = pool_config(
+        [
+            {
+                "id": "broken",
+                "url": f"ws://127.0.0.1:{port}/ws",
+                "spawn": "reference",
+                "args": ["--background-util", "2"],
+            }
+        ]
+    )
+    lb = Wslb(cfg, tmp_path).start(wait_ready=False)
+    try:
+        c = await RawClient.connect(lb.port)
+        assert c.status == 503
+        assert lb.admin("/backends")[0]["state"] == "down"
+    finally:
+        lb.stop()
