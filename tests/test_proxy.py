@@ -555,3 +555,29 @@ async def test_handshake_rejected_before_any_worker_connection(
 
 def test_version_of_websockets() -> None:
     assert int(websockets.__version__.split(".")[0]) >= 13
+
+
+async def test_frames_pipelined_behind_the_request_are_kept(lb: Wslb) -> None:
+    prompt = json.dumps({"type": "prompt", "text": "eager", "max_tokens": 3}).encode()
+    request = (
+        f"GET /ws?session=eager HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+    from balancer.frames import build_frame
+
+    c = await RawClient.connect(
+        lb.port, raw_request=request + build_frame(OP_TEXT, prompt, mask=True)
+    )
+    assert c.status == 101
+    assert c.headers["sec-websocket-accept"] == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+    kinds = []
+    while "done" not in kinds:
+        _, payload = await c.read_frame()
+        kinds.append(json.loads(payload)["type"])
+    assert kinds == ["hello", "token", "token", "token", "done"]
+
+
+async def test_oversized_headers_get_431(lb: Wslb) -> None:
+    c = await RawClient.connect(lb.port, headers={"X-Big": "a" * 20000})
+    assert c.status == 431

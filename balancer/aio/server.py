@@ -137,12 +137,17 @@ class ClientConnection(asyncio.Protocol):
         self.timer = app.loop.call_later(app.config.timeouts.handshake, self._handshake_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self.task is not None:
+            # Bytes sent right behind the request (frames, pipelined by an eager client): keep
+            # them for the session; h11 holds them as trailing data.
+            self.h11.receive_data(data)
+            return
         try:
             self.h11.receive_data(data)
             event = self.h11.next_event()
         except h11.RemoteProtocolError as exc:
-            status = exc.error_status_hint if exc.error_status_hint != 400 else 400
-            self.reject(HandshakeReject(status, f"malformed request: {exc}"))
+            # h11 hints 431 for oversized headers, 400 for the rest.
+            self.reject(HandshakeReject(exc.error_status_hint, f"malformed request: {exc}"))
             return
         if event is h11.NEED_DATA:
             return
@@ -205,6 +210,11 @@ class ClientConnection(asyncio.Protocol):
 
     async def _do_upgrade(self, event: h11.Request) -> None:
         app = self.app
+        limits = app.config.limits
+        # h11 bounds only an incomplete head; a head that arrived whole is measured here.
+        size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        if size > limits.max_header_bytes or len(event.headers) > limits.max_headers:
+            raise HandshakeReject(431, "request header fields too large")
         req = check_client_request(event)
         pool = app.route(req.path)
         if pool is None:
