@@ -36,6 +36,8 @@ from urllib.parse import SplitResult, urlsplit
 import jsonschema
 import yaml
 
+from balancer.weights import Coefficients
+
 __all__ = [
     "DEFAULT_SESSION_KEY",
     "Admin",
@@ -323,6 +325,7 @@ class HealthCfg:
     rise: int = 2
     fall: int = 3
     path: str = "/healthz"
+    enabled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +356,7 @@ class WeightsCfg:
     scrape_interval: float = 1.0
     metrics: str | tuple[tuple[str, str], ...] = "reference"
     stale_after: float = 5.0
+    coefficients: Coefficients = Coefficients()  # noqa: RUF009 (frozen, shared safely)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1164,7 +1168,16 @@ class _Builder:
                 (*p, "stale_after"),
                 f"must be longer than scrape_interval ({scrape:g}s), or every scrape is stale",
             )
-        return WeightsCfg(scrape, metrics, stale)
+        c = self.section(w, "coefficients", p)
+        cp = (*p, "coefficients")
+        dc = Coefficients()
+        coef = Coefficients(
+            gpu=self.number(c, "gpu", cp, dc.gpu),
+            kv_cache=self.number(c, "kv_cache", cp, dc.kv_cache),
+            queue=self.number(c, "queue", cp, dc.queue),
+            min_factor=self.number(c, "min_factor", cp, dc.min_factor),
+        )
+        return WeightsCfg(scrape, metrics, stale, coef)
 
     def health(self, h: dict[object, object], p: _Path) -> HealthCfg:
         d = HealthCfg()
@@ -1174,6 +1187,7 @@ class _Builder:
             rise=self.integer(h, "rise", p, d.rise),
             fall=self.integer(h, "fall", p, d.fall),
             path=self.string(h, "path", p, d.path),
+            enabled=self.boolean(h, "enabled", p, d.enabled),
         )
 
     def outlier(self, o: dict[object, object], p: _Path) -> OutlierCfg:

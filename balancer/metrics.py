@@ -49,6 +49,9 @@ class Stats:
     connect_failures: Counter[str] = field(default_factory=Counter)
     handshake_failures: Counter[str] = field(default_factory=Counter)
     closes: Counter[tuple[str, int]] = field(default_factory=Counter)
+    ejections: Counter[str] = field(default_factory=Counter)
+    scrape_failures: Counter[str] = field(default_factory=Counter)
+    probe_failures: Counter[str] = field(default_factory=Counter)
     connections_total: int = 0
 
     def session_done(self, s: LiveSession) -> None:
@@ -71,6 +74,12 @@ class BackendView:
     state: str
     weight: float
     effective_weight: float
+    healthy: bool = True
+    stale: bool = True
+    signals: dict[str, float | None] = field(default_factory=dict)
+    scrape_age: float | None = None
+    ejected_for: float = 0.0
+    ejections: int = 0
 
 
 class BalancerCollector(Collector):
@@ -130,6 +139,27 @@ class BalancerCollector(Collector):
             "Weight used for load bounds",
             labels=["pool", "backend"],
         )
+        healthy = GaugeMetricFamily(
+            "wslb_backend_healthy", "1 if active health checks pass", labels=["pool", "backend"]
+        )
+        stale = GaugeMetricFamily(
+            "wslb_backend_signals_stale",
+            "1 if the scraped signals are too old (weight falls back to static)",
+            labels=["pool", "backend"],
+        )
+        age = GaugeMetricFamily(
+            "wslb_backend_scrape_age_seconds",
+            "Age of the last good scrape",
+            labels=["pool", "backend"],
+        )
+        signal = GaugeMetricFamily(
+            "wslb_backend_signal", "Last scraped load signal", labels=["pool", "backend", "signal"]
+        )
+        ejected = GaugeMetricFamily(
+            "wslb_backend_ejected_seconds",
+            "Seconds of ejection left (0 if not ejected)",
+            labels=["pool", "backend"],
+        )
         for b in self._backends():
             labels = [b.pool, b.id]
             active.add_metric(labels, b.sessions)
@@ -137,7 +167,24 @@ class BalancerCollector(Collector):
             up.add_metric(labels, 1 if b.ready else 0)
             state.add_metric([*labels, b.state], 1)
             weight.add_metric(labels, b.effective_weight)
-        yield from (active, total, up, state, weight)
+            healthy.add_metric(labels, 1 if b.healthy else 0)
+            stale.add_metric(labels, 1 if b.stale else 0)
+            if b.scrape_age is not None:
+                age.add_metric(labels, b.scrape_age)
+            for name, value in sorted(b.signals.items()):
+                if value is not None:
+                    signal.add_metric([*labels, name], value)
+            ejected.add_metric(labels, b.ejected_for)
+        yield from (active, total, up, state, weight, healthy, stale, age, signal, ejected)
+        for name, doc, counts in (
+            ("wslb_backend_ejections", "Outlier ejections", st.ejections),
+            ("wslb_scrape_failures", "Failed metrics scrapes", st.scrape_failures),
+            ("wslb_health_check_failures", "Failed active health checks", st.probe_failures),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["backend"])
+            for bid, n in sorted(counts.items()):
+                fam.add_metric([bid], n)
+            yield fam
 
         rej = CounterMetricFamily(
             "wslb_handshake_rejections",

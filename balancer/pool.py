@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
+from balancer.weights import Signals, effective_weight
 
 __all__ = ["Backend", "Pool", "Upstream"]
 
@@ -62,11 +63,19 @@ class Backend:
         "admin_state",
         "cfg",
         "connect_failures",
+        "consecutive_failures",
         "effective_weight",
+        "ejected_until",
+        "ejections",
         "healthy",
         "id",
+        "probe_fails",
+        "probe_oks",
+        "returned_at",
         "sessions",
         "sessions_total",
+        "signals",
+        "stale",
         "upstream",
         "url",
         "weight",
@@ -81,21 +90,55 @@ class Backend:
         self.effective_weight = cfg.weight
         self.admin_state = ACTIVE
         self.healthy = True
+        self.probe_oks = 0
+        self.probe_fails = 0
         self.sessions = 0
         self.sessions_total = 0
-        self.connect_failures = 0
+        self.connect_failures = 0  # total, for metrics
+        self.consecutive_failures = 0  # connect/handshake failures since the last success
+        self.ejected_until = 0.0  # loop time; 0 when not ejected
+        self.ejections = 0  # multiplier of the next ejection time
+        self.returned_at = 0.0
+        self.signals: Signals | None = None
+        self.stale = True
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until > 0.0
 
     @property
     def ready(self) -> bool:
         """May receive new sessions."""
-        return self.healthy and self.admin_state == ACTIVE
+        return self.healthy and self.admin_state == ACTIVE and self.ejected_until == 0.0
 
     @property
     def state(self) -> str:
-        """One word for operators: active, draining, drained or down."""
+        """One word for operators: active, draining, drained, down or ejected."""
         if self.admin_state != ACTIVE:
             return self.admin_state
-        return ACTIVE if self.healthy else "down"
+        if not self.healthy:
+            return "down"
+        return "ejected" if self.ejected else ACTIVE
+
+    def probe(self, ok: bool, rise: int, fall: int) -> bool:
+        """Record an active health check; return True when ``healthy`` flipped.
+
+        Health flips only after ``rise`` consecutive successes or ``fall`` consecutive failures,
+        so one lost probe does not move sessions.
+        """
+        if ok:
+            self.probe_oks += 1
+            self.probe_fails = 0
+            if not self.healthy and self.probe_oks >= rise:
+                self.healthy = True
+                return True
+        else:
+            self.probe_fails += 1
+            self.probe_oks = 0
+            if self.healthy and self.probe_fails >= fall:
+                self.healthy = False
+                return True
+        return False
 
 
 class Pool:
@@ -138,12 +181,24 @@ class Pool:
 
     # -- selection -------------------------------------------------------------------------
 
-    def select(self, key: str, exclude: Iterable[str] = ()) -> Backend | None:
+    def refresh(self, now: float) -> None:
+        """Bring time-dependent state up to ``now``: ejections that ended, effective weights."""
+        w = self.cfg.weights
+        for b in self.backends.values():
+            if b.ejected_until and now >= b.ejected_until:
+                b.ejected_until = 0.0
+                b.returned_at = now
+            b.effective_weight, b.stale = effective_weight(
+                b.weight, b.signals, now, w.stale_after, w.coefficients
+            )
+
+    def select(self, key: str, exclude: Iterable[str] = (), now: float = 0.0) -> Backend | None:
         """Pick the backend for a new session with this key, or None if no backend is ready.
 
         ``exclude`` holds backends already tried for this session (connect failures), so the
-        caller walks on to the next candidate.
+        caller walks on to the next candidate. ``now`` is the clock of the scraped signals.
         """
+        self.refresh(now)
         skip = set(exclude)
         ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
         if not ready:
@@ -198,12 +253,42 @@ class Pool:
         """Count a session placed on ``backend`` and remember the key's worker."""
         backend.sessions += 1
         backend.sessions_total += 1
-        backend.connect_failures = 0
+        backend.consecutive_failures = 0
         aff = self._affinity
         aff[key] = backend.id
         aff.move_to_end(key)
         if len(aff) > self._affinity_size:
             aff.popitem(last=False)
+
+    def failed(self, backend: Backend, now: float) -> bool:
+        """Passive outlier detection: count a connect/handshake failure; True if now ejected.
+
+        After ``consecutive_failures`` in a row the backend is ejected for
+        ``base_ejection_time x n`` (n grows with each ejection, capped at ``max_ejection_time``;
+        it starts over once the backend has stayed in for ``max_ejection_time``). No more than
+        ``max_ejection_percent`` of the pool is ejected at once, so a network blip cannot empty it.
+        """
+        o = self.cfg.outlier
+        backend.connect_failures += 1
+        backend.consecutive_failures += 1
+        if backend.ejected or backend.consecutive_failures < o.consecutive_failures:
+            return False
+        ejected = sum(1 for b in self.backends.values() if b.ejected)
+        # As Envoy does, one backend may always be ejected, whatever the percentage.
+        if ejected and (ejected + 1) * 100 > o.max_ejection_percent * len(self.backends):
+            return False
+        if backend.returned_at and now - backend.returned_at > o.max_ejection_time:
+            backend.ejections = 0
+        backend.ejections += 1
+        backend.ejected_until = now + min(
+            o.base_ejection_time * backend.ejections, o.max_ejection_time
+        )
+        backend.consecutive_failures = 0
+        return True
+
+    def succeeded(self, backend: Backend) -> None:
+        """A connect and handshake worked: the failure streak ends."""
+        backend.consecutive_failures = 0
 
     def detach(self, backend: Backend) -> None:
         """Count a session gone from ``backend``."""

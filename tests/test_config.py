@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from balancer import config as c
 from balancer.config import ConfigError
+from balancer.weights import Coefficients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,9 +253,11 @@ def test_schema_defaults_match_dataclasses() -> None:
                 default = c.parse_duration(default)
             elif ref.endswith("/size"):
                 default = c.parse_size(default)
+            elif key == "coefficients":
+                default = Coefficients(**default)
             assert getattr(instance, key) == default, key
             checked += 1
-    assert checked == 27
+    assert checked == 29
     assert schema["properties"]["workers"]["default"] == c.Config().workers
     assert pool["hash_balance_factor"]["default"] == c.PoolCfg("p").hash_balance_factor
     assert pool["session_key"]["default"] == [str(k) for k in c.DEFAULT_SESSION_KEY]

@@ -284,9 +284,12 @@ async def _raw_server(answer: bytes) -> tuple[asyncio.Server, int, list[int]]:
     seen: list[int] = []
 
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        seen.append(1)
         try:
-            await r.readuntil(b"\r\n\r\n")
+            head = await r.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics "):  # wslb's load scrape, not a session
+                w.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                return
+            seen.append(1)
             w.write(answer)
             await w.drain()
             await asyncio.wait_for(r.read(), 5)  # until wslb hangs up
@@ -297,7 +300,8 @@ async def _raw_server(answer: bytes) -> tuple[asyncio.Server, int, list[int]]:
 
 
 def _lb_for(urls: list[tuple[str, str]], tmp: Path, **extra: Any) -> Wslb:
-    cfg = pool_config([{"id": i, "url": u} for i, u in urls])
+    # These test servers have no HTTP health endpoint: only the handshake reaches them.
+    cfg = pool_config([{"id": i, "url": u} for i, u in urls], health={"enabled": False})
     cfg["timeouts"] = {**FAST, **extra.pop("timeouts", {})}
     cfg.update(extra)
     return Wslb(cfg, tmp).start(wait_ready=False)
@@ -560,10 +564,10 @@ def test_version_of_websockets() -> None:
 async def test_frames_pipelined_behind_the_request_are_kept(lb: Wslb) -> None:
     prompt = json.dumps({"type": "prompt", "text": "eager", "max_tokens": 3}).encode()
     request = (
-        f"GET /ws?session=eager HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-        "Sec-WebSocket-Version: 13\r\n\r\n"
-    ).encode()
+        b"GET /ws?session=eager HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n\r\n"
+    )
     from balancer.frames import build_frame
 
     c = await RawClient.connect(

@@ -15,7 +15,11 @@ import ssl
 import time
 from collections.abc import Iterator
 
+import aiohttp
+
 from balancer.aio.admin import Admin
+from balancer.aio.health import HealthChecker
+from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
 from balancer.config import Config
@@ -44,6 +48,9 @@ class Balancer:
         self.closing = False
         self.spawner = Spawner()
         self.admin = Admin(self)
+        self.http: aiohttp.ClientSession | None = None
+        self.scraper: Scraper | None = None
+        self.health: HealthChecker | None = None
         self._servers: list[asyncio.Server] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -52,10 +59,17 @@ class Balancer:
     # -- startup / shutdown ----------------------------------------------------------------
 
     async def start(self) -> None:
+        # One pooled HTTP client for scrapes and probes; limit_per_host keeps a slow worker
+        # from taking every connection.
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, force_close=False),
+            headers={"User-Agent": "wslb"},
+        )
+        self.scraper = Scraper(self.http, self._scrape_failed)
+        self.health = HealthChecker(self.http, self._probe_result)
         for pool in self.pools:
             for b in pool.backends.values():
-                if b.cfg.spawn == "reference":
-                    self.spawner.start(b)
+                self.watch(pool, b)
         for lst in self.config.listen:
             server = await self.loop.create_server(
                 lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),
@@ -112,8 +126,34 @@ class Balancer:
         for server in self._servers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
+        await self.stop_monitors()
         await self.spawner.stop()
         await self.admin.stop()
+
+    async def stop_monitors(self) -> None:
+        if self.scraper is not None:
+            await self.scraper.stop()
+        if self.health is not None:
+            await self.health.stop()
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
+
+    def watch(self, pool: Pool, b: Backend) -> None:
+        """Start what a backend needs: its worker process, scrapes, health checks."""
+        if b.cfg.spawn == "reference":
+            self.spawner.start(b)
+        if self.scraper is not None:
+            self.scraper.start(pool, b)
+        if self.health is not None and pool.cfg.health.enabled:
+            self.health.start(pool, b)
+
+    def _scrape_failed(self, b: Backend) -> None:
+        self.stats.scrape_failures[b.id] += 1
+
+    def _probe_result(self, b: Backend, ok: bool, flipped: bool) -> None:
+        if not ok:
+            self.stats.probe_failures[b.id] += 1
 
     # -- used by connections ---------------------------------------------------------------
 
@@ -132,9 +172,15 @@ class Balancer:
             if origin is None or origin.decode("latin-1") not in origins:
                 raise HandshakeReject(403, "origin not allowed")
 
-    def worker_failed(self, backend: Backend) -> None:
-        """A connect or handshake to the worker failed (outlier detection builds on this)."""
-        backend.connect_failures += 1
+    def worker_failed(self, pool: Pool, backend: Backend) -> None:
+        """A connect or handshake to the worker failed: passive outlier detection."""
+        if pool.failed(backend, self.loop.time()):
+            self.stats.ejections[backend.id] += 1
+            log.warning(
+                "backend %s ejected for %.0fs after repeated failures",
+                backend.id,
+                backend.ejected_until - self.loop.time(),
+            )
 
     @staticmethod
     def wall_time() -> float:
@@ -189,6 +235,7 @@ async def serve(config: Config, config_path: str | None = None) -> int:
         await app.start()
     except OSError as exc:
         log.error("cannot start: %s", exc)
+        await app.stop_monitors()
         await app.spawner.stop()
         await app.admin.stop()
         return 1

@@ -225,7 +225,7 @@ class ClientConnection(asyncio.Protocol):
         limit = len(pool.backends)
         last_error = "no worker available"
         while len(tried) < limit:
-            backend = pool.select(sid, tried)
+            backend = pool.select(sid, tried, app.loop.time())
             if backend is None:
                 break
             tried.append(backend.id)
@@ -234,11 +234,11 @@ class ClientConnection(asyncio.Protocol):
             except UpstreamReject as exc:
                 # The worker spoke but refused: a 502 for this client, not a retry elsewhere.
                 app.stats.handshake_failures[backend.id] += 1
-                app.worker_failed(backend)
+                app.worker_failed(pool, backend)
                 raise HandshakeReject(502, f"worker {backend.id}: {exc}") from None
             except (OSError, TimeoutError) as exc:
                 app.stats.connect_failures[backend.id] += 1
-                app.worker_failed(backend)
+                app.worker_failed(pool, backend)
                 last_error = f"worker {backend.id}: {exc or type(exc).__name__}"
                 log.warning("connect to %s failed: %s", backend.id, last_error)
                 continue

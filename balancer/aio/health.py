@@ -1,0 +1,76 @@
+"""Active health checks: ``GET {path}`` on each backend every ``health.interval``.
+
+A backend turns down after ``fall`` consecutive failures and up again after ``rise`` successes
+(``Backend.probe``). A down backend receives no new session; its ring points stay, so its keys
+return when it does. One task per backend: a hanging check delays only its own backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from balancer.pool import Backend, Pool
+
+__all__ = ["HealthChecker", "health_url"]
+
+log = logging.getLogger("wslb.health")
+
+
+def health_url(backend: Backend, path: str) -> str:
+    up = backend.upstream
+    return f"{'https' if up.secure else 'http'}://{up.authority}{path}"
+
+
+class HealthChecker:
+    """Probe loops for the backends of the pools."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, on_result: Callable[[Backend, bool, bool], None]
+    ) -> None:
+        self._session = session
+        self._on_result = on_result  # (backend, ok, flipped)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, pool: Pool, backend: Backend) -> None:
+        if backend.id not in self._tasks:
+            self._tasks[backend.id] = asyncio.get_running_loop().create_task(
+                self._loop(pool, backend), name=f"health-{backend.id}"
+            )
+
+    async def stop(self, backend_id: str | None = None) -> None:
+        ids = [backend_id] if backend_id is not None else list(self._tasks)
+        tasks = [t for i in ids if (t := self._tasks.pop(i, None)) is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def check(self, pool: Pool, backend: Backend) -> bool:
+        """One probe: 2xx within ``health.timeout`` is a success."""
+        h = pool.cfg.health
+        try:
+            async with self._session.get(
+                health_url(backend, h.path), timeout=aiohttp.ClientTimeout(total=h.timeout)
+            ) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _loop(self, pool: Pool, backend: Backend) -> None:
+        h = pool.cfg.health
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            ok = await self.check(pool, backend)
+            flipped = backend.probe(ok, h.rise, h.fall)
+            self._on_result(backend, ok, flipped)
+            if flipped:
+                log.warning("backend %s is %s", backend.id, "up" if backend.healthy else "down")
+            await asyncio.sleep(max(0.0, h.interval - (loop.time() - started)))

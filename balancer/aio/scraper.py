@@ -1,0 +1,79 @@
+"""Polls each backend's Prometheus endpoint for load signals (``weights.scrape_interval``).
+
+One task per backend, each with its own timeout, so a slow or dead metrics endpoint delays
+nothing but its own next scrape; routing never waits for a scrape. A failed scrape keeps the last
+signals, which turn stale after ``weights.stale_after`` (``balancer.weights``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from balancer.pool import Backend, Pool
+from balancer.weights import parse_signals, resolve_mapping
+
+__all__ = ["Scraper", "metrics_url"]
+
+log = logging.getLogger("wslb.scraper")
+
+
+def metrics_url(backend: Backend) -> str:
+    """The backend's ``metrics_url``, or its worker URL's host:port + ``/metrics``."""
+    if backend.cfg.metrics_url:
+        return backend.cfg.metrics_url
+    up = backend.upstream
+    return f"{'https' if up.secure else 'http'}://{up.authority}/metrics"
+
+
+class Scraper:
+    """Scrape loops for the backends of the pools."""
+
+    def __init__(self, session: aiohttp.ClientSession, on_failure: Callable[[Backend], None]):
+        self._session = session
+        self._on_failure = on_failure
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, pool: Pool, backend: Backend) -> None:
+        if backend.id not in self._tasks:
+            self._tasks[backend.id] = asyncio.get_running_loop().create_task(
+                self._loop(pool, backend), name=f"scrape-{backend.id}"
+            )
+
+    async def stop(self, backend_id: str | None = None) -> None:
+        ids = [backend_id] if backend_id is not None else list(self._tasks)
+        tasks = [t for i in ids if (t := self._tasks.pop(i, None)) is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def scrape(self, pool: Pool, backend: Backend) -> bool:
+        """One scrape; stores the signals on the backend. False on any failure."""
+        cfg = pool.cfg.weights
+        loop = asyncio.get_running_loop()
+        timeout = aiohttp.ClientTimeout(total=max(0.2, min(cfg.scrape_interval, 2.0)))
+        try:
+            async with self._session.get(metrics_url(backend), timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                text = await resp.text()
+            backend.signals = parse_signals(text, resolve_mapping(cfg.metrics), loop.time())
+        except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+            log.debug("scrape of %s failed: %s", backend.id, exc)
+            self._on_failure(backend)
+            return False
+        return True
+
+    async def _loop(self, pool: Pool, backend: Backend) -> None:
+        interval = pool.cfg.weights.scrape_interval
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape(pool, backend)
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
