@@ -5,10 +5,12 @@ Operator state (``admin_state``: active, draining, drained) is kept apart from p
 when it is both active and healthy. The selector's ring is built off the hot path when membership
 changes and swapped in as one reference.
 
-Selection for ``balance: consistent``: the backend this key last used (a bounded LRU table, like
-an HAProxy stick table) if it is ready and under its bound, so a session placed away from its ring
-owner by the bound returns to the worker that holds its KV cache; else the first ready backend on
-the ring walk that is under its bound (``ring.load_bound``).
+Selection for ``balance: consistent``: the first ready backend on the key's ring walk that is
+under its bound (``ring.load_bound``). One refinement keeps KV caches warm: when the bound pushed a
+key past its first ready backend, the placement is remembered (a bounded LRU table, like an
+HAProxy stick table) and reused while that backend is ready and under its bound *and* the key's
+first ready backend is still the same one. If readiness changed instead (a worker went down and
+came back), the ring decides again, so keys return to a worker when it returns.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class Pool:
         self.factor = cfg.hash_balance_factor
         self.backends: dict[str, Backend] = {}
         self.ring = Ring({})
-        self._affinity: OrderedDict[str, str] = OrderedDict()
+        # key -> (backend placed on, the key's first ready backend on the ring at that time)
+        self._affinity: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._affinity_size = affinity_size
         self._rr_current: dict[str, float] = {}
         self._random = random.Random(seed)
@@ -221,14 +224,15 @@ class Pool:
                 total_after, self.factor, b.effective_weight, weight_sum
             )
 
-        last = self._affinity.get(key)
-        if last is not None:
-            b = by_id.get(last)
+        walk = [b for bid in self.ring.walk(key) if (b := by_id.get(bid)) is not None]
+        first = walk[0].id if walk else None
+        remembered = self._affinity.get(key)
+        if remembered is not None and remembered[1] == first:
+            b = by_id.get(remembered[0])
             if b is not None and fits(b):
                 return b
-        for bid in self.ring.walk(key):
-            b = by_id.get(bid)
-            if b is not None and fits(b):
+        for b in walk:
+            if fits(b):
                 return b
         # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
         return min(ready, key=lambda b: (b.sessions / b.effective_weight, b.id))
@@ -255,7 +259,10 @@ class Pool:
         backend.sessions_total += 1
         backend.consecutive_failures = 0
         aff = self._affinity
-        aff[key] = backend.id
+        first = next(
+            (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
+        )
+        aff[key] = (backend.id, first)
         aff.move_to_end(key)
         if len(aff) > self._affinity_size:
             aff.popitem(last=False)
@@ -296,4 +303,5 @@ class Pool:
 
     def last_backend(self, key: str) -> str | None:
         """The backend this key was last placed on, if remembered."""
-        return self._affinity.get(key)
+        entry = self._affinity.get(key)
+        return entry[0] if entry is not None else None

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from balancer.metrics import BalancerCollector
+from balancer.metrics import BackendView, BalancerCollector
 
 if TYPE_CHECKING:
     from balancer.aio.app import Balancer
@@ -101,29 +101,34 @@ class Admin:
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _backend_json(self, pool_name: str, b: Any) -> dict[str, Any]:
+    def _backend_json(self, v: BackendView) -> dict[str, Any]:
+        found = self.app.find_backend(v.id)
         return {
-            "id": b.id,
-            "pool": pool_name,
-            "url": b.url,
-            "state": b.state,
-            "healthy": b.healthy,
-            "weight": b.weight,
-            "effective_weight": b.effective_weight,
-            "sessions": b.sessions,
-            "sessions_total": b.sessions_total,
+            "id": v.id,
+            "pool": v.pool,
+            "url": found[1].url if found is not None else None,
+            "state": v.state,
+            "healthy": v.healthy,
+            "weight": v.weight,
+            "effective_weight": round(v.effective_weight, 4),
+            "sessions": v.sessions,
+            "sessions_total": v.sessions_total,
+            "signals": v.signals,
+            "signals_age": None if v.scrape_age is None else round(v.scrape_age, 3),
+            "signals_stale": v.stale,
+            "ejected_for": round(v.ejected_for, 3),
+            "ejections": v.ejections,
         }
 
     async def backends(self, request: web.Request) -> web.Response:
-        out = [self._backend_json(p.name, b) for p in self.app.pools for b in p.backends.values()]
-        return web.json_response(out)
+        return web.json_response([self._backend_json(v) for v in self.app.backend_views()])
 
     async def backend(self, request: web.Request) -> web.Response:
-        found = self.app.find_backend(request.match_info["id"])
-        if found is None:
-            return _error(404, f"no backend {request.match_info['id']!r}")
-        pool, b = found
-        return web.json_response(self._backend_json(pool.name, b))
+        bid = request.match_info["id"]
+        for v in self.app.backend_views():
+            if v.id == bid:
+                return web.json_response(self._backend_json(v))
+        return _error(404, f"no backend {bid!r}")
 
     async def sessions(self, request: web.Request) -> web.Response:
         backend = request.query.get("backend")

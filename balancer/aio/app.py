@@ -200,17 +200,26 @@ class Balancer:
     # -- views -----------------------------------------------------------------------------
 
     def backend_views(self) -> Iterator[BackendView]:
+        now = self.loop.time()
         for pool in self.pools:
+            pool.refresh(now)
             for b in pool.backends.values():
+                sig = b.signals
                 yield BackendView(
-                    pool.name,
-                    b.id,
-                    b.sessions,
-                    b.sessions_total,
-                    b.ready,
-                    b.state,
-                    b.weight,
-                    b.effective_weight,
+                    pool=pool.name,
+                    id=b.id,
+                    sessions=b.sessions,
+                    sessions_total=b.sessions_total,
+                    ready=b.ready,
+                    state=b.state,
+                    weight=b.weight,
+                    effective_weight=b.effective_weight,
+                    healthy=b.healthy,
+                    stale=b.stale,
+                    signals=sig.as_dict() if sig is not None else {},
+                    scrape_age=now - sig.at if sig is not None else None,
+                    ejected_for=max(0.0, b.ejected_until - now) if b.ejected else 0.0,
+                    ejections=b.ejections,
                 )
 
     def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:

@@ -1,0 +1,190 @@
+"""Load-aware routing end to end: scraped load, stale scrapes, health checks, ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from tests.procs import Worker, Wslb, free_port, pool_config
+
+FAST = {"ping_interval": "30s", "close": "1s", "shutdown_grace": "0.1s"}
+
+
+async def wait_for(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def open_sessions(
+    url: str, prefix: str, n: int
+) -> tuple[list[ClientConnection], Counter[str]]:
+    conns, where = [], Counter[str]()
+    for i in range(n):
+        ws = await connect(f"{url}/ws?session={prefix}-{i}")
+        where[json.loads(await ws.recv())["worker"]] += 1
+        conns.append(ws)
+    return conns, where
+
+
+async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Path) -> None:
+    hot = Worker("hot", ["--background-util", "0.9"]).start()
+    cold = [Worker(f"cold{i}").start() for i in range(2)]
+    dead_metrics = f"http://127.0.0.1:{free_port()}/metrics"
+    backends = [{"id": w.id, "url": w.url} for w in [hot, *cold]]
+    backends.append({"id": "blind", "url": cold[0].url, "metrics_url": dead_metrics})
+    cfg = pool_config(
+        backends,
+        hash_balance_factor=1.25,
+        weights={
+            "scrape_interval": "0.2s",
+            "stale_after": "1s",
+            "coefficients": {"gpu": 0.9, "kv_cache": 0.5, "queue": 0.25},
+        },
+    )
+    cfg["timeouts"] = FAST
+    lb = Wslb(cfg, tmp_path).start()
+    conns: list[ClientConnection] = []
+    try:
+        await wait_for(
+            lambda: all(
+                not b["signals_stale"] for b in lb.admin("/backends") if b["id"] != "blind"
+            ),
+            what="first scrapes",
+        )
+        views = {b["id"]: b for b in lb.admin("/backends")}
+        assert views["hot"]["signals"]["gpu_util"] >= 0.9
+        assert views["hot"]["effective_weight"] < 0.25
+        # The backend whose metrics endpoint is dead: stale, static weight, still routable.
+        assert views["blind"]["signals_stale"] and views["blind"]["effective_weight"] == 1.0
+        assert views["blind"]["state"] == "active"
+        conns, _ = await open_sessions(lb.url, "load", 60)
+        live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
+        # Bound: ceil(1.25 x 60 x 0.19 / 3.19) = 5, far below its ring share of 1/4.
+        assert live["hot"] <= 5, live
+        assert min(live["cold0"], live["cold1"]) > 2 * live["hot"], live
+        metrics = lb.admin("/metrics")
+        assert 'wslb_backend_signals_stale{backend="blind",pool="chat"} 1.0' in metrics
+        assert 'wslb_scrape_failures_total{backend="blind"}' in metrics
+        assert 'wslb_backend_signal{backend="hot",pool="chat",signal="gpu_util"}' in metrics
+    finally:
+        for ws in conns:
+            await ws.close()
+        lb.stop()
+        for w in [hot, *cold]:
+            w.stop()
+
+
+class Toggle:
+    """A websockets worker whose /healthz answers 200 or 503 on demand."""
+
+    def __init__(self, wid: str) -> None:
+        self.id = wid
+        self.port = free_port()
+        self.healthy = True
+        self.sessions = 0
+
+    def process_request(self, conn: ServerConnection, req: Request) -> Response | None:
+        if req.path == "/healthz":
+            status = HTTPStatus.OK if self.healthy else HTTPStatus.SERVICE_UNAVAILABLE
+            return conn.respond(status, "ok\n" if self.healthy else "sick\n")
+        if req.path == "/metrics":
+            return conn.respond(HTTPStatus.NOT_FOUND, "")
+        return None
+
+    async def handler(self, ws: ServerConnection) -> None:
+        self.sessions += 1
+        await ws.send(json.dumps({"type": "hello", "worker": self.id}))
+        async for _ in ws:
+            pass
+
+
+@pytest.fixture
+async def toggles() -> AsyncIterator[list[Toggle]]:
+    ts = [Toggle(f"t{i}") for i in range(3)]
+    servers = [
+        await serve(t.handler, "127.0.0.1", t.port, process_request=t.process_request) for t in ts
+    ]
+    yield ts
+    for s in servers:
+        s.close()
+        await s.wait_closed()
+
+
+async def hello(url: str, key: str) -> str:
+    async with connect(f"{url}/ws?session={key}") as ws:
+        return str(json.loads(await ws.recv())["worker"])
+
+
+async def test_health_fall_and_rise_keep_affinity(toggles: list[Toggle], tmp_path: Path) -> None:
+    cfg = pool_config(
+        [{"id": t.id, "url": f"ws://127.0.0.1:{t.port}/ws"} for t in toggles],
+        health={"interval": "0.1s", "timeout": "0.5s", "rise": 2, "fall": 3},
+    )
+    cfg["timeouts"] = FAST
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        keys = [f"h{i}" for i in range(30)]
+        before = {k: await hello(lb.url, k) for k in keys}
+        assert len(set(before.values())) == 3
+        sick = toggles[0]
+        sick.healthy = False
+        await wait_for(lambda: lb.admin(f"/backends/{sick.id}")["state"] == "down", 5, "down")
+        failures = lb.admin(f"/backends/{sick.id}")
+        assert not failures["healthy"]
+        during = {k: await hello(lb.url, k) for k in keys}
+        assert sick.id not in during.values()
+        # Keys of the healthy workers did not move.
+        assert all(during[k] == w for k, w in before.items() if w != sick.id)
+        sick.healthy = True
+        await wait_for(lambda: lb.admin(f"/backends/{sick.id}")["state"] == "active", 5, "up")
+        after = {k: await hello(lb.url, k) for k in keys}
+        assert after == before  # its keys came back (ring points were skipped, not removed)
+        assert 'wslb_health_check_failures_total{backend="t0"}' in lb.admin("/metrics")
+    finally:
+        lb.stop()
+
+
+async def test_repeated_connect_failures_eject_and_ejection_grows(
+    toggles: list[Toggle], tmp_path: Path
+) -> None:
+    dead = free_port()
+    cfg = pool_config(
+        [{"id": "dead", "url": f"ws://127.0.0.1:{dead}/ws"}]
+        + [{"id": t.id, "url": f"ws://127.0.0.1:{t.port}/ws"} for t in toggles],
+        health={"enabled": False},
+        outlier={"consecutive_failures": 2, "base_ejection_time": "1s", "max_ejection_time": "10s"},
+    )
+    cfg["timeouts"] = FAST
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        i = 0
+        while lb.admin("/backends/dead")["state"] != "ejected" and i < 200:
+            await hello(lb.url, f"e{i}")  # keys owned by "dead" walk on to the next worker
+            i += 1
+        first = lb.admin("/backends/dead")
+        assert first["state"] == "ejected" and 0 < first["ejected_for"] <= 1.0
+        assert first["ejections"] == 1
+        await wait_for(lambda: lb.admin("/backends/dead")["state"] == "active", 3, "return")
+        while lb.admin("/backends/dead")["state"] != "ejected" and i < 400:
+            await hello(lb.url, f"e{i}")
+            i += 1
+        second = lb.admin("/backends/dead")
+        assert second["ejections"] == 2 and 1.0 < second["ejected_for"] <= 2.0
+        assert 'wslb_backend_ejections_total{backend="dead"} 2.0' in lb.admin("/metrics")
+    finally:
+        lb.stop()

@@ -1,0 +1,143 @@
+"""Scraped signals -> effective weights; outlier ejection and health flips on the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from balancer.weights import (
+    PRESETS,
+    Coefficients,
+    Signals,
+    effective_weight,
+    parse_signals,
+    resolve_mapping,
+)
+from tests.test_pool import make_pool, place
+
+REFERENCE = """\
+# HELP wslb_worker_gpu_utilization GPU utilisation
+# TYPE wslb_worker_gpu_utilization gauge
+wslb_worker_gpu_utilization 0.8
+# TYPE wslb_worker_kv_cache_usage gauge
+wslb_worker_kv_cache_usage 0.5
+# TYPE wslb_worker_active_sessions gauge
+wslb_worker_active_sessions 12
+# TYPE wslb_worker_queue_depth gauge
+wslb_worker_queue_depth 2
+# TYPE wslb_worker_kv_hit_tokens counter
+wslb_worker_kv_hit_tokens_total 100
+"""
+
+
+def test_reference_preset() -> None:
+    s = parse_signals(REFERENCE, PRESETS["reference"], at=5.0)
+    assert (s.gpu_util, s.kv_cache_usage, s.running, s.waiting, s.at) == (0.8, 0.5, 12, 2, 5.0)
+
+
+def test_vllm_preset_prefers_new_name_and_falls_back_to_old() -> None:
+    new = 'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    new += 'vllm:num_requests_running{model_name="m"} 3\n'
+    old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.75\n'
+    old += 'vllm:num_requests_waiting{model_name="m"} 4\n'
+    assert parse_signals(new, PRESETS["vllm"], 0).kv_cache_usage == 0.25
+    s = parse_signals(old, PRESETS["vllm"], 0)
+    assert (s.kv_cache_usage, s.waiting, s.running) == (0.75, 4, None)
+
+
+def test_dcgm_percent_is_scaled_and_averaged_over_gpus() -> None:
+    text = 'DCGM_FI_DEV_GPU_UTIL{gpu="0"} 90\nDCGM_FI_DEV_GPU_UTIL{gpu="1"} 50\n'
+    assert parse_signals(text, PRESETS["dcgm"], 0).gpu_util == pytest.approx(0.7)
+
+
+def test_explicit_mapping() -> None:
+    mapping = resolve_mapping((("gpu_util", "my_util"), ("waiting", "my_queue")))
+    s = parse_signals("my_util 0.4\nmy_queue 7\n", mapping, 0)
+    assert (s.gpu_util, s.waiting) == (0.4, 7)
+
+
+def test_garbage_raises_value_error() -> None:
+    with pytest.raises(ValueError):
+        parse_signals("this is { not prometheus", PRESETS["reference"], 0)
+
+
+def test_effective_weight_formula_and_staleness() -> None:
+    c = Coefficients(gpu=0.5, kv_cache=0.5, queue=0.25, min_factor=0.05)
+    idle = Signals(at=10.0, gpu_util=0.0, kv_cache_usage=0.0, waiting=0)
+    busy = Signals(at=10.0, gpu_util=1.0, kv_cache_usage=1.0, waiting=4)
+    assert effective_weight(2.0, idle, 11.0, 5.0, c) == (2.0, False)
+    w, stale = effective_weight(2.0, busy, 11.0, 5.0, c)
+    assert w == pytest.approx(2.0 * 0.5 * 0.5 / 2.0) and not stale
+    assert effective_weight(2.0, busy, 16.0, 5.0, c) == (2.0, True)  # too old: static weight
+    assert effective_weight(2.0, None, 0.0, 5.0, c) == (2.0, True)
+    floor = Coefficients(gpu=1.0, kv_cache=1.0, queue=0.0, min_factor=0.1)
+    assert effective_weight(1.0, busy, 10.0, 5.0, floor)[0] == pytest.approx(0.1)
+
+
+def test_hot_worker_takes_fewer_new_sessions_and_keeps_ring_and_affinity() -> None:
+    pool = make_pool(n=3, c=1.25)
+    keys = [f"k{i}" for i in range(300)]
+    owners_before = {k: pool.ring.owner(k) for k in keys}
+    ring = pool.ring
+    pool.backends["w0"].signals = Signals(at=100.0, gpu_util=1.0, kv_cache_usage=0.9, waiting=6)
+    for b in ("w1", "w2"):
+        pool.backends[b].signals = Signals(at=100.0, gpu_util=0.1, kv_cache_usage=0.1)
+    counts = {"w0": 0, "w1": 0, "w2": 0}
+    for k in keys:
+        b = pool.select(k, now=101.0)
+        assert b is not None
+        pool.attach(k, b)
+        counts[b.id] += 1
+    assert counts["w0"] < 0.5 * min(counts["w1"], counts["w2"])
+    assert pool.ring is ring  # weights changed, the ring did not
+    assert {k: pool.ring.owner(k) for k in keys} == owners_before
+    # Stale signals: back to connection counts on static weights.
+    fresh = make_pool(n=3, c=1.25)
+    fresh.backends["w0"].signals = Signals(at=100.0, gpu_util=1.0, kv_cache_usage=0.9, waiting=6)
+    for k in keys:
+        b = fresh.select(k, now=200.0)
+        assert b is not None
+        fresh.attach(k, b)
+    assert fresh.backends["w0"].stale
+    assert fresh.backends["w0"].sessions >= 80
+
+
+def test_outlier_ejection_grows_and_is_capped() -> None:
+    pool = make_pool(n=4)
+    # Defaults: 5 consecutive failures, 30 s base ejection, at most 50% ejected.
+    b = pool.backends["w1"]
+    for _ in range(4):
+        assert not pool.failed(b, now=0.0)
+    assert pool.failed(b, now=0.0) and b.state == "ejected"
+    assert pool.select("x", [], now=1.0) is not None
+    assert all(pool.select(f"k{i}", now=1.0).id != "w1" for i in range(50))  # type: ignore[union-attr]
+    pool.refresh(now=30.0)
+    assert b.ready and b.state == "active"
+    for _ in range(5):
+        pool.failed(b, now=31.0)
+    assert b.ejected_until == pytest.approx(31.0 + 60.0)  # second ejection lasts twice as long
+    # No more than max_ejection_percent (50%) of the pool at once: 2 of 4.
+    for name in ("w2", "w3"):
+        for _ in range(5):
+            pool.failed(pool.backends[name], now=32.0)
+    assert sum(x.ejected for x in pool.backends.values()) == 2
+
+
+def test_success_resets_the_failure_streak() -> None:
+    pool = make_pool(n=2)
+    b = pool.backends["w0"]
+    for _ in range(4):
+        pool.failed(b, now=0.0)
+    pool.succeeded(b)
+    for _ in range(4):
+        assert not pool.failed(b, now=0.0)
+
+
+def test_probe_flips_after_fall_and_rise() -> None:
+    pool = make_pool(n=2)
+    b = pool.backends["w0"]
+    assert not b.probe(False, rise=2, fall=3)
+    assert not b.probe(False, rise=2, fall=3)
+    assert b.probe(False, rise=2, fall=3) and not b.healthy and b.state == "down"
+    assert not b.probe(True, rise=2, fall=3)
+    assert b.probe(True, rise=2, fall=3) and b.healthy
+    assert place(pool, "after") in {"w0", "w1"}
