@@ -540,6 +540,23 @@ def parse(data: object, source: str = "<config>") -> Config:
     return config
 
 
+def parse_backend(data: object) -> BackendCfg:
+    """Validate one backend object (``POST /backends``) with the same rules as the file.
+
+    Errors name the field (``url: ...``), as the object stands alone.
+    """
+    try:
+        cfg = parse({"pools": [{"name": "api", "backends": [data]}]}, "<backend>")
+    except ConfigError as exc:
+        prefix = "pools[0].backends[0]"
+        errors = [
+            e.removeprefix("<backend>: ").replace(prefix + ".", "").replace(prefix, "backend")
+            for e in exc.errors
+        ]
+        raise ConfigError(errors, "<backend>") from None
+    return cfg.pools[0].backends[0]
+
+
 # --------------------------------------------------------------------------- YAML
 
 

@@ -21,8 +21,10 @@ Rules of the state machine (each direction of a session has its own scanner):
   the offending frame are still returned, so the peer sees every valid message that preceded it.
   After an error or a close, ``feed`` returns nothing.
 - ``messages`` counts complete data messages whose last byte has been returned for forwarding:
-  the handoff protocol switches a session at these boundaries. ``at_frame_boundary`` tells the
-  relay whether it may inject a frame of its own into the forwarded stream.
+  the handoff protocol switches a session at these boundaries. With ``ends`` set to a list, the
+  output offset of each message end is recorded too, so the relay can replay messages.
+  ``at_frame_boundary`` tells the relay whether it may inject a frame of its own into the
+  forwarded stream.
 
 ``notable`` is set whenever a close, an error or a consumed pong occurs, so the relay tests one
 attribute per chunk instead of three.
@@ -156,6 +158,7 @@ class FrameScanner:
         "close",
         "closed",
         "drop_close",
+        "ends",
         "error",
         "frames",
         "masked",
@@ -163,6 +166,7 @@ class FrameScanner:
         "max_message_size",
         "messages",
         "notable",
+        "out_bytes",
         "own_ping",
         "pong_received",
     )
@@ -181,6 +185,10 @@ class FrameScanner:
         self.frames = 0
         self.messages = 0
         self.bytes = 0
+        self.out_bytes = 0  # bytes returned for forwarding
+        # When a list: the output offset (in ``out_bytes`` terms) where each data message ends,
+        # so a relay can replay messages from a boundary (migration). None on the hot direction.
+        self.ends: list[int] | None = None
         self.own_ping: bytes | None = None
         self.pong_received = False
         self.close: tuple[int, str] | None = None
@@ -212,10 +220,15 @@ class FrameScanner:
                 self._remaining = rem - n
                 if rem == n and self._fin:
                     self.messages += 1
+                    if self.ends is not None:
+                        self.ends.append(self.out_bytes + n)
+                self.out_bytes += n
                 return data
             self._remaining = 0
             if self._fin:
                 self.messages += 1
+                if self.ends is not None:
+                    self.ends.append(self.out_bytes + rem)
             pos = rem
         else:
             if self._held:
@@ -315,6 +328,9 @@ class FrameScanner:
             if end <= n:
                 if fin:
                     self.messages += 1
+                    if self.ends is not None:
+                        done = sum(map(len, parts)) if parts else 0
+                        self.ends.append(self.out_bytes + done + end - start)
                 pos = end
             else:
                 self._remaining = end - n
@@ -324,14 +340,14 @@ class FrameScanner:
             self._held = data[pos:]
         return self._emit(data, start, pos, parts)
 
-    @staticmethod
-    def _emit(data: bytes, start: int, end: int, parts: list[bytes] | None) -> bytes:
+    def _emit(self, data: bytes, start: int, end: int, parts: list[bytes] | None) -> bytes:
         if parts is None:
-            if start == 0 and end == len(data):
-                return data
-            return data[start:end]
-        parts.append(data[start:end])
-        return b"".join(parts)
+            out = data if start == 0 and end == len(data) else data[start:end]
+        else:
+            parts.append(data[start:end])
+            out = b"".join(parts)
+        self.out_bytes += len(out)
+        return out
 
     def _fail(
         self, data: bytes, start: int, pos: int, parts: list[bytes] | None, code: int, reason: str

@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 __all__ = ["BalancerCollector", "LiveSession", "Stats"]
@@ -37,6 +42,41 @@ class LiveSession(Protocol):
     @property
     def ws(self) -> _ScannerCounts: ...
 
+    prior_frames: int
+    prior_messages: int
+    prior_bytes: int
+
+
+class Histogram:
+    """A fixed-bucket histogram for rare events (migrations, drains), read by the collector."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.sum = 0.0
+        self.samples: list[float] = []  # the last few, for the admin API and benchmarks
+
+    def observe(self, v: float) -> None:
+        self.count += 1
+        self.sum += v
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.samples.append(v)
+        if len(self.samples) > 10_000:
+            del self.samples[:5_000]
+
+    def metric(self, name: str, doc: str) -> HistogramMetricFamily:
+        m = HistogramMetricFamily(name, doc)
+        buckets = [(str(b), c) for b, c in zip(self.buckets, self.counts, strict=True)]
+        m.add_metric([], [*buckets, ("+Inf", self.count)], sum_value=self.sum)
+        return m
+
+
+PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+DRAIN_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
 
 @dataclass
 class Stats:
@@ -52,6 +92,9 @@ class Stats:
     ejections: Counter[str] = field(default_factory=Counter)
     scrape_failures: Counter[str] = field(default_factory=Counter)
     probe_failures: Counter[str] = field(default_factory=Counter)
+    migrations: Counter[str] = field(default_factory=Counter)
+    migration_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
+    drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0
 
     def session_done(self, s: LiveSession) -> None:
@@ -60,6 +103,9 @@ class Stats:
             self.frames[direction] += sc.frames
             self.messages[direction] += sc.messages
             self.bytes[direction] += sc.bytes
+        self.frames[W2C] += s.prior_frames
+        self.messages[W2C] += s.prior_messages
+        self.bytes[W2C] += s.prior_bytes
 
 
 @dataclass
@@ -110,6 +156,9 @@ class BalancerCollector(Collector):
                 frames[direction] += sc.frames
                 messages[direction] += sc.messages
                 nbytes[direction] += sc.bytes
+            frames[W2C] += s.prior_frames
+            messages[W2C] += s.prior_messages
+            nbytes[W2C] += s.prior_bytes
         for name, doc, counts in (
             ("wslb_frames", "WebSocket frames forwarded", frames),
             ("wslb_messages", "WebSocket data messages forwarded", messages),
@@ -218,6 +267,20 @@ class BalancerCollector(Collector):
         for (side, code), n in sorted(st.closes.items()):
             closes.add_metric([side, str(code)], n)
         yield closes
+        mig = CounterMetricFamily(
+            "wslb_migrations",
+            "Session migrations by result (migrated or why not)",
+            labels=["result"],
+        )
+        for result, n in sorted(st.migrations.items()):
+            mig.add_metric([result], n)
+        yield mig
+        yield st.migration_pause.metric(
+            "wslb_migration_pause_seconds", "From freeze to the first message on the new leg"
+        )
+        yield st.drain_duration.metric(
+            "wslb_drain_duration_seconds", "From drain start to the worker drained"
+        )
         conns = GaugeMetricFamily("wslb_connections_active", "Open client connections")
         conns.add_metric([], self._connections())
         yield conns

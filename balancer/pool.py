@@ -175,6 +175,14 @@ class Pool:
         self._rebuild()
         return b
 
+    def update(self, backend_id: str, cfg: BackendCfg) -> None:
+        """Apply a new weight (or metrics URL) to a backend; a weight change rebuilds the ring."""
+        b = self.backends[backend_id]
+        b.cfg = cfg
+        if b.weight != cfg.weight:
+            b.weight = cfg.weight
+            self._rebuild()
+
     def remove(self, backend_id: str) -> Backend:
         """Remove a backend; its live sessions are the caller's business."""
         b = self.backends.pop(backend_id)

@@ -195,3 +195,29 @@ def test_random_bytes_only_protocol_errors(
         assert whole.error is not None and sc.error.code == whole.error.code
         assert sc.error.code in (1002, 1007, 1009)
     assert stream.startswith(out) or sc.messages >= 0  # output is made of input frames
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(frame_st, max_size=8), st.data())
+def test_message_end_offsets_split_the_output_at_message_boundaries(
+    frames: list[list[bytes]], data: st.DataObject
+) -> None:
+    stream = b"".join(b"".join(f) for f in frames)
+    sc = FrameScanner(masked=True)
+    sc.ends = []
+    own = b"own!"
+    sc.own_ping = own  # a consumed pong shifts output offsets; it must not break them
+    stream = cf(OP_PONG, own) + stream
+    out = bytearray()
+    pos = 0
+    for size in data.draw(splits(len(stream))):
+        out += sc.feed(stream[pos : pos + size])
+        pos += size
+    out += sc.feed(stream[pos:])
+    assert sc.out_bytes == len(out) == len(stream) - len(cf(OP_PONG, own))
+    assert len(sc.ends) == sc.messages
+    # Every recorded end is where a data message's last frame ends in the output.
+    for end in sc.ends:
+        rest = FrameScanner(masked=True)
+        rest.feed(bytes(out[end:]))
+        assert rest.error is None, "replay from a message end must start with a fresh message"

@@ -15,7 +15,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from balancer.aio.migrate import migrate
+from balancer.aio.openapi import OPENAPI
+from balancer.config import ConfigError, parse_backend, parse_duration
 from balancer.metrics import BackendView, BalancerCollector
+from balancer.pool import DRAINED, Backend, Pool
 
 if TYPE_CHECKING:
     from balancer.aio.app import Balancer
@@ -55,6 +59,13 @@ class Admin:
         r.add_get("/backends/{id}", self.backend)
         r.add_get("/sessions", self.sessions)
         r.add_get("/sessions/{sid}", self.session)
+        r.add_post("/backends", self.add_backend)
+        r.add_delete("/backends/{id}", self.delete_backend)
+        r.add_post("/backends/{id}/drain", self.drain)
+        r.add_post("/backends/{id}/undrain", self.undrain)
+        r.add_post("/sessions/{sid}/migrate", self.migrate)
+        r.add_post("/reload", self.reload)
+        r.add_get("/openapi.json", self.openapi)
         return web_app
 
     async def start(self) -> None:
@@ -118,6 +129,7 @@ class Admin:
             "signals_stale": v.stale,
             "ejected_for": round(v.ejected_for, 3),
             "ejections": v.ejections,
+            "drain": self.app.drainer.view(found[1]) if found is not None else None,
         }
 
     async def backends(self, request: web.Request) -> web.Response:
@@ -143,3 +155,96 @@ class Admin:
             if s.sid == sid:
                 return web.json_response(s.describe())
         return _error(404, f"no live session {sid!r}")
+
+    # -- write side ------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(reason="body is not JSON") from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(reason="body must be a JSON object")
+        return body
+
+    def _find(self, request: web.Request) -> tuple[Pool, Backend]:
+        found = self.app.find_backend(request.match_info["id"])
+        if found is None:
+            raise web.HTTPNotFound(reason=f"no backend {request.match_info['id']!r}")
+        return found
+
+    async def add_backend(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        pool_name = body.pop("pool", None)
+        pool = self.app.pools[0] if pool_name is None else self.app.pool(str(pool_name))
+        if pool is None:
+            return _error(404, f"no pool {pool_name!r}")
+        try:
+            cfg = parse_backend(body)
+        except ConfigError as exc:
+            return _error(400, "; ".join(exc.errors))
+        if self.app.find_backend(cfg.id) is not None:
+            return _error(409, f"backend {cfg.id!r} exists")
+        b = self.app.add_backend(pool, cfg)
+        return web.json_response({"id": b.id, "pool": pool.name, "state": b.state}, status=201)
+
+    async def delete_backend(self, request: web.Request) -> web.Response:
+        pool, b = self._find(request)
+        if b.admin_state != DRAINED or b.sessions:
+            return _error(409, f"backend {b.id!r} is {b.state}; drain it first")
+        await self.app.remove_backend(pool, b)
+        return web.json_response({"id": b.id, "removed": True})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        pool, b = self._find(request)
+        body = await self._body(request)
+        migrate = body.get("migrate", pool.cfg.drain.migrate)
+        if not isinstance(migrate, bool):
+            return _error(400, "migrate must be true or false")
+        try:
+            timeout = parse_duration(body.get("timeout", pool.cfg.drain.timeout))
+        except (ValueError, TypeError) as exc:
+            return _error(400, f"timeout: {exc}")
+        if b.admin_state == DRAINED:
+            return _error(409, f"backend {b.id!r} is already drained")
+        self.app.drainer.start(pool, b, migrate, timeout)
+        return web.json_response(self._backend_json(self._view(b.id)), status=202)
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        _, b = self._find(request)
+        await self.app.drainer.undrain(b)
+        return web.json_response(self._backend_json(self._view(b.id)))
+
+    def _view(self, bid: str) -> BackendView:
+        return next(v for v in self.app.backend_views() if v.id == bid)
+
+    async def migrate(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        body = await self._body(request)
+        to = body.get("to")
+        if to is not None and not isinstance(to, str):
+            return _error(400, "to must be a backend id")
+        session = self.app.find_session(sid)
+        if session is None:
+            return _error(404, f"no live session {sid!r}")
+        result = await migrate(self.app, session, to)
+        out = {
+            "session": sid,
+            "migrated": result.ok,
+            "result": result.reason,
+            "backend": session.backend.id,
+            "pause_ms": None if result.pause is None else round(result.pause * 1e3, 2),
+        }
+        return web.json_response(out, status=200 if result.ok else 409)
+
+    async def reload(self, request: web.Request) -> web.Response:
+        try:
+            report = await self.app.reload()
+        except ConfigError as exc:
+            return _error(400, "; ".join(exc.errors))
+        return web.json_response(report)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)

@@ -14,18 +14,21 @@ import signal
 import ssl
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 
 from balancer.aio.admin import Admin
+from balancer.aio.drain import Drainer
 from balancer.aio.health import HealthChecker
 from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
-from balancer.config import Config
+from balancer.config import BackendCfg, Config, ConfigError
+from balancer.config import load as load_config
 from balancer.handshake import ClientRequest, HandshakeReject
 from balancer.metrics import BackendView, Stats
-from balancer.pool import Backend, Pool, Upstream
+from balancer.pool import ACTIVE, Backend, Pool, Upstream
 
 __all__ = ["Balancer", "serve"]
 
@@ -51,6 +54,8 @@ class Balancer:
         self.http: aiohttp.ClientSession | None = None
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
+        self.drainer = Drainer(self)
+        self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
         self._servers: list[asyncio.Server] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -126,6 +131,7 @@ class Balancer:
         for server in self._servers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
+        await self.drainer.stop()
         await self.stop_monitors()
         await self.spawner.stop()
         await self.admin.stop()
@@ -151,9 +157,100 @@ class Balancer:
     def _scrape_failed(self, b: Backend) -> None:
         self.stats.scrape_failures[b.id] += 1
 
-    def _probe_result(self, b: Backend, ok: bool, flipped: bool) -> None:
+    def _probe_result(self, b: Backend, ok: bool, draining: bool) -> None:
         if not ok:
             self.stats.probe_failures[b.id] += 1
+        if draining and b.admin_state == ACTIVE:
+            # The worker drains itself (SIGTERM, pod termination): move its sessions away.
+            found = self.find_backend(b.id)
+            if found is not None:
+                pool = found[0]
+                log.info("worker %s reports draining; draining it", b.id)
+                self.drainer.start(pool, b, pool.cfg.drain.migrate, pool.cfg.drain.timeout)
+
+    # -- operator actions ------------------------------------------------------------------
+
+    def pool(self, name: str) -> Pool | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def find_session(self, sid: str) -> Session | None:
+        return next((s for s in self.sessions if s.sid == sid), None)
+
+    def add_backend(self, pool: Pool, cfg: BackendCfg) -> Backend:
+        b = pool.add(cfg)
+        self.watch(pool, b)
+        log.info("added backend %s to pool %s", b.id, pool.name)
+        return b
+
+    async def remove_backend(self, pool: Pool, b: Backend) -> None:
+        await self.unwatch(b)
+        pool.remove(b.id)
+        self.drainer.progress.pop(b.id, None)
+        log.info("removed backend %s from pool %s", b.id, pool.name)
+
+    async def unwatch(self, b: Backend) -> None:
+        if self.scraper is not None:
+            await self.scraper.stop(b.id)
+        if self.health is not None:
+            await self.health.stop(b.id)
+        if b.cfg.spawn == "reference":
+            await self.spawner.stop(b.id)
+
+    async def reload(self) -> dict[str, Any]:
+        """Reread the config file: backends and weights change; live sessions stay put.
+
+        A backend gone from the file stops taking sessions (draining, without migration) and is
+        removed once its sessions have ended. Other settings need a restart; they are listed.
+        """
+        if self.config_path is None:
+            raise ConfigError(["no config file to reload"])
+        new = load_config(self.config_path)
+        report: dict[str, Any] = {"added": [], "removed": [], "updated": [], "ignored": []}
+        for pcfg in new.pools:
+            pool = self.pool(pcfg.name)
+            if pool is None:
+                report["ignored"].append(f"new pool {pcfg.name} (restart to add pools)")
+                continue
+            wanted = {b.id: b for b in pcfg.backends}
+            for bid, bcfg in wanted.items():
+                cur = pool.backends.get(bid)
+                if cur is None:
+                    self.add_backend(pool, bcfg)
+                    report["added"].append(bid)
+                elif cur.cfg != bcfg:
+                    if (cur.cfg.url, cur.cfg.spawn, cur.cfg.args) != (
+                        bcfg.url,
+                        bcfg.spawn,
+                        bcfg.args,
+                    ):
+                        report["ignored"].append(f"{bid}: url/spawn change (remove, then add)")
+                        continue
+                    pool.update(bid, bcfg)
+                    report["updated"].append(bid)
+            for bid in [b for b in pool.backends if b not in wanted]:
+                b = pool.backends[bid]
+                if b.admin_state == ACTIVE:
+                    self.drainer.start(pool, b, False, float("inf"))
+                task = self.loop.create_task(self._remove_when_drained(pool, b))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+                report["removed"].append(bid)
+        if (new.listen, new.admin, new.timeouts, new.limits) != (
+            self.config.listen,
+            self.config.admin,
+            self.config.timeouts,
+            self.config.limits,
+        ):
+            report["ignored"].append("listen/admin/timeouts/limits (restart to apply)")
+        log.info("reloaded %s: %s", self.config_path, report)
+        return report
+
+    async def _remove_when_drained(self, pool: Pool, b: Backend) -> None:
+        while b.sessions > 0 and pool.backends.get(b.id) is b:  # noqa: ASYNC110 (rare, coarse)
+            await asyncio.sleep(0.5)
+        if pool.backends.get(b.id) is b:
+            await self.drainer.undrain(b)
+            await self.remove_backend(pool, b)
 
     # -- used by connections ---------------------------------------------------------------
 
@@ -237,9 +334,19 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(
-        signal.SIGHUP, lambda: log.warning("SIGHUP: configuration reload is not implemented yet")
-    )
+
+    def reload() -> None:
+        async def run() -> None:
+            try:
+                await app.reload()
+            except ConfigError as exc:
+                log.error("reload failed, configuration unchanged:\n%s", exc)
+
+        task = loop.create_task(run())
+        app.background.add(task)
+        task.add_done_callback(app.background.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await app.start()
     except OSError as exc:

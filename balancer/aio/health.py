@@ -32,8 +32,9 @@ class HealthChecker:
     def __init__(
         self, session: aiohttp.ClientSession, on_result: Callable[[Backend, bool, bool], None]
     ) -> None:
+        """``on_result(backend, ok, draining)`` is called after every probe."""
         self._session = session
-        self._on_result = on_result  # (backend, ok, flipped)
+        self._on_result = on_result  # (backend, ok, draining)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self, pool: Pool, backend: Backend) -> None:
@@ -51,26 +52,30 @@ class HealthChecker:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
-    async def check(self, pool: Pool, backend: Backend) -> bool:
-        """One probe: 2xx within ``health.timeout`` is a success."""
+    async def check(self, pool: Pool, backend: Backend) -> tuple[bool, bool]:
+        """One probe: (2xx within ``health.timeout``, the worker says it is draining).
+
+        A worker that drains itself answers 503 with ``{"status": "draining"}`` (SPEC 6).
+        """
         h = pool.cfg.health
         try:
             async with self._session.get(
                 health_url(backend, h.path), timeout=aiohttp.ClientTimeout(total=h.timeout)
             ) as resp:
-                await resp.read()
-                return 200 <= resp.status < 300
+                body = await resp.read()
+                draining = resp.status == 503 and b"draining" in body[:512]
+                return 200 <= resp.status < 300, draining
         except (aiohttp.ClientError, TimeoutError):
-            return False
+            return False, False
 
     async def _loop(self, pool: Pool, backend: Backend) -> None:
         h = pool.cfg.health
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            ok = await self.check(pool, backend)
+            ok, draining = await self.check(pool, backend)
             flipped = backend.probe(ok, h.rise, h.fall)
-            self._on_result(backend, ok, flipped)
+            self._on_result(backend, ok, draining)
             if flipped:
                 log.warning("backend %s is %s", backend.id, "up" if backend.healthy else "down")
             await asyncio.sleep(max(0.0, h.interval - (loop.time() - started)))

@@ -51,7 +51,11 @@ if TYPE_CHECKING:
     from balancer.aio.app import Balancer
     from balancer.pool import Backend, Pool
 
-__all__ = ["ClientConnection", "Session"]
+__all__ = ["ClientConnection", "Session", "open_upstream"]
+
+# Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
+# so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
+REPLAY_LIMIT = 256 * 1024
 
 log = logging.getLogger("wslb.server")
 
@@ -230,7 +234,9 @@ class ClientConnection(asyncio.Protocol):
                 break
             tried.append(backend.id)
             try:
-                transport, proto, response, trailing = await self._connect(backend, req, sid)
+                transport, proto, response, trailing = await open_upstream(
+                    app, backend, req, sid, self.peer, self.secure
+                )
             except UpstreamReject as exc:
                 # The worker spoke but refused: a 502 for this client, not a retry elsewhere.
                 app.stats.handshake_failures[backend.id] += 1
@@ -250,29 +256,6 @@ class ClientConnection(asyncio.Protocol):
         status = 502 if tried else 503
         raise HandshakeReject(status, last_error)
 
-    async def _connect(
-        self, backend: Backend, req: ClientRequest, sid: str
-    ) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
-        app = self.app
-        up = backend.upstream
-        request, nonce = upstream_request(
-            up.path, up.authority, req, sid, self.peer, secure_client=self.secure
-        )
-        timeouts = app.config.timeouts
-        transport, proto = await asyncio.wait_for(
-            app.loop.create_connection(
-                lambda: UpstreamHandshake(request), up.host, up.port, ssl=app.upstream_ssl(up)
-            ),
-            timeouts.connect,
-        )
-        try:
-            response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
-            subprotocol = check_upstream_response(response, nonce, req.subprotocols)
-        except BaseException:
-            transport.abort()
-            raise
-        return transport, proto, subprotocol, trailing
-
     def _start_session(
         self,
         pool: Pool,
@@ -289,7 +272,9 @@ class ClientConnection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         ctransport = self.transport
-        session = Session(self.app, pool, backend, sid, self.peer, ctransport, wtransport)
+        session = Session(
+            self.app, pool, backend, sid, self.peer, ctransport, wtransport, req, self.secure
+        )
         self.session = session
         ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, sid)))
         ctransport.set_protocol(ClientLeg(session))
@@ -304,6 +289,48 @@ class ClientConnection(asyncio.Protocol):
             session.connection_lost(None)
         _pause(ctransport, False)
         _pause(wtransport, False)
+
+
+async def open_upstream(
+    app: Balancer,
+    backend: Backend,
+    req: ClientRequest,
+    sid: str,
+    peer: str,
+    secure: bool,
+    resume: bool = False,
+) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
+    """Connect to a worker and complete wslb's own upgrade there.
+
+    Returns the transport (reading paused), its handshake protocol (holding any bytes that came
+    after the 101), the negotiated subprotocol and the bytes that came with the 101.
+    Raises OSError/TimeoutError (connect) or UpstreamReject (bad answer).
+    """
+    up = backend.upstream
+    request, nonce = upstream_request(
+        up.path, up.authority, req, sid, peer, secure_client=secure, resume=resume
+    )
+    timeouts = app.config.timeouts
+    transport, proto = await asyncio.wait_for(
+        app.loop.create_connection(
+            lambda: UpstreamHandshake(request), up.host, up.port, ssl=app.upstream_ssl(up)
+        ),
+        timeouts.connect,
+    )
+    try:
+        response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
+        subprotocol = check_upstream_response(response, nonce, req.subprotocols)
+    except BaseException:
+        transport.abort()
+        raise
+    return transport, proto, subprotocol, trailing
+
+
+class Retired(asyncio.Protocol):
+    """The old worker leg after a migration: its bytes are discarded, its end is no event."""
+
+    def data_received(self, data: bytes) -> None:
+        pass
 
 
 class UpstreamHandshake(asyncio.Protocol):
@@ -387,6 +414,8 @@ class Session(asyncio.Protocol):
         peer: str,
         ct: asyncio.Transport,
         wt: asyncio.Transport,
+        req: ClientRequest,
+        secure: bool,
     ) -> None:
         limits = app.config.limits
         self.app = app
@@ -410,6 +439,23 @@ class Session(asyncio.Protocol):
         )
         for t in (ct, wt):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
+        self.req = req
+        self.secure = secure
+        # Migration: a bounded log of the client bytes sent on the current worker leg and where
+        # each client message ends in it, to replay what the old worker had not processed.
+        self.migrations = 0
+        self.migrating = False
+        self.holding = False
+        self.replay_limit = REPLAY_LIMIT if pool.cfg.drain.migrate else 0
+        self.clog: bytearray | None = bytearray() if self.replay_limit else None
+        self.clog_base = 0  # absolute client-stream offset of clog[0]
+        self.leg_start_msg = 0  # client message index of the first one sent on this leg
+        if self.clog is not None:
+            self.cs.ends = []
+        # Counts of earlier worker legs (each leg has its own scanner).
+        self.prior_frames = 0
+        self.prior_messages = 0
+        self.prior_bytes = 0
         self.client_close_sent = False
         self.worker_close_sent = False
         self.client_gone = False
@@ -443,9 +489,98 @@ class Session(asyncio.Protocol):
         out = cs.feed(data)
         if out:
             self.wt.write(out)
+            if self.clog is not None:
+                self._log_client(out)
         if cs.notable:
             cs.notable = False
             self._client_event()
+
+    def _log_client(self, out: bytes) -> None:
+        clog = self.clog
+        assert clog is not None
+        clog += out
+        excess = len(clog) - self.replay_limit
+        if excess > 0:
+            del clog[:excess]
+            self.clog_base += excess
+            ends = self.cs.ends
+            if ends is not None and len(ends) > 1024:
+                del ends[:-1024]  # keep message ends bounded too
+
+    def replay_from(self, msg_index: int) -> bytes | None:
+        """Client bytes after the first ``msg_index`` messages of the session, or None when
+        they are no longer in the bounded log."""
+        ends = self.cs.ends
+        if ends is None or self.clog is None:
+            return None
+        start = 0
+        if msg_index > 0:
+            # ``ends`` holds the last message ends; index from the end.
+            back = self.cs.messages - msg_index
+            if back < 0 or back >= len(ends):
+                return None
+            start = ends[len(ends) - 1 - back]
+        if start < self.clog_base:
+            return None
+        return bytes(self.clog[start - self.clog_base :])
+
+    def hold(self) -> None:
+        """Stop reading the client (its bytes wait in the kernel: bounded by the socket)."""
+        self.holding = True
+        _pause(self.ct, True)
+
+    def release(self) -> None:
+        self.holding = False
+        _pause(self.ct, False)
+
+    def switch(
+        self,
+        target: Backend,
+        wt: asyncio.Transport,
+        proto: UpstreamHandshake,
+        trailing: bytes,
+        processed: int,
+    ) -> None:
+        """Move the worker leg to ``target``.
+
+        ``processed`` is how many client messages of the old leg the old worker handled; the
+        client messages after those are replayed on the new leg, before anything held.
+        """
+        replay = self.replay_from(self.leg_start_msg + processed)
+        if replay is None:
+            raise RuntimeError("client messages to replay are no longer buffered")
+        old_wt, old_backend = self.wt, self.backend
+        old_wt.set_protocol(Retired())
+        if self.cs.at_frame_boundary:
+            old_wt.write(build_frame(OP_CLOSE, close_payload(1001, "session moved"), mask=True))
+        old_wt.close()
+        self.prior_frames += self.ws.frames
+        self.prior_messages += self.ws.messages
+        self.prior_bytes += self.ws.bytes
+        limits = self.app.config.limits
+        self.ws = FrameScanner(
+            masked=False,
+            max_frame_size=max(limits.max_frame_size, limits.max_message_size),
+            max_message_size=1 << 62,
+        )
+        self.ws.own_ping = None
+        self.leg_start_msg += processed
+        self.wt = wt
+        wt.set_write_buffer_limits(high=limits.write_buffer_high)
+        self.pool.detach(old_backend)
+        self.backend = target
+        self.pool.attach(self.sid, target)
+        self.migrations += 1
+        wt.set_protocol(self)
+        data = trailing + bytes(proto.extra)
+        if replay:
+            wt.write(replay)
+        if data:
+            self.data_received(data)
+        if proto.eof:
+            self.connection_lost(None)
+        else:
+            _pause(wt, False)
 
     # -- flow control (worker leg) ---------------------------------------------------------
 
@@ -667,8 +802,11 @@ class Session(asyncio.Protocol):
             "since": self.started_wall,
             "messages": {
                 "client_to_worker": self.cs.messages,
-                "worker_to_client": self.ws.messages,
+                "worker_to_client": self.prior_messages + self.ws.messages,
             },
-            "frames": {"client_to_worker": self.cs.frames, "worker_to_client": self.ws.frames},
-            "migrations": 0,
+            "frames": {
+                "client_to_worker": self.cs.frames,
+                "worker_to_client": self.prior_frames + self.ws.frames,
+            },
+            "migrations": self.migrations,
         }

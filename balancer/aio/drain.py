@@ -1,0 +1,172 @@
+"""Draining a worker: no new sessions, live ones migrated or closed gracefully, then drained.
+
+States of a backend's drain (``Backend.admin_state``):
+
+    active --drain--> draining --all sessions gone--> drained --DELETE--> removed
+       ^                 |  \\--timeout: the rest closed with 1012--/
+       \\----undrain-----/------------------undrain------------------/
+
+While draining, the backend's ring points are skipped (it is not ready), so migration targets and
+new sessions go where the ring sends them as if it were gone. With ``migrate`` each live session
+is moved by the handoff protocol (``migrate.py``); a session that cannot move (the worker has no
+handoff API, a bound was exceeded, a step failed) gets the graceful fallback: it is closed with
+1012 once its current answer is over (the worker has been quiet for ``QUIET`` seconds after its
+last message, with no client message waiting for an answer), so the client reconnects with the
+same key and lands elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from balancer.aio.migrate import migrate
+from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend, Pool
+
+if TYPE_CHECKING:
+    from balancer.aio.app import Balancer
+    from balancer.aio.server import Session
+
+__all__ = ["DrainProgress", "Drainer"]
+
+log = logging.getLogger("wslb.drain")
+
+QUIET = 0.5  # seconds without worker messages that mark the end of an answer
+PARALLEL = 16  # migrations in flight per drain
+
+
+@dataclass
+class DrainProgress:
+    """What ``GET /backends/{id}`` shows of a drain."""
+
+    migrate: bool
+    timeout: float
+    started: float  # wall clock
+    sessions_at_start: int
+    migrated: int = 0
+    migration_failures: int = 0
+    closed_after_answer: int = 0
+    closed_at_timeout: int = 0
+    finished: float | None = None
+    left: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Drainer:
+    """Runs the drains of one balancer process."""
+
+    def __init__(self, app: Balancer) -> None:
+        self.app = app
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.progress: dict[str, DrainProgress] = {}
+
+    def start(self, pool: Pool, backend: Backend, migrate_: bool, timeout: float) -> DrainProgress:
+        """Begin draining (idempotent while a drain runs)."""
+        if backend.admin_state == DRAINING and backend.id in self.tasks:
+            return self.progress[backend.id]
+        backend.admin_state = DRAINING
+        progress = DrainProgress(migrate_, timeout, time.time(), backend.sessions)
+        self.progress[backend.id] = progress
+        self.tasks[backend.id] = self.app.loop.create_task(
+            self._run(pool, backend, progress), name=f"drain-{backend.id}"
+        )
+        log.info("draining %s (%d sessions, migrate=%s)", backend.id, backend.sessions, migrate_)
+        return progress
+
+    async def undrain(self, backend: Backend) -> None:
+        task = self.tasks.pop(backend.id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        backend.admin_state = ACTIVE
+
+    async def stop(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        for task in list(self.tasks.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.tasks.clear()
+
+    def view(self, backend: Backend) -> dict[str, Any] | None:
+        p = self.progress.get(backend.id)
+        if p is None:
+            return None
+        p.left = backend.sessions
+        return p.as_dict()
+
+    def _sessions(self, backend: Backend) -> list[Session]:
+        return [s for s in self.app.sessions if s.backend is backend and not s.closing]
+
+    async def _run(self, pool: Pool, backend: Backend, progress: DrainProgress) -> None:
+        loop = self.app.loop
+        t0 = loop.time()
+        deadline = t0 + progress.timeout
+        gate = asyncio.Semaphore(PARALLEL)
+
+        async def one(s: Session) -> None:
+            if progress.migrate:
+                async with gate:
+                    if s.backend is not backend or s.closing:
+                        return
+                    result = await migrate(self.app, s)
+                if result.ok:
+                    progress.migrated += 1
+                    return
+                progress.migration_failures += 1
+            if await close_after_answer(s, deadline):
+                progress.closed_after_answer += 1
+
+        try:
+            tasks = [loop.create_task(one(s)) for s in self._sessions(backend)]
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+                for t in tasks:
+                    t.cancel()
+            for s in self._sessions(backend):
+                s.close(1012, "worker drained")
+                progress.closed_at_timeout += 1
+            # Wait for the close handshakes, bounded.
+            close_by = loop.time() + self.app.config.timeouts.close + 1.0
+            while backend.sessions > 0 and loop.time() < close_by:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        finally:
+            if backend.admin_state == DRAINING:
+                backend.admin_state = DRAINED
+                progress.finished = time.time()
+                self.app.stats.drain_duration.observe(loop.time() - t0)
+                log.info(
+                    "drained %s in %.2fs: %d migrated, %d closed after their answer, %d at timeout",
+                    backend.id, loop.time() - t0, progress.migrated,
+                    progress.closed_after_answer, progress.closed_at_timeout,
+                )  # fmt: skip
+            self.tasks.pop(backend.id, None)
+
+
+async def close_after_answer(s: Session, deadline: float) -> bool:
+    """Close the session with 1012 once its current answer is over; False if time ran out."""
+    loop = asyncio.get_running_loop()
+    last_c, last_w = s.cs.messages, s.prior_messages + s.ws.messages
+    awaiting = False  # a client message has had no answer yet
+    while loop.time() + QUIET <= deadline:
+        await asyncio.sleep(QUIET)
+        if s.finished or s.closing:
+            return False
+        c, w = s.cs.messages, s.prior_messages + s.ws.messages
+        if w != last_w:
+            awaiting = False  # the worker is answering (or has answered)
+        elif c != last_c:
+            awaiting = True  # a prompt went out and nothing came back yet
+        quiet = c == last_c and w == last_w
+        last_c, last_w = c, w
+        if quiet and not awaiting and s.ws.at_message_boundary and not s.migrating:
+            s.close(1012, "worker draining")
+            return True
+    return False

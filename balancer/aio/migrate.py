@@ -1,0 +1,177 @@
+"""Live session migration: the handoff protocol of SPEC section 6, as a state machine.
+
+States of one migration (each step bounded in time; any failure before SWITCHED leaves the
+session on its old worker, reading again, and the caller falls back to the graceful close):
+
+    HOLDING   the client's stream is at a message boundary; wslb stops reading it, so client
+              messages wait in the kernel (bounded by the socket buffer)
+    FROZEN    ``POST /wslb/sessions/{sid}/freeze`` answered ``{state, sent S, received R}``;
+              the old worker sends nothing more on the session
+    FLUSHED   wslb has forwarded the old worker's messages up to S (they were in flight)
+    THAWED    the target (chosen by the ring as if the old worker were gone, or named by the
+              operator) accepted ``POST /wslb/sessions/{sid}/thaw {state}``
+    SWITCHED  a new worker leg is open with ``X-WSLB-Resume``; the client messages after R are
+              replayed on it, the old leg is closed, the client is read again
+
+The client sees one unbroken stream: no close, no lost or repeated message. The pause it sees
+is from FROZEN to the first message on the new leg, recorded as the migration pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from balancer.aio.server import Session, open_upstream
+from balancer.handshake import UpstreamReject
+from balancer.pool import Backend
+
+if TYPE_CHECKING:
+    from balancer.aio.app import Balancer
+
+__all__ = ["MigrationError", "MigrationResult", "migrate"]
+
+log = logging.getLogger("wslb.migrate")
+
+STEP_TIMEOUT = 5.0  # each HTTP step and the flush
+POLL = 0.002
+
+
+class MigrationError(Exception):
+    """A step failed; ``reason`` is a short label for metrics (no_api, freeze, flush, ...)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class MigrationResult:
+    ok: bool
+    reason: str
+    target: str | None = None
+    pause: float | None = None  # seconds from freeze to the first message on the new leg
+
+
+def _base(backend: Backend) -> str:
+    up = backend.upstream
+    return f"{'https' if up.secure else 'http'}://{up.authority}/wslb/sessions/"
+
+
+async def _post(app: Balancer, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    assert app.http is not None
+    async with app.http.post(
+        url, json=body, timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT)
+    ) as resp:
+        try:
+            data = await resp.json(content_type=None)
+        except ValueError:
+            data = None
+        return resp.status, data
+
+
+async def _until(cond: Any, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(POLL)
+    return True
+
+
+async def migrate(app: Balancer, s: Session, to: str | None = None) -> MigrationResult:
+    """Move a live session to another worker; see the module docstring."""
+    if s.migrating or s.closing or s.finished:
+        return MigrationResult(False, "busy")
+    s.migrating = True
+    old = s.backend
+    loop = asyncio.get_running_loop()
+    try:
+        result = await _migrate(app, s, old, to, loop)
+    except MigrationError as exc:
+        log.info("session %s: migration from %s failed: %s", s.sid, old.id, exc)
+        result = MigrationResult(False, exc.reason)
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        log.info("session %s: migration from %s failed: %s", s.sid, old.id, exc)
+        result = MigrationResult(False, "network")
+    finally:
+        s.migrating = False
+        if s.holding and not s.finished:
+            s.release()
+    app.stats.migrations[result.reason if not result.ok else "migrated"] += 1
+    if result.pause is not None:
+        app.stats.migration_pause.observe(result.pause)
+    return result
+
+
+async def _migrate(
+    app: Balancer, s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEventLoop
+) -> MigrationResult:
+    if s.clog is None:
+        raise MigrationError("disabled", "drain.migrate is false for this pool")
+    # HOLDING: wait for the client to finish a message in flight, then stop reading it.
+    if not await _until(lambda: s.cs.at_message_boundary or s.closing, STEP_TIMEOUT):
+        raise MigrationError("client_mid_message")
+    if s.closing:
+        raise MigrationError("closed")
+    s.hold()
+    # FROZEN
+    t_freeze = loop.time()
+    status, body = await _post(app, _base(old) + s.sid + "/freeze", {})
+    if status == 404:  # a worker without the handoff API, or one that lost the session
+        raise MigrationError("no_api", f"freeze answered {status}")
+    if status != 200 or not isinstance(body, dict):
+        raise MigrationError("freeze", f"freeze answered {status}")
+    try:
+        state, sent, received = body["state"], int(body["sent"]), int(body["received"])
+    except (KeyError, TypeError, ValueError):
+        raise MigrationError("freeze", "malformed freeze answer") from None
+    # FLUSHED: everything the old worker sent has reached the client.
+    if not await _until(lambda: s.ws.messages >= sent or s.closing, STEP_TIMEOUT):
+        raise MigrationError("flush", f"forwarded {s.ws.messages} of {sent}")
+    if s.closing or s.ws.messages != sent or not s.ws.at_message_boundary:
+        raise MigrationError("flush", f"forwarded {s.ws.messages}, worker sent {sent}")
+    leg_msgs = s.cs.messages - s.leg_start_msg
+    if not 0 <= received <= leg_msgs:
+        raise MigrationError("freeze", f"worker processed {received} of {leg_msgs}")
+    if s.replay_from(s.leg_start_msg + received) is None:
+        raise MigrationError("replay_overflow")
+    # THAWED: the target, chosen as if the old worker were gone.
+    target: Backend | None
+    if to is not None:
+        target = s.pool.backends.get(to)
+        if target is None or target is old or not target.ready:
+            raise MigrationError("target", f"{to} is not a ready backend of the pool")
+    else:
+        target = s.pool.select(s.sid, [old.id], loop.time())
+        if target is None:
+            raise MigrationError("no_target")
+    status, _ = await _post(app, _base(target) + s.sid + "/thaw", {"state": state})
+    if status != 200:
+        raise MigrationError("thaw", f"{target.id} answered {status}")
+    # SWITCHED
+    try:
+        wt, proto, _, trailing = await open_upstream(
+            app, target, s.req, s.sid, s.peer, s.secure, resume=True
+        )
+    except (OSError, TimeoutError, UpstreamReject) as exc:
+        raise MigrationError("resume", str(exc)) from None
+    if s.closing or s.finished:
+        wt.close()
+        raise MigrationError("closed")
+    s.switch(target, wt, proto, trailing, received)
+    s.release()
+    # The pause ends with the first message on the new leg; an idle session (no answer
+    # streaming) has none due, and its pause ends with the switch.
+    t_switch = loop.time()
+    ws = s.ws
+    if await _until(lambda: ws.messages > 0 or s.closing, 0.2) and ws.messages > 0:
+        t_switch = loop.time()
+    pause = t_switch - t_freeze
+    log.info("session %s moved %s -> %s in %.1f ms", s.sid, old.id, target.id, pause * 1e3)
+    return MigrationResult(True, "migrated", target.id, pause)

@@ -1,0 +1,137 @@
+"""The admin API's own description (``GET /openapi.json``), OpenAPI 3.1."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OPENAPI"]
+
+
+def _op(
+    summary: str,
+    ok: str = "200",
+    body: dict[str, Any] | None = None,
+    errors: tuple[str, ...] = ("401",),
+) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {ok: {"description": "OK", "content": {"application/json": {}}}},
+    }
+    for code in errors:
+        op["responses"][code] = {"$ref": f"#/components/responses/E{code}"}
+    if body is not None:
+        op["requestBody"] = {"content": {"application/json": {"schema": body}}}
+    return op
+
+
+_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_SID = {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "wslb admin API", "version": "1"},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "properties": {"error": {"type": "string"}},
+                "required": ["error"],
+            },
+        },
+        "responses": {
+            f"E{c}": {
+                "description": d,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            }
+            for c, d in (
+                ("400", "Bad request"),
+                ("401", "Missing or wrong bearer token"),
+                ("404", "Not found"),
+                ("409", "Conflict with the current state"),
+            )
+        },
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/healthz": {"get": {**_op("Liveness", errors=()), "security": []}},
+        "/readyz": {
+            "get": {**_op("Readiness (503 while shutting down)", errors=()), "security": []}
+        },
+        "/metrics": {"get": _op("Prometheus metrics (text format)")},
+        "/backends": {
+            "get": _op("Backends with state, weights, sessions, signals, drain progress"),
+            "post": _op(
+                "Add a backend",
+                "201",
+                {
+                    "type": "object",
+                    "required": ["id", "url"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "url": {"type": "string"},
+                        "weight": {"type": "number"},
+                        "pool": {"type": "string"},
+                        "metrics_url": {"type": "string"},
+                    },
+                },
+                ("400", "401", "404", "409"),
+            ),
+        },
+        "/backends/{id}": {
+            "parameters": [_ID],
+            "get": _op("One backend", errors=("401", "404")),
+            "delete": _op("Remove a drained backend", errors=("401", "404", "409")),
+        },
+        "/backends/{id}/drain": {
+            "parameters": [_ID],
+            "post": _op(
+                "Drain: no new sessions; live ones migrated or closed 1012",
+                "202",
+                {
+                    "type": "object",
+                    "properties": {
+                        "migrate": {"type": "boolean"},
+                        "timeout": {"type": ["string", "number"]},
+                    },
+                },
+                ("400", "401", "404", "409"),
+            ),
+        },
+        "/backends/{id}/undrain": {
+            "parameters": [_ID],
+            "post": _op("Back to active", errors=("401", "404")),
+        },
+        "/sessions": {
+            "get": {
+                **_op("Live sessions"),
+                "parameters": [
+                    {
+                        "name": "backend",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                    }
+                ],
+            }
+        },
+        "/sessions/{sid}": {
+            "parameters": [_SID],
+            "get": _op("One live session", errors=("401", "404")),
+        },
+        "/sessions/{sid}/migrate": {
+            "parameters": [_SID],
+            "post": _op(
+                "Move one live session (to a named backend, or where the ring says)",
+                body={"type": "object", "properties": {"to": {"type": "string"}}},
+                errors=("400", "401", "404", "409"),
+            ),
+        },
+        "/reload": {
+            "post": _op(
+                "Reread the config file (backends and weights apply)", errors=("400", "401")
+            )
+        },
+        "/openapi.json": {"get": _op("This document")},
+    },
+}
