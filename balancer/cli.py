@@ -1,4 +1,4 @@
-"""Command line: ``wslb --config F``, ``wslb check --config F``."""
+"""Command line: ``wslb --config F``, ``wslb check --config F``, ``wslb ctl ...``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ def _check(path: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wslb`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["ctl"]:
+        from balancer import ctl
+
+        return ctl.main(args[1:])
     parser = argparse.ArgumentParser(
         prog="wslb", description="WebSocket-aware load balancer for LLM serving"
     )

@@ -207,8 +207,8 @@ class Admin:
             timeout = parse_duration(body.get("timeout", pool.cfg.drain.timeout))
         except (ValueError, TypeError) as exc:
             return _error(400, f"timeout: {exc}")
-        if b.admin_state == DRAINED:
-            return _error(409, f"backend {b.id!r} is already drained")
+        if b.admin_state == DRAINED:  # nothing to do: drains are idempotent
+            return web.json_response(self._backend_json(self._view(b.id)))
         self.app.drainer.start(pool, b, migrate, timeout)
         return web.json_response(self._backend_json(self._view(b.id)), status=202)
 

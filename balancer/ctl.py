@@ -1,0 +1,211 @@
+"""``wslb ctl``: the operator's client for the admin API.
+
+Tables for people, ``--json`` for scripts. ``drain ID --wait`` redraws a progress bar until the
+backend is drained. Exit status: 0 on success, 1 when the API refused (its error is printed),
+2 for usage errors, 3 when the admin API cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["main"]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Client:
+    """A minimal synchronous JSON client (no dependency: ctl must start fast)."""
+
+    def __init__(self, base: str, token: str | None, timeout: float = 10.0) -> None:
+        self.base = base.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                message = json.loads(raw).get("error", raw.decode(errors="replace"))
+            except (ValueError, AttributeError):
+                message = raw.decode(errors="replace")
+            raise ApiError(exc.code, f"HTTP {exc.code}: {message}") from None
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextIO) -> None:
+    """Print rows as an aligned text table with the given (key, heading) columns."""
+    cells = [[h for _, h in columns]]
+    for r in rows:
+        cells.append(["" if r.get(k) is None else _fmt(r.get(k)) for k, _ in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return str(v)
+
+
+def _backend_rows(backends: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for b in backends:
+        sig = b.get("signals") or {}
+        rows.append(
+            {
+                **b,
+                "gpu": sig.get("gpu_util"),
+                "kv": sig.get("kv_cache_usage"),
+                "eff": b.get("effective_weight"),
+                "stale": b.get("signals_stale"),
+            }
+        )
+    return rows
+
+
+def bar(done: int, total: int, width: int = 30) -> str:
+    filled = width if total <= 0 else int(width * done / total)
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float = 0.2) -> int:
+    """Poll the backend until drained, redrawing one progress line."""
+    tty = out.isatty()
+    while True:
+        b = client.call("GET", f"/backends/{bid}")
+        d = b.get("drain") or {}
+        total = int(d.get("sessions_at_start") or 0)
+        left = int(b.get("sessions") or 0)
+        line = (
+            f"{bid} {b['state']:<8} {bar(total - left, total)} {left} left, "
+            f"{d.get('migrated', 0)} migrated, "
+            f"{d.get('closed_after_answer', 0) + d.get('closed_at_timeout', 0)} closed"
+        )
+        if not as_json:
+            out.write(("\r" + line) if tty else (line + "\n"))
+            out.flush()
+        if b["state"] == "drained":
+            if as_json:
+                out.write(json.dumps(b) + "\n")
+            elif tty:
+                out.write("\n")
+            return 0
+        if b["state"] == "active":
+            out.write(f"\n{bid} was undrained\n")
+            return 1
+        time.sleep(poll)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``wslb ctl ...``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="wslb ctl", description="operate a running wslb")
+    p.add_argument(
+        "--admin",
+        default=os.environ.get("WSLB_ADMIN_URL", "http://127.0.0.1:8081"),
+        help="admin API base URL (env WSLB_ADMIN_URL)",
+    )
+    p.add_argument("--token", default=os.environ.get("WSLB_ADMIN_TOKEN") or None)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("backends", help="list backends")
+    ss = sub.add_parser("sessions", help="list live sessions")
+    ss.add_argument("--backend")
+    dr = sub.add_parser("drain", help="drain a backend")
+    dr.add_argument("id")
+    dr.add_argument("--wait", action="store_true", help="show progress until drained")
+    dr.add_argument("--no-migrate", action="store_true", help="close sessions instead (1012)")
+    dr.add_argument("--timeout", help="e.g. 60s")
+    un = sub.add_parser("undrain", help="put a backend back to active")
+    un.add_argument("id")
+    mg = sub.add_parser("migrate", help="move one live session")
+    mg.add_argument("sid")
+    mg.add_argument("--to", help="target backend (default: where the ring sends it)")
+    sub.add_parser("reload", help="reread the config file")
+    args = p.parse_args(list(argv))
+    client = Client(args.admin, args.token)
+    out = sys.stdout
+    try:
+        if args.cmd == "backends":
+            data = client.call("GET", "/backends")
+            if not args.json:
+                table(
+                    _backend_rows(data),
+                    [("id", "ID"), ("state", "STATE"), ("sessions", "SESSIONS"),
+                     ("weight", "WEIGHT"), ("eff", "EFFECTIVE"), ("gpu", "GPU"), ("kv", "KV"),
+                     ("stale", "STALE"), ("url", "URL")],
+                    out,
+                )  # fmt: skip
+                return 0
+        elif args.cmd == "sessions":
+            q = f"?backend={args.backend}" if args.backend else ""
+            data = client.call("GET", "/sessions" + q)
+            if not args.json:
+                rows = [
+                    {**s, "in": s["messages"]["client_to_worker"],
+                     "out": s["messages"]["worker_to_client"],
+                     "age": f"{max(0.0, time.time() - s['since']):.0f}s"}
+                    for s in data
+                ]  # fmt: skip
+                table(
+                    rows,
+                    [("id", "SESSION"), ("backend", "BACKEND"), ("client", "CLIENT"),
+                     ("age", "AGE"), ("in", "MSGS IN"), ("out", "MSGS OUT"),
+                     ("migrations", "MIGRATIONS")],
+                    out,
+                )  # fmt: skip
+                return 0
+        elif args.cmd == "drain":
+            body: dict[str, Any] = {"migrate": not args.no_migrate}
+            if args.timeout:
+                body["timeout"] = args.timeout
+            data = client.call("POST", f"/backends/{args.id}/drain", body)
+            if args.wait:
+                return drain_wait(client, args.id, out, args.json)
+            if not args.json:
+                out.write(f"{args.id}: {data['state']} ({data['sessions']} sessions)\n")
+                return 0
+        elif args.cmd == "undrain":
+            data = client.call("POST", f"/backends/{args.id}/undrain", {})
+            if not args.json:
+                out.write(f"{args.id}: {data['state']}\n")
+                return 0
+        elif args.cmd == "migrate":
+            body = {"to": args.to} if args.to else {}
+            data = client.call("POST", f"/sessions/{args.sid}/migrate", body)
+            if not args.json:
+                out.write(f"{args.sid}: moved to {data['backend']} (pause {data['pause_ms']} ms)\n")
+                return 0
+        elif args.cmd == "reload":
+            data = client.call("POST", "/reload", {})
+        out.write(json.dumps(data, indent=None if args.json else 2) + "\n")
+        return 0
+    except ApiError as exc:
+        print(f"wslb ctl: {exc}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"wslb ctl: cannot reach {args.admin}: {exc}", file=sys.stderr)
+        return 3
