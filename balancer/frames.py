@@ -287,7 +287,9 @@ class FrameScanner:
                 self.frames += 1
                 if opcode == OP_PONG:
                     if self.own_ping is not None and payload == self.own_ping:
-                        # The answer to wslb's own heartbeat: consume it.
+                        # The answer to wslb's own heartbeat: consume it (and do not count it:
+                        # ``frames`` counts what is forwarded).
+                        self.frames -= 1
                         self.own_ping = None
                         self.pong_received = True
                         self.notable = True

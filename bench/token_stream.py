@@ -1,0 +1,1109 @@
+#!/usr/bin/env python3
+"""Token-stream benchmark: CPU microseconds per forwarded frame, and frames/s, of a WebSocket proxy.
+
+Starts reference workers (``backends.worker``), the proxy under test (a ``Target``; wslb by
+default) in front of them, and load-generator client processes, all on 127.0.0.1. Each client
+session says ``prompt`` with a large ``max_tokens`` and re-prompts when the answer is done (one
+prompt is always queued, so a stream never pauses); the worker sends one WebSocket frame per
+token.
+
+- ``stream``: ``--sessions`` sessions, the workers pace each stream at ``--rate`` tokens/s, so
+  the offered load is sessions x rate frames/s, one frame per TCP segment (the DESIGN.md load).
+- ``saturate``: ``--sat-sessions`` sessions against unpaced workers: as many frames as the
+  machine can push through.
+
+After ``--warmup`` seconds, ``--repeat`` consecutive windows of ``--duration`` seconds are
+measured. Per window: frames forwarded (the proxy's own counters when it has them, wslb's
+``wslb_frames_total``; otherwise what the clients sent and received), the proxy's CPU seconds
+(user + system of its process and children), hence CPU microseconds per frame, frames/s, CPU
+utilisation and RSS. Clients count frames without decoding JSON and check, at each expected
+``done``, that exactly ``max_tokens`` tokens came before it (a lost or duplicated frame shows as a
+"bad" count). In stream mode they also record client-observed inter-token gaps (jitter).
+
+Not a test: ``pytest`` only collects ``tests/``. Run ``python bench/token_stream.py --help``.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import array
+import asyncio
+import contextlib
+import ctypes
+import json
+import math
+import os
+import platform
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, ClassVar, cast
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+GAP_BIN_S = 1e-4  # inter-token gaps are histogrammed in 0.1 ms bins
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Procs:
+    """Child processes, each the leader of its own process group; all killed on exit.
+
+    Own sessions keep a terminal's Ctrl-C away from the children: the script gets it and
+    kills them itself, newest first (clients, then the proxy, then the workers).
+    """
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self._procs: list[tuple[subprocess.Popen[bytes], float]] = []
+
+    def spawn(
+        self, name: str, cmd: Sequence[str], *, pipes: bool = False, term_timeout: float = 5.0
+    ) -> subprocess.Popen[bytes]:
+        """Start ``cmd`` in the repository root; stderr (and stdout unless ``pipes``) to a log.
+
+        ``term_timeout``: seconds between SIGTERM and SIGKILL at cleanup (0: SIGKILL at once).
+        """
+        with (self.logdir / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                list(cmd),
+                cwd=ROOT,
+                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if pipes else log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        self._procs.append((proc, term_timeout))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.logdir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        for proc, term_timeout in reversed(self._procs):
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            if proc.poll() is None:
+                sig = signal.SIGTERM if term_timeout > 0 else signal.SIGKILL
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(term_timeout if term_timeout > 0 else 5.0)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            # Whatever the leader left behind in its group goes too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._procs.clear()
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
+
+
+def http_get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """A process and its descendants (a multi-process proxy is measured whole)."""
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the processes and their descendants (10 ms resolution)."""
+    total = 0.0
+    for pid in pids:
+        for p in tree(pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+    return total
+
+
+def rss_bytes(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        for p in tree(pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.memory_info().rss
+    return total
+
+
+# -- targets: the proxy under test -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrameCounts:
+    """Frames a proxy forwarded, from its own counters."""
+
+    to_client: int
+    to_worker: int
+
+    @property
+    def total(self) -> int:
+        return self.to_client + self.to_worker
+
+
+class Target(abc.ABC):
+    """A proxy under test: a process to measure (with its children) and a URL clients dial.
+
+    To benchmark another proxy (nginx, HAProxy), subclass this, start it in ``start`` through
+    ``procs`` (so it is cleaned up) with the given worker URLs as its upstreams, route by the
+    ``session`` query parameter if it can, and add the class to ``TARGETS``. A proxy without
+    frame counters returns None from ``frames``; the clients' counts are used instead.
+    """
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def start(self, procs: Procs, backends: Sequence[str]) -> None:
+        """Start the proxy in front of ``backends`` (``ws://`` URLs) and wait until it is ready."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """``ws://`` URL the clients connect to (``?session=ID`` is appended)."""
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int:
+        """The process whose CPU and RSS (with its descendants') are measured."""
+
+    def frames(self) -> FrameCounts | None:
+        """Frames forwarded so far, per the proxy itself; None if it does not count them."""
+        return None
+
+    def problems(self) -> list[str]:
+        """Warnings or errors the proxy logged during the run."""
+        return []
+
+
+class WslbTarget(Target):
+    """wslb (``python -m balancer``), one pool with consistent hashing over the workers."""
+
+    name = "wslb"
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.admin_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._procs: Procs | None = None
+
+    def start(self, procs: Procs, backends: Sequence[str]) -> None:
+        self.port, self.admin_port = free_port(), free_port()
+        config = {
+            "listen": f"127.0.0.1:{self.port}",
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
+            "pools": [
+                {
+                    "name": "chat",
+                    "balance": "consistent",
+                    "backends": [{"id": f"w{i + 1}", "url": u} for i, u in enumerate(backends)],
+                }
+            ],
+            "timeouts": {"ping_interval": "20s"},
+        }
+        path = procs.logdir / "wslb.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self._procs = procs
+        self._proc = proc = procs.spawn(
+            "wslb",
+            [sys.executable, "-m", "balancer", "--config", str(path), "--log-level", "warning"],
+            term_timeout=10.0,
+        )
+        try:
+            wait_port(self.port, proc)
+            wait_port(self.admin_port, proc)
+            deadline = time.monotonic() + 20
+            while True:
+                backends_state = json.loads(self._admin("/backends"))
+                if all(b.get("state") == "active" for b in backends_state):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"wslb backends not active: {backends_state}")
+                time.sleep(0.05)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            raise RuntimeError(f"wslb did not start: {exc}\n{procs.log_tail('wslb')}") from None
+
+    def _admin(self, path: str) -> str:
+        return http_get(f"http://127.0.0.1:{self.admin_port}{path}")
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def frames(self) -> FrameCounts:
+        counts = {"worker_to_client": 0.0, "client_to_worker": 0.0}
+        for line in self._admin("/metrics").splitlines():
+            if line.startswith("wslb_frames_total{"):
+                labels, value = line.rsplit(" ", 1)
+                for direction in counts:
+                    if f'direction="{direction}"' in labels:
+                        counts[direction] = float(value)
+        return FrameCounts(int(counts["worker_to_client"]), int(counts["client_to_worker"]))
+
+    def problems(self) -> list[str]:
+        if self._procs is None:
+            return []
+        text = self._procs.log_tail("wslb", lines=10_000)
+        keys = ("WARNING", "ERROR", "CRITICAL", "Traceback")
+        return [line for line in text.splitlines() if any(k in line for k in keys)]
+
+
+class RelayTarget(Target):
+    """Baseline: a bare uvloop TCP byte relay (this script with ``--relay-spec``).
+
+    It knows nothing of WebSocket: the upgrade and every frame pass through as bytes, and each
+    connection goes to the next worker in turn. What the DESIGN.md calls "a bare uvloop byte
+    relay in Python": the floor for a Python proxy's CPU per frame on this machine.
+    """
+
+    name = "relay"
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, procs: Procs, backends: Sequence[str]) -> None:
+        self.port = free_port()
+        ups = []
+        for u in backends:
+            parts = urllib.parse.urlsplit(u)
+            ups.append([parts.hostname or "127.0.0.1", parts.port or 80])
+        spec = json.dumps({"port": self.port, "upstreams": ups})
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--relay-spec", spec]
+        self._proc = proc = procs.spawn("relay", cmd)
+        try:
+            wait_port(self.port, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"relay did not start: {exc}\n{procs.log_tail('relay')}") from None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+
+class _Pipe(asyncio.Protocol):
+    """One leg of the bare relay: writes what it receives to the other leg's transport."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer: asyncio.Transport | None = None
+        self.pending: list[bytes] = []
+        self.gone = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is not None:
+            self.peer.write(data)
+        else:
+            self.pending.append(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        if self.peer is not None:
+            self.peer.close()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and not self.peer.is_closing():
+            self.peer.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and not self.peer.is_closing():
+            self.peer.resume_reading()
+
+
+async def _relay(spec: dict[str, Any]) -> None:
+    loop = asyncio.get_running_loop()
+    upstreams = [tuple(u) for u in spec["upstreams"]]
+    turn = 0
+    linking: set[asyncio.Task[None]] = set()  # strong references until each link is made
+
+    async def link(down: _Pipe, host: str, port: int) -> None:
+        try:
+            up_t, up = await loop.create_connection(_Pipe, host, port)
+        except OSError:
+            if down.transport is not None:
+                down.transport.close()
+            return
+        if down.gone or down.transport is None:
+            up_t.close()
+            return
+        up.peer, down.peer = down.transport, up_t
+        for chunk in down.pending:
+            up_t.write(chunk)
+        down.pending.clear()
+
+    def accept() -> _Pipe:
+        nonlocal turn
+        down = _Pipe()
+        host, port = upstreams[turn % len(upstreams)]
+        turn += 1
+        task = loop.create_task(link(down, host, port))
+        linking.add(task)
+        task.add_done_callback(linking.discard)
+        return down
+
+    server = await loop.create_server(accept, "127.0.0.1", spec["port"], backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def relay_main(spec_json: str) -> int:
+    import uvloop
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_relay(json.loads(spec_json)))
+    return 0
+
+
+TARGETS: dict[str, type[Target]] = {"wslb": WslbTarget, "relay": RelayTarget}
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+
+def start_workers(procs: Procs, n: int, tokens_per_s: float) -> tuple[list[int], list[str]]:
+    """Start ``n`` reference workers; return their pids and ``ws://`` URLs."""
+    started: list[tuple[str, int, subprocess.Popen[bytes]]] = []
+    for i in range(n):
+        wid, port = f"w{i + 1}", free_port()
+        cmd = [
+            sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid,
+            "--tokens-per-s", repr(float(tokens_per_s)),
+            "--max-batch", "1000000",  # never slow a stream down for batch size
+            "--prefill-ms-per-token", "0",  # re-prompts start decoding at once
+            "--kv-capacity-tokens", str(10**9),  # no eviction work
+            "--log-level", "warning",
+        ]  # fmt: skip
+        started.append((wid, port, procs.spawn(f"worker-{wid}", cmd)))
+    for wid, port, proc in started:
+        try:
+            wait_port(port, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = procs.log_tail(f"worker-{wid}")
+            raise RuntimeError(f"worker {wid} did not start: {exc}\n{tail}") from None
+    return [p.pid for _, _, p in started], [f"ws://127.0.0.1:{port}/ws" for _, port, _ in started]
+
+
+# -- load-generator client (runs in its own process) -----------------------------------------
+
+
+class _ClientStats:
+    __slots__ = ("bad", "closed", "errors", "failed", "gaps", "open", "recv", "sent", "stopping")
+
+    def __init__(self) -> None:
+        self.recv = 0  # data frames received
+        self.sent = 0  # data frames sent (prompts)
+        self.open = 0
+        self.failed = 0  # sessions that could not connect
+        self.closed = 0  # sessions that ended while the benchmark ran
+        self.bad = 0  # unexpected messages: a frame lost, duplicated or out of place
+        self.errors: list[str] = []
+        self.gaps = array.array("d")  # inter-token gaps (s) since the last snapshot
+        self.stopping = False
+
+    def note(self, what: str) -> None:
+        if len(self.errors) < 5:
+            self.errors.append(what)
+
+    def snapshot(self) -> dict[str, Any]:
+        gaps = self.gaps
+        hist = Counter(int(g / GAP_BIN_S) for g in gaps)
+        snap = {
+            "recv": self.recv,
+            "sent": self.sent,
+            "open": self.open,
+            "failed": self.failed,
+            "closed": self.closed,
+            "bad": self.bad,
+            "errors": self.errors,
+            "gap_hist": {str(k): v for k, v in hist.items()},
+            "gap_max": max(gaps) if gaps else 0.0,
+        }
+        del gaps[:]  # in place: the sessions hold its bound append
+        return snap
+
+
+async def _client(spec: dict[str, Any]) -> None:
+    """Open ``spec["sessions"]`` sessions to ``spec["url"]`` and keep them streaming.
+
+    Protocol with the parent over stdin/stdout, one line each: prints ``ready {...}`` once every
+    session has connected (or failed); answers each ``snap`` line with the counters as JSON;
+    exits at end of input.
+    """
+    import aiohttp  # only the client processes need it
+
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+
+    url: str = spec["url"]
+    n: int = spec["sessions"]
+    max_tokens: int = spec["max_tokens"]
+    jitter: bool = spec["jitter"]
+    ramp: float = spec["ramp_s"]
+    prefix: str = spec["prefix"]
+    prompt = json.dumps(
+        {
+            "type": "prompt",
+            "messages": [{"role": "user", "content": "benchmark"}],  # replaces the context
+            "max_tokens": max_tokens,
+        },
+        separators=(",", ":"),
+    )
+    st = _ClientStats()
+    settled = asyncio.Event()
+    sem = asyncio.Semaphore(64)
+    text = aiohttp.WSMsgType.TEXT
+    ws_timeout = aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0)
+
+    def settle() -> None:
+        if st.open + st.failed + st.closed >= n:
+            settled.set()
+
+    async def session(http: aiohttp.ClientSession, i: int) -> None:
+        # Even start times over the ramp: streams get spread phases, as real ones would.
+        await asyncio.sleep(ramp * i / n)
+        try:
+            async with sem:
+                ws = await http.ws_connect(
+                    url,
+                    params={"session": f"{prefix}-{i}"},
+                    autoping=True,
+                    compress=0,
+                    max_msg_size=0,
+                    decode_text=False,  # bytes: no UTF-8 decoding per frame
+                    timeout=ws_timeout,
+                )
+                hello = await asyncio.wait_for(ws.receive(), 10)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            st.failed += 1
+            st.note(f"connect: {exc!r}")
+            settle()
+            return
+        if hello.type is not text or not hello.data.startswith(b'{"type":"hello"'):
+            st.bad += 1
+            st.note(f"first message: {hello!r}"[:200])
+        st.open += 1
+        settle()
+        receive, send = ws.receive, ws.send_str
+        clock, record = loop.time, st.gaps.append
+        try:
+            await send(prompt)
+            await send(prompt)  # one always queued behind the current answer: no pause
+            st.sent += 2
+            count, last = 0, 0.0
+            while True:
+                msg = await receive()
+                if msg.type is not text:
+                    if not st.stopping:
+                        st.note(f"session {i} ended: {msg.type!r} {msg.data!r} {msg.extra!r}")
+                    break
+                st.recv += 1
+                count += 1
+                if count > max_tokens:  # must be the answer's done
+                    if not msg.data.startswith(b'{"type":"done"'):
+                        st.bad += 1
+                        st.note(f"session {i}: expected done, got {msg.data[:80]!r}")
+                    count, last = 0, 0.0  # the next gap includes a prefill: not recorded
+                    await send(prompt)
+                    st.sent += 1
+                elif jitter:
+                    now = clock()
+                    if last:
+                        record(now - last)
+                    last = now
+        except (aiohttp.ClientError, OSError) as exc:
+            st.note(f"session {i}: {exc!r}")
+        finally:
+            st.open -= 1
+            if not st.stopping:
+                st.closed += 1
+
+    out = sys.stdout
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        tasks = [asyncio.create_task(session(http, i)) for i in range(n)]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(settled.wait(), ramp + 60)
+        out.write("ready " + json.dumps({"open": st.open, "failed": st.failed}) + "\n")
+        out.flush()
+        while line := await stdin.readline():
+            if line.strip() == b"snap":
+                out.write(json.dumps(st.snapshot()) + "\n")
+                out.flush()
+        st.stopping = True
+        for t in tasks:
+            t.cancel()
+    os._exit(0)  # skip closing hundreds of WebSockets one by one
+
+
+def client_main(spec_json: str) -> int:
+    import uvloop
+
+    uvloop.run(_client(json.loads(spec_json)))
+    return 0
+
+
+class ClientProc:
+    """The parent's handle on one client process: line protocol with timeouts."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sessions: int) -> None:
+        self.proc = proc
+        self.sessions = sessions
+        self._buf = b""
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def readline(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"client {self.proc.pid} did not answer in {timeout:g}s")
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise RuntimeError(f"client {self.proc.pid} exited ({self.proc.poll()})")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+
+def start_clients(
+    procs: Procs, url: str, sessions: int, n: int, max_tokens: int, jitter: bool, ramp: float
+) -> list[ClientProc]:
+    clients = []
+    for c in range(n):
+        share = sessions // n + (1 if c < sessions % n else 0)
+        if share == 0:
+            continue
+        spec = {
+            "url": url,
+            "sessions": share,
+            "prefix": f"bench-c{c}",
+            "max_tokens": max_tokens,
+            "jitter": jitter,
+            "ramp_s": ramp,
+        }
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--client-spec", json.dumps(spec)]
+        proc = procs.spawn(f"client-{c}", cmd, pipes=True, term_timeout=0)
+        clients.append(ClientProc(proc, share))
+    return clients
+
+
+# -- measurement -----------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    t: float
+    cpu: dict[str, float]
+    proxy: FrameCounts | None
+    clients: list[dict[str, Any]]
+
+    def client_sum(self, key: str) -> int:
+        return sum(int(c[key]) for c in self.clients)
+
+
+@dataclass
+class Window:
+    """One measured window."""
+
+    seconds: float
+    frames: int
+    """Frames forwarded, both directions (the proxy's counters, else the clients')."""
+    frames_source: str
+    proxy_to_client: int | None
+    client_received: int
+    client_sent: int
+    cpu_s: dict[str, float]
+    """CPU seconds by role: target, workers, clients."""
+    target_rss_mb: float
+    gap_ms: dict[str, float] | None
+    """Client-observed inter-token gap percentiles (stream mode)."""
+
+    @property
+    def frames_per_s(self) -> float:
+        return self.frames / self.seconds
+
+    @property
+    def us_per_frame(self) -> float:
+        return self.cpu_s["target"] * 1e6 / self.frames if self.frames else math.nan
+
+    def cpu_pct(self, role: str) -> float:
+        return 100.0 * self.cpu_s[role] / self.seconds
+
+    def role_us_per_frame(self, role: str) -> float:
+        return self.cpu_s[role] * 1e6 / self.frames if self.frames else math.nan
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    target: str
+    sessions: int
+    sessions_open: int
+    rate: float | None
+    offered_fps: float | None
+    workers: int
+    clients: int
+    max_tokens: int
+    idle_rss_mb: float
+    windows: list[Window] = field(default_factory=list)
+    bad_frames: int = 0
+    sessions_failed: int = 0
+    sessions_closed: int = 0
+    proxy_minus_client_frames: int | None = None
+    """Frames the proxy sent to clients minus frames clients got, over all windows."""
+    warnings: list[str] = field(default_factory=list)
+
+    def stat(self, values: Sequence[float]) -> dict[str, float]:
+        vals = [v for v in values if not math.isnan(v)]
+        if not vals:
+            return {"median": math.nan, "min": math.nan, "max": math.nan}
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+    def summary(self) -> dict[str, Any]:
+        ws = self.windows
+        return {
+            "us_per_frame": self.stat([w.us_per_frame for w in ws]),
+            "frames_per_s": self.stat([w.frames_per_s for w in ws]),
+            "client_recv_per_s": self.stat([w.client_received / w.seconds for w in ws]),
+            "target_cpu_pct": self.stat([w.cpu_pct("target") for w in ws]),
+            "workers_cpu_pct": self.stat([w.cpu_pct("workers") for w in ws]),
+            "clients_cpu_pct": self.stat([w.cpu_pct("clients") for w in ws]),
+            "workers_us_per_frame": self.stat([w.role_us_per_frame("workers") for w in ws]),
+            "clients_us_per_frame": self.stat([w.role_us_per_frame("clients") for w in ws]),
+            "target_rss_mb": self.stat([w.target_rss_mb for w in ws]),
+            "gap_p50_ms": self.stat([w.gap_ms["p50"] for w in ws if w.gap_ms]),
+            "gap_p99_ms": self.stat([w.gap_ms["p99"] for w in ws if w.gap_ms]),
+            "gap_max_ms": self.stat([w.gap_ms["max"] for w in ws if w.gap_ms]),
+        }
+
+
+def take_sample(target: Target, clients: list[ClientProc], pids: dict[str, list[int]]) -> Sample:
+    """Proxy counters, client counters, then CPU: the same order at both ends of a window."""
+    proxy = target.frames()
+    for c in clients:
+        c.send("snap")
+    snaps = [json.loads(c.readline(30)) for c in clients]
+    cpu = {role: cpu_seconds(p) for role, p in pids.items()}
+    return Sample(time.monotonic(), cpu, proxy, snaps)
+
+
+def gap_percentiles(snaps: list[dict[str, Any]]) -> dict[str, float] | None:
+    hist: Counter[int] = Counter()
+    for s in snaps:
+        hist.update({int(k): v for k, v in s["gap_hist"].items()})
+    n = sum(hist.values())
+    if n == 0:
+        return None
+    out: dict[str, float] = {"n": float(n)}
+    for name, q in (("p50", 0.50), ("p99", 0.99)):
+        rank, seen = q * n, 0
+        for b in sorted(hist):
+            seen += hist[b]
+            if seen >= rank:
+                out[name] = (b + 0.5) * GAP_BIN_S * 1e3
+                break
+    out["max"] = max(float(s["gap_max"]) for s in snaps) * 1e3
+    return out
+
+
+def make_window(a: Sample, b: Sample, target: Target) -> Window:
+    recv = b.client_sum("recv") - a.client_sum("recv")
+    sent = b.client_sum("sent") - a.client_sum("sent")
+    if a.proxy is not None and b.proxy is not None:
+        frames, source = b.proxy.total - a.proxy.total, target.name
+        to_client: int | None = b.proxy.to_client - a.proxy.to_client
+    else:
+        frames, source, to_client = recv + sent, "clients", None
+    return Window(
+        seconds=b.t - a.t,
+        frames=frames,
+        frames_source=source,
+        proxy_to_client=to_client,
+        client_received=recv,
+        client_sent=sent,
+        cpu_s={role: b.cpu[role] - a.cpu[role] for role in b.cpu},
+        target_rss_mb=rss_bytes([target.pid]) / 2**20,
+        gap_ms=gap_percentiles(b.clients),
+    )
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> ModeResult:
+    stream = mode == "stream"
+    sessions = args.sessions if stream else args.sat_sessions
+    rate = args.rate if stream else 0.0
+    run_s = args.warmup + args.repeat * args.duration
+    if args.max_tokens:
+        max_tokens = args.max_tokens
+    elif stream:
+        max_tokens = min(1_000_000, int(rate * (run_s + 30)))  # one answer outlasts the run
+    else:
+        max_tokens = 5000  # re-prompt often: bounded context in the workers
+    n_clients = max(1, min(args.clients, sessions))
+    target = TARGETS[args.target]()
+    with contextlib.ExitStack() as stack:
+        logdir = Path(args.logs) / mode if args.logs else None
+        if logdir is None:
+            logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wslb-bench-")))
+        logdir.mkdir(parents=True, exist_ok=True)
+        procs = stack.enter_context(Procs(logdir))
+        rate_txt = f"{rate:g} tokens/s" if stream else "unpaced"
+        log(f"[{mode}] starting {args.workers} worker(s) ({rate_txt}) and {target.name}")
+        worker_pids, urls = start_workers(procs, args.workers, rate)
+        target.start(procs, urls)
+        time.sleep(0.5)
+        idle_rss = rss_bytes([target.pid]) / 2**20
+        ramp = args.ramp if args.ramp is not None else max(1.0, sessions / 200)
+        log(f"[{mode}] {sessions} sessions from {n_clients} client process(es), ramp {ramp:g}s")
+        clients = start_clients(procs, target.url, sessions, n_clients, max_tokens, stream, ramp)
+        opened = failed = 0
+        for c in clients:
+            line = c.readline(ramp + 90)
+            if not line.startswith("ready "):
+                raise RuntimeError(f"client said {line!r}")
+            ready = json.loads(line[6:])
+            opened += ready["open"]
+            failed += ready["failed"]
+        result = ModeResult(
+            mode=mode,
+            target=target.name,
+            sessions=sessions,
+            sessions_open=opened,
+            rate=rate if stream else None,
+            offered_fps=sessions * rate if stream else None,
+            workers=args.workers,
+            clients=len(clients),
+            max_tokens=max_tokens,
+            idle_rss_mb=idle_rss,
+        )
+        if opened == 0:
+            raise RuntimeError(f"no session could connect\n{procs.log_tail('client-0')}")
+        log(f"[{mode}] {opened} sessions open ({failed} failed); warmup {args.warmup:g}s")
+        pids = {
+            "target": [target.pid],
+            "workers": worker_pids,
+            "clients": [c.proc.pid for c in clients],
+        }
+        time.sleep(args.warmup)
+        first = prev = take_sample(target, clients, pids)
+        for r in range(args.repeat):
+            time.sleep(max(0.0, prev.t + args.duration - time.monotonic()))
+            cur = take_sample(target, clients, pids)
+            w = make_window(prev, cur, target)
+            result.windows.append(w)
+            log(
+                f"[{mode}] window {r + 1}/{args.repeat}: {w.frames_per_s:,.0f} frames/s, "
+                f"{w.us_per_frame:.2f} us/frame, {target.name} cpu {w.cpu_pct('target'):.1f}%"
+            )
+            prev = cur
+        result.bad_frames = prev.client_sum("bad")
+        result.sessions_failed = prev.client_sum("failed")
+        result.sessions_closed = prev.client_sum("closed")
+        if first.proxy is not None and prev.proxy is not None:
+            sent_by_proxy = prev.proxy.to_client - first.proxy.to_client
+            got = prev.client_sum("recv") - first.client_sum("recv")
+            result.proxy_minus_client_frames = sent_by_proxy - got
+        check(result, prev, target, n_cpu=os.cpu_count() or 1)
+    return result
+
+
+def check(result: ModeResult, last: Sample, target: Target, n_cpu: int) -> None:
+    """Turn anything that makes the figures suspect into a warning."""
+    warn = result.warnings.append
+    s = result.summary()
+    if result.sessions_open < result.sessions:
+        warn(f"only {result.sessions_open} of {result.sessions} sessions connected")
+    if result.sessions_closed:
+        warn(f"{result.sessions_closed} sessions ended during the run")
+    if result.bad_frames:
+        warn(f"{result.bad_frames} frames out of place (lost, duplicated or unexpected)")
+    for c in last.clients:
+        for e in c["errors"]:
+            warn(f"client: {e}")
+    if result.offered_fps:
+        achieved = s["client_recv_per_s"]["median"]
+        if achieved < 0.95 * result.offered_fps:
+            warn(
+                f"offered {result.offered_fps:,.0f} frames/s, clients got {achieved:,.0f}/s: "
+                "the load was not delivered (a client process near 100% CPU needs --clients N; "
+                "a saturated machine, fewer --sessions or a lower --rate)"
+            )
+    per_client = s["clients_cpu_pct"]["max"] / max(1, result.clients)
+    if per_client > 85:
+        warn(f"client processes at {per_client:.0f}% CPU each: add --clients")
+    busy = sum(s[f"{r}_cpu_pct"]["median"] for r in ("target", "workers", "clients"))
+    if result.offered_fps and busy > 90 * n_cpu:
+        warn(f"the machine is saturated ({busy:.0f}% CPU of {n_cpu * 100}%)")
+    least = min((w.cpu_s["target"] for w in result.windows), default=0.0)
+    if least < 1.0:
+        warn(
+            f"{target.name} used only {least:.2f} CPU s in a window: CPU time comes in 10 ms "
+            f"ticks (+-{1.0 / max(least * 100, 1):.0%}); use a longer --duration"
+        )
+    diff = result.proxy_minus_client_frames
+    total = sum(w.proxy_to_client or 0 for w in result.windows)
+    if diff is not None and total and abs(diff) > max(10 * result.sessions, 0.01 * total):
+        warn(f"{target.name} sent clients {diff:+,} frames more than they counted")
+    for line in target.problems()[:10]:
+        warn(f"{target.name} log: {line}")
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "uvloop": version("uvloop"),
+        "aiohttp": version("aiohttp"),
+    }
+
+
+def _fmt_stat(st: dict[str, float], fmt: str) -> str:
+    return f"{st['median']:{fmt}} [{st['min']:{fmt}}-{st['max']:{fmt}}]"
+
+
+def print_report(info: dict[str, Any], results: list[ModeResult], args: argparse.Namespace) -> None:
+    print(
+        f"machine: {info['nproc']} CPUs, {info['cpu']}, Linux {info['kernel']}, "
+        f"Python {info['python']}, uvloop {info['uvloop']}, aiohttp {info['aiohttp']}"
+    )
+    print(
+        f"target {args.target}, {args.workers} worker(s), windows {args.repeat} x "
+        f"{args.duration:g}s after {args.warmup:g}s warmup; median [min-max] over windows"
+    )
+    name = args.target
+    head = (
+        f"{'mode':<9}{'sessions':>9}{'offered fr/s':>14}{'frames/s':>10}"
+        f"{'cpu us/frame':>24}{f'{name} cpu%':>12}{'rss MB':>8}{'gap p50/p99/max ms':>21}"
+    )
+    print(head)
+    for r in results:
+        s = r.summary()
+        offered = f"{r.offered_fps:,.0f}" if r.offered_fps else "max"
+        gap = (
+            f"{s['gap_p50_ms']['median']:.1f}/{s['gap_p99_ms']['median']:.1f}"
+            f"/{s['gap_max_ms']['median']:.0f}"
+            if not math.isnan(s["gap_p50_ms"]["median"])
+            else "-"
+        )
+        print(
+            f"{r.mode:<9}{r.sessions_open:>9}{offered:>14}{s['frames_per_s']['median']:>10,.0f}"
+            f"{_fmt_stat(s['us_per_frame'], '.2f'):>24}"
+            f"{s['target_cpu_pct']['median']:>12.1f}{s['target_rss_mb']['median']:>8.1f}"
+            f"{gap:>21}"
+        )
+    for r in results:
+        s = r.summary()
+        per_session = (
+            (s["target_rss_mb"]["median"] - r.idle_rss_mb) * 1024 / max(1, r.sessions_open)
+        )
+        src = r.windows[0].frames_source if r.windows else "-"
+        print(
+            f"  {r.mode}: frames counted by {src}: {_fmt_stat(s['frames_per_s'], ',.0f')}/s, "
+            f"clients received {s['client_recv_per_s']['median']:,.0f}/s; workers "
+            f"{s['workers_cpu_pct']['median']:.0f}% cpu "
+            f"({s['workers_us_per_frame']['median']:.1f} us/frame), {r.clients} client(s) "
+            f"{s['clients_cpu_pct']['median']:.0f}% cpu "
+            f"({s['clients_us_per_frame']['median']:.1f} us/frame); {name} rss "
+            f"{r.idle_rss_mb:.1f} MB idle, +{per_session:.1f} KB/session"
+        )
+        checks = (
+            f"bad frames {r.bad_frames}, sessions failed {r.sessions_failed}, "
+            f"ended early {r.sessions_closed}"
+        )
+        if r.proxy_minus_client_frames is not None:
+            checks += f", {name}-sent minus client-received {r.proxy_minus_client_frames:+,}"
+        print(f"  {r.mode}: checks: {checks}")
+        for w in r.warnings:
+            print(f"  {r.mode}: WARNING: {w}")
+
+
+def result_json(info: dict[str, Any], results: list[ModeResult], args: argparse.Namespace) -> str:
+    out = {
+        "machine": info,
+        "args": {k: v for k, v in vars(args).items() if k not in ("client_spec", "relay_spec")},
+        "modes": [
+            {
+                **{k: v for k, v in asdict(r).items() if k != "windows"},
+                "summary": r.summary(),
+                "windows": [
+                    {**asdict(w), "frames_per_s": w.frames_per_s, "us_per_frame": w.us_per_frame}
+                    for w in r.windows
+                ],
+            }
+            for r in results
+        ],
+    }
+    return json.dumps(out, indent=2, default=str)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="CPU microseconds per forwarded frame and frames/s of wslb (or another "
+        "target) under a token-stream load: many sessions, one WebSocket frame per token.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", choices=sorted(TARGETS), default="wslb", help="proxy under test")
+    p.add_argument("--mode", choices=["stream", "saturate", "both"], default="both")
+    p.add_argument("--sessions", type=int, default=300, help="sessions in stream mode")
+    p.add_argument("--rate", type=float, default=20.0, help="tokens/s per session (stream)")
+    p.add_argument("--sat-sessions", type=int, default=32, help="sessions in saturate mode")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per measured window")
+    p.add_argument("--repeat", type=int, default=3, help="measured windows per mode")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds before the first window")
+    p.add_argument("--workers", type=int, default=2, help="reference worker processes")
+    p.add_argument("--clients", type=int, default=1, help="load-generator processes")
+    p.add_argument(
+        "--ramp", type=float, default=None, help="seconds over which sessions start "
+        "(default: sessions/200, at least 1)"
+    )  # fmt: skip
+    p.add_argument(
+        "--max-tokens", type=int, default=0, help="tokens per answer (0: stream mode, one "
+        "answer lasts the whole run; saturate mode, 5000)"
+    )  # fmt: skip
+    p.add_argument("--logs", default=None, help="keep process logs in this directory")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--client-spec", default=None, help=argparse.SUPPRESS)  # internal
+    p.add_argument("--relay-spec", default=None, help=argparse.SUPPRESS)  # internal
+    return p
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.client_spec is not None:
+        return client_main(args.client_spec)
+    if args.relay_spec is not None:
+        return relay_main(args.relay_spec)
+    for name in ("sessions", "sat_sessions", "repeat", "workers", "clients"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if args.duration <= 0 or args.warmup < 0 or args.rate <= 0:
+        raise SystemExit("--duration and --rate must be positive, --warmup not negative")
+    signal.signal(signal.SIGTERM, _sigterm)
+    modes = ["stream", "saturate"] if args.mode == "both" else [args.mode]
+    info = machine()
+    results: list[ModeResult] = []
+    try:
+        for mode in modes:
+            results.append(run_mode(mode, args))
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if args.json:
+        print(result_json(info, results, args))
+    else:
+        print_report(info, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
