@@ -56,6 +56,9 @@ __all__ = ["ClientConnection", "Session", "open_upstream"]
 # Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
 # so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
 REPLAY_LIMIT = 256 * 1024
+# After a client's framing violation, the worker gets this long to send what it was answering
+# before wslb closes its leg (the client gets its close code after that).
+VIOLATION_GRACE = 0.05
 
 log = logging.getLogger("wslb.server")
 
@@ -625,10 +628,14 @@ class Session(asyncio.Protocol):
         if self.worker_gone or self.worker_close_sent:
             self._send_client_close(code, reason)
             return
-        # Let the worker's in-flight messages through first, then give the client its code.
+        # Let the worker's in-flight messages through first (answers to what the client sent
+        # before the bad frame), then give the client its code.
         self.pending_client_close = (code, reason)
         self.ws.drop_close = True
-        self._send_worker_close(1001, "client protocol error")
+        self._begin_closing()
+        self.app.loop.call_later(
+            VIOLATION_GRACE, self._send_worker_close, 1001, "client protocol error"
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The worker leg closed."""
@@ -665,6 +672,9 @@ class Session(asyncio.Protocol):
         self.app.stats.closes["client", code] += 1
         if self.ws.at_frame_boundary:
             self.ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
+            if self.cs.error is not None:
+                # Failing the connection (RFC 6455 7.1.7): close TCP, don't wait for an answer.
+                self.ct.close()
         else:
             self.ct.abort()
         self._begin_closing()

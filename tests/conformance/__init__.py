@@ -1,0 +1,1 @@
+"""WebSocket conformance: the Autobahn fuzzingclient through wslb vs. a direct echo worker."""
