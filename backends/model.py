@@ -27,15 +27,19 @@ Rules of the simulation (the contract is SPEC.md section 6):
 - A session is held while connected and for ``session_ttl`` seconds after its last connection
   closes, so a reconnect continues its conversation and turn numbering; expiry is swept lazily
   (on attach, on each turn and when stats are read). An expired session's KV entry goes with it.
-
-Session state (``SessionState``) is plain data, so the later handoff API can serialise it.
+- Handoff (live migration): ``freeze`` exports a session as a ``SessionSnapshot`` (context, turn
+  counter, the unfinished answer, queued prompts, how much of it the KV cache held) and forgets
+  it here; ``thaw`` installs a snapshot on another worker, either copying the cached prefix
+  (``kv_transfer_ms_per_token`` per token, far cheaper than prefill) or leaving the KV cache
+  cold so the context is prefilled again; ``resume_turn`` continues the unfinished answer from
+  its next token. ``backends.handoff`` turns snapshots into JSON and back.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -45,7 +49,10 @@ __all__ = [
     "Model",
     "ModelConfig",
     "ModelStats",
+    "PendingAnswer",
     "Prompt",
+    "QueuedPrompt",
+    "SessionSnapshot",
     "SessionState",
     "Token",
     "Turn",
@@ -86,12 +93,15 @@ class ModelConfig:
     session_ttl: float = 300.0
     max_batch: int = 64
     background_util: float = 0.0
+    kv_transfer_ms_per_token: float = 0.02
 
     def __post_init__(self) -> None:
         if self.tokens_per_s < 0:
             raise ValueError("tokens_per_s must be >= 0")
         if self.prefill_ms_per_token < 0:
             raise ValueError("prefill_ms_per_token must be >= 0")
+        if self.kv_transfer_ms_per_token < 0:
+            raise ValueError("kv_transfer_ms_per_token must be >= 0")
         if self.kv_capacity_tokens < 0:
             raise ValueError("kv_capacity_tokens must be >= 0")
         if self.session_ttl < 0:
@@ -149,16 +159,24 @@ class TurnPhase(Enum):
 
 @dataclass(slots=True)
 class Turn:
-    """One answer in progress. Plain data, like ``SessionState``."""
+    """One answer in progress. Plain data, like ``SessionState``.
+
+    ``cached_tokens`` and ``prefill_s`` are measured when the turn starts and reported in
+    ``done`` even when the turn is resumed on another worker; ``delay_s`` is what this worker
+    waits before the next token (the prefill, or for a resumed turn the KV transfer and any
+    re-prefill), so the two can differ.
+    """
 
     session: str
     turn: int
     max_tokens: int
     cached_tokens: int
     prefill_tokens: int
+    """Context tokens prefilled for this turn on this worker."""
     prefill_s: float
     context: list[str]
     """The session's context list this answer extends (a reference, not a copy)."""
+    delay_s: float = 0.0
     produced: int = 0
     phase: TurnPhase = TurnPhase.PREFILL
 
@@ -193,6 +211,42 @@ class TurnResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingAnswer:
+    """An answer that a freeze interrupted: where it stopped and what ``done`` will report."""
+
+    turn: int
+    produced: int
+    """Tokens already sent; the next one has index ``produced``."""
+    max_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+    cancelled: bool = False
+    """The client cancelled it but the answer had not ended yet: the next worker ends it."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedPrompt:
+    """A prompt received while an answer was running, not started yet."""
+
+    prompt: Prompt
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """Everything a worker needs to continue a session exactly where another one stopped."""
+
+    session: str
+    context: tuple[str, ...]
+    """The whole conversation, including the tokens of ``answer`` sent so far."""
+    turns: int
+    kv_cached: int
+    """Leading context tokens the old worker's KV cache held (what a transfer can copy)."""
+    answer: PendingAnswer | None = None
+    queued: tuple[QueuedPrompt, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ModelStats:
     """A snapshot for ``/metrics``."""
 
@@ -211,6 +265,7 @@ class ModelStats:
     kv_hit_tokens_total: int
     prefill_tokens_total: int
     decode_tokens_total: int
+    kv_transfer_tokens_total: int
 
 
 @dataclass(slots=True)
@@ -245,10 +300,15 @@ class KVCache:
 
     def match(self, key: str, tokens: list[str]) -> int:
         """Return how many leading ``tokens`` are cached under ``key``, and touch the entry."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+        return self.peek(key, tokens)
+
+    def peek(self, key: str, tokens: list[str]) -> int:
+        """Like ``match`` without touching the LRU order (for a handoff looking, not using)."""
         entry = self._entries.get(key)
         if entry is None:
             return 0
-        self._entries.move_to_end(key)
         limit = min(entry.length, len(tokens))
         if entry.tokens is tokens or entry.tokens[:limit] == tokens[:limit]:
             return limit
@@ -315,7 +375,7 @@ class Model:
 
         model.attach(sid, now)
         turn = model.start_turn(sid, prompt, max_tokens, now)
-        wait(turn.prefill_s)
+        wait(turn.delay_s)
         model.begin_decode(turn)
         while turn.remaining and not cancelled:
             wait(model.token_delay())
@@ -337,6 +397,7 @@ class Model:
         self.kv_hit_tokens_total = 0
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
+        self.kv_transfer_tokens_total = 0
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -386,6 +447,20 @@ class Model:
         held = self._sessions.get(session)
         return held.state if held is not None else None
 
+    def connected(self, session: str) -> bool:
+        """True while ``session`` has an open connection here."""
+        held = self._sessions.get(session)
+        return held is not None and held.connections > 0
+
+    def _forget(self, session: str) -> None:
+        held = self._sessions.pop(session, None)
+        if held is None:
+            return
+        self._expiry.pop(session, None)
+        if held.connections:
+            self._connected -= 1
+        self.kv.drop(session)
+
     # -- turns ------------------------------------------------------------------------------
 
     def start_turn(self, session: str, prompt: Prompt, max_tokens: int, now: float) -> Turn:
@@ -421,6 +496,7 @@ class Model:
             prefill_tokens=uncached,
             prefill_s=prefill_s,
             context=context,
+            delay_s=prefill_s,
         )
 
     def begin_decode(self, turn: Turn) -> None:
@@ -470,6 +546,108 @@ class Model:
                 held.running -= 1
         return TurnResult(turn.turn, turn.produced, turn.cached_tokens, turn.prefill_ms)
 
+    # -- handoff ----------------------------------------------------------------------------
+
+    def freeze(
+        self,
+        session: str,
+        turn: Turn | None = None,
+        queued: Sequence[QueuedPrompt] = (),
+        cancelled: bool = False,
+    ) -> SessionSnapshot:
+        """Export ``session`` for another worker and forget it here (its KV entry too).
+
+        ``turn`` is the connection's answer in progress, if any (it is finished here, keeping
+        its position); ``queued`` the prompts waiting behind it; ``cancelled`` whether the client
+        already cancelled ``turn``. The session is forgotten so that a stale copy can never
+        answer again: the snapshot is now the only live state.
+
+        Raises:
+            KeyError: ``session`` is not held.
+        """
+        state = self._sessions[session].state
+        answer = None
+        if turn is not None and turn.phase is not TurnPhase.DONE:
+            answer = PendingAnswer(
+                turn=turn.turn,
+                produced=turn.produced,
+                max_tokens=turn.max_tokens,
+                cached_tokens=turn.cached_tokens,
+                prefill_ms=turn.prefill_ms,
+                cancelled=cancelled,
+            )
+            self.finish(turn)
+        snapshot = SessionSnapshot(
+            session=session,
+            context=tuple(state.context),
+            turns=state.turns,
+            kv_cached=self.kv.peek(session, state.context),
+            answer=answer,
+            queued=tuple(queued),
+        )
+        self._forget(session)
+        return snapshot
+
+    def thaw(self, snapshot: SessionSnapshot, now: float, transfer_kv: bool = True) -> float:
+        """Hold ``snapshot``'s session here (disconnected, within its ttl until resumed).
+
+        With ``transfer_kv`` the old worker's cached prefix is copied into this KV cache (only
+        the part not already here); otherwise the cache stays as it is and the context is
+        prefilled again when needed. Any disconnected copy held here is replaced. Returns the
+        simulated transfer time in seconds, which the caller waits before resuming.
+
+        Raises:
+            ValueError: the session has an open connection here.
+        """
+        session = snapshot.session
+        if self.connected(session):
+            raise ValueError(f"session {session!r} is connected here")
+        self.sweep(now)
+        old = self._sessions.pop(session, None)
+        if old is not None:
+            self._expiry.pop(session, None)
+        state = SessionState(session, list(snapshot.context), snapshot.turns)
+        self._sessions[session] = _Held(state)
+        self._expiry[session] = now + self.config.session_ttl
+        if not transfer_kv:
+            return 0.0
+        have = self.kv.peek(session, state.context)
+        wanted = min(snapshot.kv_cached, len(state.context))
+        moved = max(0, wanted - have)
+        if have or wanted:
+            self.kv.store(session, state.context, max(have, wanted))
+        self.kv_transfer_tokens_total += moved
+        return moved * self.config.kv_transfer_ms_per_token / 1000.0 / self._slack()
+
+    def resume_turn(self, session: str, answer: PendingAnswer, extra_delay_s: float = 0.0) -> Turn:
+        """Continue a frozen answer here: the turn starts in prefill with its position kept.
+
+        The part of the context missing from this KV cache is prefilled again (``delay_s``,
+        plus ``extra_delay_s`` such as a KV transfer); ``done`` still reports the
+        ``cached_tokens`` and ``prefill_ms`` measured when the turn first started.
+
+        Raises:
+            KeyError: ``session`` is not held (``thaw`` then ``attach`` first).
+        """
+        held = self._sessions[session]
+        context = held.state.context
+        uncached = len(context) - self.kv.match(session, context)
+        held.running += 1
+        self._prefilling += 1
+        self.prefill_tokens_total += uncached
+        delay = uncached * self.config.prefill_ms_per_token / 1000.0 / self._slack()
+        return Turn(
+            session=session,
+            turn=answer.turn,
+            max_tokens=answer.max_tokens,
+            cached_tokens=answer.cached_tokens,
+            prefill_tokens=uncached,
+            prefill_s=answer.prefill_ms / 1000.0,
+            context=context,
+            delay_s=delay + extra_delay_s,
+            produced=answer.produced,
+        )
+
     # -- load -------------------------------------------------------------------------------
 
     @property
@@ -500,6 +678,7 @@ class Model:
             kv_hit_tokens_total=self.kv_hit_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,
             decode_tokens_total=self.decode_tokens_total,
+            kv_transfer_tokens_total=self.kv_transfer_tokens_total,
         )
 
     def _slack(self) -> float:

@@ -7,6 +7,25 @@ One aiohttp server on one port (SPEC.md section 6):
 - WebSocket on ``/ws``, and leniently on any other path. The session id is the
   ``X-Session-Id`` request header, else the ``session`` query parameter, else a generated one;
   it is returned in the 101's ``X-Session-Id`` header and in ``hello``.
+- Handoff API (live migration; 404 on every route with ``--no-handoff``):
+
+  - ``POST /wslb/sessions/{sid}/freeze`` (body ignored): at a message boundary, the session's
+    newest connection stops sending and stops acting on client messages (later ones are
+    dropped unread: the balancer replays them to the new worker), the answer pauses between
+    tokens and the session is forgotten here. 200 ``{"state":STATE,"sent":S,"received":R}``:
+    S data messages sent on that connection (``hello``, tokens, ``done``, errors), R client
+    data messages acted on (a prompt queued behind an answer counts, and is in STATE). The
+    socket stays open and silent until the balancer closes it. Synchronous: the answer comes
+    as soon as the handler runs. 404 unknown session or no open connection; 409 already frozen.
+  - ``POST /wslb/sessions/{sid}/thaw`` with ``{"state":STATE}`` (format: ``backends.handoff``):
+    holds the session here (within ``--session-ttl`` until resumed). ``--handoff-kv transfer``
+    copies the old worker's cached prefix into this KV cache at ``--kv-transfer-ms-per-token``;
+    ``prefill`` leaves it cold, so the context is prefilled again. 200 ``{"ok":true}``;
+    400 malformed state; 409 the session has an open connection here; 503 while draining.
+  - A WebSocket upgrade with ``X-WSLB-Resume: SID`` continues a thawed session: no ``hello``;
+    the transfer time passes, then the unfinished answer goes on from its next token (same turn,
+    ``done`` counting the tokens of both workers), then the queued prompts. 409 if SID was not
+    thawed here; 400 if ``X-Session-Id`` names another session.
 
 Chat protocol, JSON text messages, one WebSocket message each:
 
@@ -32,8 +51,10 @@ none, so the 101 carries no ``Sec-WebSocket-Protocol``). Compression is never ne
 balancer scans raw frames and a deflate context could not migrate.
 
 The process prints ``wslb-worker ready id=ID port=PORT url=ws://HOST:PORT/ws`` on stdout once
-listening (useful with ``--port 0``). SIGTERM/SIGINT: health turns 503, every WebSocket is
-closed with 1001, then the process exits 0.
+listening (useful with ``--port 0``). SIGTERM/SIGINT: health turns 503 and new connections get
+503, while the live sessions go on being served so a balancer can migrate them away; the process
+exits 0 once no WebSocket is left open (a frozen one counts until the balancer closes it), or
+after ``--drain-grace`` seconds, closing what is left with 1001. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -50,7 +71,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -58,12 +79,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from backends.gpu import NvmlGpu, open_gpu
-from backends.model import Model, ModelConfig, ModelStats, Prompt, Turn
+from backends.handoff import StateError, snapshot_from_json, snapshot_to_json
+from backends.model import (
+    Model,
+    ModelConfig,
+    ModelStats,
+    Prompt,
+    QueuedPrompt,
+    SessionSnapshot,
+    Turn,
+)
 
 __all__ = [
     "MAX_QUEUED_PROMPTS",
     "METRIC_NAMES",
     "READY_PREFIX",
+    "RESUME_HEADER",
     "Worker",
     "WorkerConfig",
     "build_parser",
@@ -75,8 +106,10 @@ __all__ = [
 log = logging.getLogger("wslb.worker")
 
 READY_PREFIX = "wslb-worker ready"
+RESUME_HEADER = "X-WSLB-Resume"
 MAX_QUEUED_PROMPTS = 16
 MAX_SESSION_ID_LEN = 256
+MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRIC_NAMES = (
     "wslb_worker_gpu_utilization",
@@ -86,6 +119,8 @@ METRIC_NAMES = (
     "wslb_worker_kv_hit_tokens_total",
     "wslb_worker_prefill_tokens_total",
     "wslb_worker_connections_total",
+    "wslb_worker_handoffs_total",
+    "wslb_worker_kv_transfer_tokens_total",
 )
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
 
@@ -101,11 +136,15 @@ class WorkerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     subprotocols: tuple[str, ...] = ()
     handoff: bool = True
-    """False with ``--no-handoff``; the handoff API itself comes later."""
+    """False with ``--no-handoff``: the ``/wslb/`` routes answer 404, resumes 409."""
+    handoff_kv: Literal["transfer", "prefill"] = "transfer"
+    """How a thawed session's KV cache arrives: copied, or prefilled again."""
     max_tokens_default: int = 64
     max_tokens_limit: int = 1_000_000
     use_nvml: bool = True
     close_timeout: float = 5.0
+    drain_grace: float = 30.0
+    """Seconds after SIGTERM that live sessions keep being served (to be migrated away)."""
 
 
 class ProtocolError(Exception):
@@ -192,7 +231,13 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class _Connection:
-    """One WebSocket connection: reads client messages, answers prompts one at a time."""
+    """One WebSocket connection: reads client messages, answers prompts one at a time.
+
+    ``sent`` and ``received`` count data messages as the handoff API reports them. A frozen
+    connection sends nothing more and drops client messages unread; it stays open until the
+    peer closes it. ``attached`` is False once the model no longer counts this connection
+    (after a freeze), so closing it cannot touch a session that lives on elsewhere.
+    """
 
     def __init__(self, worker: Worker, ws: web.WebSocketResponse, session: str) -> None:
         self.worker = worker
@@ -202,8 +247,20 @@ class _Connection:
         self.current: Turn | None = None
         self.cancelled = False
         self.waker = _Waker()
+        self.answers: asyncio.Task[None] | None = None
+        self.sent = 0
+        self.received = 0
+        self.frozen = False
+        self.attached = True
+        self.resumed: Turn | None = None  # a thawed answer, finished before the queue
+        self.resume_delay = 0.0  # KV transfer time before the first turn, if none was thawed
 
     async def send(self, obj: dict[str, Any]) -> None:
+        # Counted before the write, which aiohttp does synchronously (no compression) before
+        # any await: a freeze can only run before the frame is written or after it was.
+        if self.frozen:
+            raise ConnectionResetError("session frozen")
+        self.sent += 1
         await self.ws.send_str(_dumps(obj))
 
     async def error(self, message: str) -> None:
@@ -239,7 +296,7 @@ class _Connection:
 
     def stopped(self) -> bool:
         """True once the current answer was cancelled (a call, so mypy does not narrow it)."""
-        return self.cancelled
+        return self.cancelled or self.frozen
 
     def cancel(self, turn: object) -> None:
         current = self.current
@@ -248,12 +305,46 @@ class _Connection:
         self.cancelled = True
         self.waker.interrupt()
 
+    def freeze(self) -> SessionSnapshot:
+        """Stop at a message boundary and export the session (see the module docstring).
+
+        Synchronous, so no message can be sent or acted on between the decision and the
+        snapshot: the answer task is suspended at an await, where cancelling it stops it.
+        """
+        self.frozen = True
+        self.attached = False
+        if self.answers is not None:
+            self.answers.cancel()
+        queued: list[QueuedPrompt] = []
+        while not self.queue.empty():
+            prompt, max_tokens = self.queue.get_nowait()
+            queued.append(QueuedPrompt(prompt, max_tokens))
+        turn, self.current = self.current, None
+        return self.worker.model.freeze(self.session, turn, queued, self.cancelled)
+
+    def retire(self) -> None:
+        """Another connection of the session was frozen: stop this one and close it (1012)."""
+        self.frozen = True
+        self.attached = False
+        if self.answers is not None:
+            self.answers.cancel()
+        task = asyncio.create_task(self.ws.close(code=1012, message=b"session moved"))
+        self.worker.background(task)
+
     async def answer_loop(self) -> None:
-        """Answer queued prompts in order until the connection goes away."""
+        """Answer a thawed answer if any, then queued prompts in order, until the end."""
         try:
+            resumed, self.resumed = self.resumed, None
+            if resumed is not None:
+                await self.run_turn(resumed)
+            elif self.resume_delay > 0:
+                await self.waker.sleep(self.resume_delay)
+            model = self.worker.model
             while True:
                 prompt, max_tokens = await self.queue.get()
-                await self.answer(prompt, max_tokens)
+                turn = model.start_turn(self.session, prompt, max_tokens, time.monotonic())
+                self.current, self.cancelled = turn, False
+                await self.run_turn(turn)
         except ConnectionError:
             pass  # the client left; the reader notices and cleans up
         except Exception:
@@ -262,17 +353,15 @@ class _Connection:
             with contextlib.suppress(Exception):
                 await self.ws.close(code=1011, message=b"internal error")
 
-    async def answer(self, prompt: Prompt, max_tokens: int) -> None:
-        """Prefill, stream the tokens at the simulated rate, then send ``done``."""
+    async def run_turn(self, turn: Turn) -> None:
+        """Wait out the prefill, stream the tokens at the simulated rate, then send ``done``."""
         worker = self.worker
         model = worker.model
         loop = asyncio.get_running_loop()
-        turn = model.start_turn(self.session, prompt, max_tokens, time.monotonic())
-        self.current, self.cancelled = turn, False
         try:
-            if turn.prefill_s > 0:
-                await self.waker.sleep(turn.prefill_s)
-            if not self.cancelled:
+            if turn.delay_s > 0 and not self.stopped():
+                await self.waker.sleep(turn.delay_s)
+            if not self.stopped():
                 model.begin_decode(turn)
                 await self._decode(turn, loop)
         finally:
@@ -292,6 +381,8 @@ class _Connection:
     async def _decode(self, turn: Turn, loop: asyncio.AbstractEventLoop) -> None:
         # One timer per token, on a deadline schedule so the average rate holds; a stream
         # that falls more than a token behind (slow reader) restarts its schedule, no burst.
+        # Between the stop check, emit and the write there is no await: a freeze never
+        # leaves a token produced but unsent.
         model = self.worker.model
         deadline = loop.time()
         burst = 0
@@ -361,6 +452,27 @@ class _WorkerCollector(Collector):
             "WebSocket connections accepted",
             value=worker.connections_total,
         )
+        handoffs = CounterMetricFamily(
+            "wslb_worker_handoffs",
+            "Sessions frozen here (moved away) and thawed here (moved in)",
+            labels=["direction"],
+        )
+        for direction, count in worker.handoffs.items():
+            handoffs.add_metric([direction], count)
+        yield handoffs
+        yield CounterMetricFamily(
+            "wslb_worker_kv_transfer_tokens",
+            "KV cache tokens copied in from another worker by a thaw",
+            value=stats.kv_transfer_tokens_total,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Thawed:
+    """A session installed by ``thaw``, waiting for its resumed connection."""
+
+    snapshot: SessionSnapshot
+    transfer_s: float
 
 
 class Worker:
@@ -372,11 +484,18 @@ class Worker:
         self.gpu = gpu
         self.worker_id = config.worker_id or f"worker-{config.port}"
         self.connections_total = 0
+        self.handoffs = {"freeze": 0, "thaw": 0}
         self.draining = False
         self.port = config.port
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(self))
         self._connections: set[_Connection] = set()
+        # Per session, its open connections, oldest first: a freeze takes the newest live one.
+        self._by_session: dict[str, list[_Connection]] = {}
+        self._thawed: dict[str, _Thawed] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: web.AppRunner | None = None
 
     def gpu_utilization(self, stats: ModelStats) -> float:
@@ -391,10 +510,17 @@ class Worker:
         """Prompts waiting behind another answer on their connection."""
         return sum(conn.queue.qsize() for conn in self._connections)
 
+    def background(self, task: asyncio.Task[Any]) -> None:
+        """Keep a reference to a fire-and-forget task until it ends (asyncio holds weak ones)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def make_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_STATE_BYTES)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/wslb/sessions/{sid}/freeze", self._freeze)
+        app.router.add_post("/wslb/sessions/{sid}/thaw", self._thaw)
         app.router.add_get("/{tail:.*}", self._websocket)
         return app
 
@@ -419,13 +545,31 @@ class Worker:
         await web.SockSite(runner, sock).start()
         self._runner = runner
 
-    async def close(self) -> None:
+    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
+        """Turn health 503 and wait until no WebSocket is open, at most ``grace`` seconds.
+
+        Live sessions go on being served meanwhile, so a balancer that sees the 503 can
+        migrate them away (or let them finish). ``hurry`` being set ends the wait early.
+        Returns True if every connection was gone.
+        """
+        self.draining = True
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, grace), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._idle.is_set()
+
+    async def close(self, timeout: float | None = None) -> None:
         """Stop: health 503, close every WebSocket with 1001, then stop the server."""
         self.draining = True
-        timeout = self.config.close_timeout
+        limit = self.config.close_timeout if timeout is None else timeout
         if self._connections:
             await asyncio.gather(
-                *(self._close_ws(conn.ws, timeout) for conn in list(self._connections)),
+                *(self._close_ws(conn.ws, limit) for conn in list(self._connections)),
                 return_exceptions=True,
             )
         if self._runner is not None:
@@ -453,16 +597,91 @@ class Worker:
             headers={"Content-Type": METRICS_CONTENT_TYPE},
         )
 
+    # -- handoff ----------------------------------------------------------------------------
+
+    async def _freeze(self, request: web.Request) -> web.Response:
+        # No await before the snapshot: the freeze is one step of the event loop.
+        if not self.config.handoff:
+            return _error(404, "this worker has no handoff API")
+        sid = request.match_info["sid"]
+        conns = self._by_session.get(sid, [])
+        live = [c for c in conns if not c.frozen]
+        if not live:
+            if conns:
+                return _error(409, f"session {sid!r} is already frozen")
+            return _error(404, f"no open connection for session {sid!r}")
+        conn = live[-1]
+        snapshot = conn.freeze()
+        for other in live[:-1]:
+            other.retire()
+        self._thawed.pop(sid, None)
+        self.handoffs["freeze"] += 1
+        log.info("froze session %s: sent=%d received=%d", sid, conn.sent, conn.received)
+        return web.json_response(
+            {"state": snapshot_to_json(snapshot), "sent": conn.sent, "received": conn.received}
+        )
+
+    async def _thaw(self, request: web.Request) -> web.Response:
+        if not self.config.handoff:
+            return _error(404, "this worker has no handoff API")
+        if self.draining:
+            return _error(503, "worker shutting down")
+        sid = request.match_info["sid"]
+        if len(sid) > MAX_SESSION_ID_LEN:
+            return _error(400, "session id too long")
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"invalid JSON: {exc}")
+        if not isinstance(body, dict) or "state" not in body:
+            return _error(400, "expected an object with 'state'")
+        try:
+            snapshot = snapshot_from_json(
+                body["state"],
+                session=sid,
+                max_queued=MAX_QUEUED_PROMPTS,
+                max_tokens_limit=self.config.max_tokens_limit,
+            )
+        except StateError as exc:
+            return _error(400, str(exc))
+        if self.model.connected(sid):
+            return _error(409, f"session {sid!r} has an open connection here")
+        transfer = self.config.handoff_kv == "transfer"
+        transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
+        self._thawed[sid] = _Thawed(snapshot, transfer_s)
+        # Thaws never resumed would pile up: keep only those the model still holds (ttl).
+        for stale in [s for s in self._thawed if self.model.session(s) is None]:
+            del self._thawed[stale]
+        self.handoffs["thaw"] += 1
+        log.info(
+            "thawed session %s (kv %s, %.3f ms)", sid, self.config.handoff_kv, transfer_s * 1e3
+        )
+        return web.json_response({"ok": True})
+
+    def _take_thawed(self, session: str) -> _Thawed | None:
+        thawed = self._thawed.pop(session, None)
+        if thawed is None or self.model.session(session) is None:
+            return None
+        return thawed
+
+    # -- WebSocket --------------------------------------------------------------------------
+
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         if self.draining:
             return web.json_response({"error": "worker shutting down"}, status=503)
-        session = (
+        named = (
             request.headers.get("X-Session-Id", "").strip()
             or request.query.get("session", "").strip()
-            or uuid.uuid4().hex
         )
-        if len(session) > MAX_SESSION_ID_LEN:
-            return web.json_response({"error": "session id too long"}, status=400)
+        resume = request.headers.get(RESUME_HEADER)
+        if resume is not None:
+            session = resume.strip()
+            if named and named != session:
+                return _error(400, f"{RESUME_HEADER} and X-Session-Id name different sessions")
+        else:
+            session = named or uuid.uuid4().hex
+        if not session or len(session) > MAX_SESSION_ID_LEN:
+            return _error(400, "session id empty or too long")
         ws = web.WebSocketResponse(
             protocols=self.config.subprotocols,
             compress=False,
@@ -474,33 +693,72 @@ class Worker:
                 status=426,
                 headers={"Upgrade": "websocket", "Connection": "Upgrade"},
             )
+        # A plain connection drops a pending handoff's answer and queue (the context stays).
+        thawed = self._take_thawed(session)
+        if resume is not None and thawed is None:
+            return _error(409, f"session {session!r} was not thawed here")
         ws.headers["X-Session-Id"] = session
         await ws.prepare(request)
         self.connections_total += 1
         conn = _Connection(self, ws, session)
         self._connections.add(conn)
+        self._idle.clear()
+        self._by_session.setdefault(session, []).append(conn)
         self.model.attach(session, time.monotonic())
-        answers: asyncio.Task[None] | None = None
+        if resume is not None and thawed is not None:
+            self._resume(conn, thawed)
         try:
-            await conn.send({"type": "hello", "worker": self.worker_id, "session": session})
-            answers = asyncio.create_task(conn.answer_loop())
+            conn.answers = asyncio.create_task(conn.answer_loop())
+            if resume is None:
+                await conn.send({"type": "hello", "worker": self.worker_id, "session": session})
             async for msg in ws:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    break
+                if conn.frozen:
+                    continue  # the balancer replays it to the session's new worker
+                conn.received += 1
                 if msg.type == WSMsgType.TEXT:
                     await conn.on_text(msg.data)
-                elif msg.type == WSMsgType.BINARY:
-                    await conn.error("binary messages are not supported; send JSON text")
                 else:
-                    break
+                    await conn.error("binary messages are not supported; send JSON text")
         except ConnectionError:
             pass
         finally:
-            if answers is not None:
-                answers.cancel()
+            if conn.answers is not None:
+                conn.answers.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await answers
-            self.model.detach(session, time.monotonic())
-            self._connections.discard(conn)
+                    await conn.answers
+            if conn.attached:
+                self.model.detach(session, time.monotonic())
+            self._forget(conn)
         return ws
+
+    def _resume(self, conn: _Connection, thawed: _Thawed) -> None:
+        """Set a resumed connection up to continue exactly where the old worker stopped."""
+        snapshot = thawed.snapshot
+        if snapshot.answer is not None:
+            turn = self.model.resume_turn(conn.session, snapshot.answer, thawed.transfer_s)
+            conn.current, conn.cancelled = turn, snapshot.answer.cancelled
+            conn.resumed = turn
+        else:
+            conn.resume_delay = thawed.transfer_s
+        for queued in snapshot.queued:
+            conn.queue.put_nowait((queued.prompt, queued.max_tokens))
+
+    def _forget(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
+        siblings = self._by_session.get(conn.session)
+        if siblings is not None:
+            with contextlib.suppress(ValueError):
+                siblings.remove(conn)
+            if not siblings:
+                del self._by_session[conn.session]
+        if not self._connections:
+            self._idle.set()
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -563,6 +821,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="act as a worker without the handoff API (no live migration)",
     )
     add(
+        "--handoff-kv",
+        choices=["transfer", "prefill"],
+        default="transfer",
+        help="a thawed session's KV cache is copied from the old worker, or prefilled again "
+        "(default: %(default)s)",
+    )
+    add(
+        "--kv-transfer-ms-per-token",
+        type=float,
+        default=0.02,
+        help="time to copy one cached token from another worker (default: %(default)s)",
+    )
+    add(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds after SIGTERM that live sessions are still served, so they can be "
+        "migrated away, before the rest are closed with 1001 (default: %(default)s)",
+    )
+    add(
         "--simulate-gpu",
         action="store_true",
         help="report the simulated GPU utilisation even when NVML works",
@@ -583,6 +861,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
             session_ttl=args.session_ttl,
             max_batch=args.max_batch,
             background_util=args.background_util,
+            kv_transfer_ms_per_token=args.kv_transfer_ms_per_token,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -590,6 +869,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
         parser.error("--port must be in 0..65535")
     if args.max_tokens_default < 0:
         parser.error("--max-tokens-default must be >= 0")
+    if args.drain_grace < 0:
+        parser.error("--drain-grace must be >= 0")
     config = WorkerConfig(
         host=args.host,
         port=args.port,
@@ -597,14 +878,16 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
         model=model,
         subprotocols=tuple(p.strip() for p in args.subprotocols.split(",") if p.strip()),
         handoff=not args.no_handoff,
+        handoff_kv=args.handoff_kv,
         max_tokens_default=args.max_tokens_default,
         use_nvml=not args.simulate_gpu,
+        drain_grace=args.drain_grace,
     )
     return config, args.log_level
 
 
 async def serve(config: WorkerConfig, ready: Callable[[Worker], None] | None = None) -> None:
-    """Run a worker until SIGTERM or SIGINT, then close it cleanly."""
+    """Run a worker until SIGTERM or SIGINT, drain it, then close it; a second signal hurries."""
     gpu = open_gpu() if config.use_nvml else None
     worker = Worker(config, gpu=gpu)
     await worker.start()
@@ -618,15 +901,26 @@ async def serve(config: WorkerConfig, ready: Callable[[Worker], None] | None = N
     if ready is not None:
         ready(worker)
     stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):  # not on Windows
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
+        log.info(
+            "worker %s draining (up to %gs, a second signal exits at once)",
+            worker.worker_id,
+            config.drain_grace,
+        )
+        await worker.drain(config.drain_grace, hurry)
         log.info("worker %s shutting down", worker.worker_id)
     finally:
-        await worker.close()
+        await worker.close(timeout=0.1 if hurry.is_set() else None)
 
 
 def _announce(worker: Worker) -> None:

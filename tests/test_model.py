@@ -10,7 +10,10 @@ from backends.model import (
     KVCache,
     Model,
     ModelConfig,
+    PendingAnswer,
     Prompt,
+    QueuedPrompt,
+    SessionSnapshot,
     TurnPhase,
     TurnResult,
     token_text,
@@ -333,8 +336,131 @@ def test_active_sessions_and_phases() -> None:
         {"max_batch": 0},
         {"background_util": 1.0},
         {"background_util": -0.1},
+        {"kv_transfer_ms_per_token": -0.1},
     ],
 )
 def test_config_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ModelConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# -- handoff: freeze, thaw, resume ---------------------------------------------------------
+
+
+def mid_answer(model: Model, sid: str = "s", produced: int = 3) -> SessionSnapshot:
+    """One finished turn, then freeze the second after ``produced`` of its 10 tokens."""
+    model.attach(sid, 0.0)
+    run_turn(model, sid, text("a b c"), 2)
+    turn = model.start_turn(sid, text("d e"), 10, 0.0)
+    model.begin_decode(turn)
+    for _ in range(produced):
+        model.emit(turn)
+    queued = [QueuedPrompt(text("next one"), 4)]
+    return model.freeze(sid, turn, queued)
+
+
+def test_freeze_exports_position_and_forgets_session() -> None:
+    model = Model(ModelConfig(prefill_ms_per_token=1.0))
+    snap = mid_answer(model)
+    context = ["a", "b", "c", token_text("s", 1, 0), token_text("s", 1, 1), "d", "e"]
+    context += [token_text("s", 2, i) for i in range(3)]
+    assert snap == SessionSnapshot(
+        session="s",
+        context=tuple(context),
+        turns=2,
+        kv_cached=len(context),
+        answer=PendingAnswer(2, 3, 10, cached_tokens=5, prefill_ms=2.0),
+        queued=(QueuedPrompt(text("next one"), 4),),
+    )
+    stats = model.stats()
+    assert (stats.active_sessions, stats.held_sessions, stats.decoding) == (0, 0, 0)
+    assert stats.kv_used_tokens == 0
+    model.detach("s", 1.0)  # the frozen connection closing later changes nothing
+    assert model.stats().active_sessions == 0
+    with pytest.raises(KeyError):
+        model.freeze("s")
+
+
+def test_thaw_with_kv_transfer_resumes_at_next_token() -> None:
+    a = Model(ModelConfig(prefill_ms_per_token=1.0))
+    snap = mid_answer(a)
+    b = Model(ModelConfig(prefill_ms_per_token=1.0, kv_transfer_ms_per_token=0.1))
+    transfer_s = b.thaw(snap, 0.0, transfer_kv=True)
+    assert transfer_s == pytest.approx(len(snap.context) * 0.1 / 1000)
+    assert b.kv.cached("s") == len(snap.context)
+    assert b.stats().kv_transfer_tokens_total == len(snap.context)
+    assert not b.connected("s")
+    b.attach("s", 0.0)
+    assert snap.answer is not None
+    turn = b.resume_turn("s", snap.answer, transfer_s)
+    assert (turn.turn, turn.produced, turn.remaining) == (2, 3, 7)
+    assert turn.delay_s == pytest.approx(transfer_s)  # nothing to prefill again
+    b.begin_decode(turn)
+    toks = [b.emit(turn) for _ in range(turn.remaining)]
+    assert [(t.i, t.text) for t in toks] == [(i, token_text("s", 2, i)) for i in range(3, 10)]
+    result = b.finish(turn)
+    assert (result.turn, result.tokens, result.cached_tokens) == (2, 10, 5)
+    assert result.prefill_ms == pytest.approx(2.0)  # as measured when the turn started on A
+    nxt = b.start_turn("s", snap.queued[0].prompt, 4, 0.0)
+    assert (nxt.turn, nxt.cached_tokens) == (3, 3 + 2 + 2 + 10)
+
+
+def test_thaw_with_prefill_prefills_context_again() -> None:
+    a = Model(ModelConfig(prefill_ms_per_token=1.0))
+    snap = mid_answer(a)
+    b = Model(ModelConfig(prefill_ms_per_token=1.0))
+    assert b.thaw(snap, 0.0, transfer_kv=False) == 0.0
+    assert b.kv.cached("s") == 0
+    b.attach("s", 0.0)
+    assert snap.answer is not None
+    turn = b.resume_turn("s", snap.answer)
+    assert turn.delay_s == pytest.approx(len(snap.context) / 1000)
+    assert b.stats().prefill_tokens_total == len(snap.context)
+    assert b.stats().kv_transfer_tokens_total == 0
+
+
+def test_freeze_during_prefill_transfers_only_old_prefix() -> None:
+    a = Model(ModelConfig(prefill_ms_per_token=1.0))
+    a.attach("s", 0.0)
+    run_turn(a, "s", text("a b"), 1)
+    turn = a.start_turn("s", text("c d e"), 5, 0.0)  # still prefilling
+    snap = a.freeze("s", turn)
+    assert a.stats().prefilling == 0
+    assert snap.answer == PendingAnswer(2, 0, 5, cached_tokens=3, prefill_ms=3.0)
+    assert (len(snap.context), snap.kv_cached) == (6, 3)
+    b = Model(ModelConfig(prefill_ms_per_token=1.0))
+    b.thaw(snap, 0.0)
+    b.attach("s", 0.0)
+    resumed = b.resume_turn("s", snap.answer)
+    assert resumed.delay_s == pytest.approx(3 / 1000)  # the new prompt, not yet cached on A
+
+
+def test_freeze_keeps_cancel_and_idle_session_has_no_answer() -> None:
+    model = Model(ModelConfig())
+    model.attach("s", 0.0)
+    turn = model.start_turn("s", text("x"), 5, 0.0)
+    model.begin_decode(turn)
+    model.emit(turn)
+    snap = model.freeze("s", turn, cancelled=True)
+    assert snap.answer is not None
+    assert snap.answer.cancelled
+    model.attach("t", 0.0)
+    run_turn(model, "t", text("y"), 1)
+    assert model.freeze("t").answer is None
+
+
+def test_thaw_refuses_connected_and_replaces_disconnected_copy() -> None:
+    model = Model(ModelConfig(session_ttl=10.0))
+    snap = mid_answer(Model(ModelConfig()))
+    model.attach("s", 0.0)
+    run_turn(model, "s", text("stale"), 1)
+    with pytest.raises(ValueError):
+        model.thaw(snap, 0.0)
+    model.detach("s", 1.0)
+    model.thaw(snap, 1.0)
+    state = model.session("s")
+    assert state is not None
+    assert (tuple(state.context), state.turns) == (snap.context, 2)
+    # Never resumed: it goes after the ttl like any disconnected session.
+    assert model.stats(12.0).held_sessions == 0
+    assert model.kv.cached("s") == 0

@@ -388,8 +388,8 @@ async def test_subprotocol_echoed_only_when_listed(worker: WorkerProc) -> None:
         await recv(ws)
 
 
-async def test_sigterm_closes_sockets_with_1001() -> None:
-    w = start_worker("--tokens-per-s", "20", module="backends")
+async def test_sigterm_serves_during_grace_then_closes_with_1001() -> None:
+    w = start_worker("--tokens-per-s", "20", "--drain-grace", "0.5", module="backends")
     try:
         sid = new_sid()
         async with await open_chat(w, sid) as ws:
@@ -397,9 +397,34 @@ async def test_sigterm_closes_sockets_with_1001() -> None:
             await ws.send(json.dumps({"type": "prompt", "text": "long", "max_tokens": 1000}))
             assert (await recv(ws))["type"] == "token"
             w.proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            # Still served during the grace period (so a balancer can migrate it away) ...
+            assert (await recv(ws))["type"] == "token"
+            assert (await recv(ws))["type"] == "token"
+            # ... then closed with 1001.
             with pytest.raises(ConnectionClosed) as info:
                 for _ in range(1000):
                     await recv(ws)
+            assert info.value.rcvd is not None
+            assert info.value.rcvd.code == 1001
+            assert 0.4 < time.monotonic() - started < 3.0
+        code = await asyncio.to_thread(w.proc.wait, TIMEOUT)
+        assert code == 0, w.stderr()
+    finally:
+        w.stop()
+
+
+async def test_second_signal_exits_at_once() -> None:
+    w = start_worker("--tokens-per-s", "20", "--drain-grace", "60", module="backends")
+    try:
+        async with await open_chat(w, new_sid()) as ws:
+            await recv(ws)
+            w.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            assert w.proc.poll() is None
+            w.proc.send_signal(signal.SIGINT)
+            with pytest.raises(ConnectionClosed) as info:
+                await recv(ws)
             assert info.value.rcvd is not None
             assert info.value.rcvd.code == 1001
         code = await asyncio.to_thread(w.proc.wait, TIMEOUT)
