@@ -1,0 +1,163 @@
+"""Drain and live migration end to end: no lost or repeated token, no close, no reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from backends.model import token_text
+from tests.procs import Worker, Wslb, pool_config
+
+TOKENS = 120
+
+
+async def read_answer(
+    ws: ClientConnection, sid: str, turn: int, workers: list[str], tokens: int = TOKENS
+) -> None:
+    """One answer: every token once, in order, with its deterministic text."""
+    i = 0
+    while True:
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert msg["type"] in ("token", "done"), msg
+        assert msg["turn"] == turn, (sid, msg)
+        if msg["type"] == "done":
+            assert msg["tokens"] == tokens == i, (sid, msg, i)
+            workers.append(msg["worker"])
+            return
+        assert msg["i"] == i, (sid, turn, msg["i"], i)
+        assert msg["text"] == token_text(sid, turn, i)
+        i += 1
+
+
+async def chat_session(url: str, sid: str, turns: int) -> dict[str, Any]:
+    async with connect(f"{url}/ws?session={sid}") as ws:
+        hello = json.loads(await ws.recv())
+        assert hello["type"] == "hello"
+        workers: list[str] = []
+        for turn in range(1, turns + 1):
+            await ws.send(json.dumps({"type": "prompt", "text": f"q{turn}", "max_tokens": TOKENS}))
+            await read_answer(ws, sid, turn, workers)
+        return {"first": hello["worker"], "workers": workers}
+
+
+async def wait_state(lb: Wslb, bid: str, state: str, timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = lb.admin(f"/backends/{bid}")
+        if b["state"] == state:
+            return dict(b)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{bid} not {state}: {lb.admin(f'/backends/{bid}')}")
+
+
+async def test_two_drains_migrate_every_session_exactly_once(tmp_path: Path) -> None:
+    workers = [Worker(f"m{i}", ["--tokens-per-s", "80"]).start() for i in range(4)]
+    cfg = pool_config([{"id": w.id, "url": w.url} for w in workers], hash_balance_factor=1.5)
+    cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        clients = [asyncio.ensure_future(chat_session(lb.url, f"mig-{i}", 3)) for i in range(30)]
+        await asyncio.sleep(0.6)  # everyone is mid-answer
+        live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
+        first, second = sorted(live, key=lambda k: -live[k])[:2]
+        assert live[first] > 0 and live[second] > 0, live
+        lb.admin_post(f"/backends/{first}/drain", {"migrate": True, "timeout": "20s"})
+        b1 = await wait_state(lb, first, "drained")
+        lb.admin_post(f"/backends/{second}/drain", {"migrate": True, "timeout": "20s"})
+        b2 = await wait_state(lb, second, "drained")
+        results = await asyncio.wait_for(asyncio.gather(*clients), 60)
+        for b in (b1, b2):
+            assert b["sessions"] == 0
+            assert b["drain"]["migrated"] == b["drain"]["sessions_at_start"] > 0, b
+            assert b["drain"]["closed_at_timeout"] == 0 and b["drain"]["closed_after_answer"] == 0
+        # Sessions that were on the drained workers finished their answers elsewhere.
+        moved = [r for r in results if r["first"] in (first, second)]
+        assert moved and all(r["workers"][-1] not in (first, second) for r in results)
+        metrics = lb.admin("/metrics")
+        assert 'wslb_migrations_total{result="migrated"}' in metrics
+        assert "wslb_migration_pause_seconds_bucket" in metrics
+        assert "wslb_drain_duration_seconds_count 2.0" in metrics
+    finally:
+        lb.stop()
+        for w in workers:
+            w.stop()
+
+
+async def test_worker_without_handoff_gets_graceful_1012_after_its_answer(tmp_path: Path) -> None:
+    old = Worker("plain", ["--no-handoff", "--tokens-per-s", "100"]).start()
+    other = Worker("other").start()
+    cfg = pool_config([{"id": "plain", "url": old.url}])
+    cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        sids = [f"fb-{i}" for i in range(6)]
+        conns = []
+        for sid in sids:
+            ws = await connect(f"{lb.url}/ws?session={sid}")
+            assert json.loads(await ws.recv())["worker"] == "plain"
+            conns.append(ws)
+        lb.admin_post("/backends", {"id": "other", "url": other.url})
+        await wait_state(lb, "other", "active")
+        for ws in conns:
+            await ws.send(json.dumps({"type": "prompt", "text": "x", "max_tokens": 60}))
+        await asyncio.sleep(0.1)
+        lb.admin_post("/backends/plain/drain", {"migrate": True, "timeout": "10s"})
+        for sid, ws in zip(sids, conns, strict=True):
+            # The answer in progress completes, then the close comes.
+            await read_answer(ws, sid, 1, [], tokens=60)
+            try:
+                await asyncio.wait_for(ws.recv(), 5)
+                raise AssertionError("expected a close after the answer")
+            except ConnectionClosed as exc:
+                assert exc.rcvd is not None and exc.rcvd.code == 1012
+        b = await wait_state(lb, "plain", "drained")
+        assert b["drain"]["closed_after_answer"] == len(sids)
+        assert 'wslb_migrations_total{result="no_api"}' in lb.admin("/metrics")
+        # Reconnects with the same key land elsewhere and carry on.
+        where = Counter()
+        for sid in sids:
+            async with connect(f"{lb.url}/ws?session={sid}") as ws:
+                where[json.loads(await ws.recv())["worker"]] += 1
+        assert where == {"other": len(sids)}
+    finally:
+        lb.stop()
+        old.stop()
+        other.stop()
+
+
+async def test_worker_sigterm_is_drained_automatically(tmp_path: Path) -> None:
+    a = Worker("quit", ["--tokens-per-s", "80", "--drain-grace", "20"]).start()
+    b = Worker("stay", ["--tokens-per-s", "80"]).start()
+    cfg = pool_config(
+        [{"id": "quit", "url": a.url}, {"id": "stay", "url": b.url}],
+        health={"interval": "0.1s", "timeout": "0.5s"},
+    )
+    cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        sids, i = [], 0
+        while len(sids) < 4 and i < 100:
+            async with connect(f"{lb.url}/ws?session=term-{i}") as ws:
+                if json.loads(await ws.recv())["worker"] == "quit":
+                    sids.append(f"term-{i}")
+            i += 1
+        clients = [asyncio.ensure_future(chat_session(lb.url, sid, 2)) for sid in sids]
+        await asyncio.sleep(0.5)
+        assert a.proc is not None
+        a.proc.terminate()  # pod termination: the worker drains itself
+        results = await asyncio.wait_for(asyncio.gather(*clients), 30)
+        assert all(r["first"] == "quit" and r["workers"][-1] == "stay" for r in results)
+        drained = await wait_state(lb, "quit", "drained")
+        assert drained["drain"]["migrated"] == len(sids)
+        assert await asyncio.to_thread(a.proc.wait, 10) == 0  # it exits once its legs are closed
+    finally:
+        lb.stop()
+        a.stop()
+        b.stop()
