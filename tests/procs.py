@@ -130,6 +130,16 @@ class Wslb:
             body = r.read().decode()
         return json.loads(body) if path != "/metrics" else body
 
+    def admin_post(self, path: str, body: Any) -> Any:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin_port}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
     def stop(self, timeout: float = 15.0) -> int:
         assert self.proc is not None
         return stop(self.proc, timeout)

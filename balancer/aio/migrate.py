@@ -106,6 +106,7 @@ async def migrate(app: Balancer, s: Session, to: str | None = None) -> Migration
     app.stats.migrations[result.reason if not result.ok else "migrated"] += 1
     if result.pause is not None:
         app.stats.migration_pause.observe(result.pause)
+        s.pauses.append(result.pause)
     return result
 
 

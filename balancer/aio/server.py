@@ -447,6 +447,7 @@ class Session(asyncio.Protocol):
         # Migration: a bounded log of the client bytes sent on the current worker leg and where
         # each client message ends in it, to replay what the old worker had not processed.
         self.migrations = 0
+        self.pauses: list[float] = []  # seconds, one per migration
         self.migrating = False
         self.holding = False
         self.replay_limit = REPLAY_LIMIT if pool.cfg.drain.migrate else 0
@@ -819,4 +820,5 @@ class Session(asyncio.Protocol):
                 "worker_to_client": self.prior_frames + self.ws.frames,
             },
             "migrations": self.migrations,
+            "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses[-20:]],
         }
