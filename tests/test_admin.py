@@ -182,3 +182,20 @@ async def test_reload_applies_backends_and_weights(lb: Wslb, workers: list[Worke
     status, body = call(lb, "POST", "/reload", {})
     assert status == 400 and "url" in body["error"]
     assert call(lb, "GET", "/backends/a2")[0] == 200
+
+
+async def test_sighup_reloads(lb: Wslb, workers: list[Worker]) -> None:
+    import asyncio
+    import signal
+
+    cfg = yaml.safe_load(lb.path.read_text())
+    cfg["pools"][0]["backends"].append({"id": "a2", "url": workers[2].url})
+    lb.path.write_text(yaml.safe_dump(cfg))
+    assert lb.proc is not None
+    lb.proc.send_signal(signal.SIGHUP)
+    for _ in range(100):
+        if call(lb, "GET", "/backends/a2")[0] == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert call(lb, "GET", "/backends/a2")[0] == 200
+    assert lb.proc.poll() is None

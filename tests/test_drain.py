@@ -161,3 +161,48 @@ async def test_worker_sigterm_is_drained_automatically(tmp_path: Path) -> None:
         lb.stop()
         a.stop()
         b.stop()
+
+
+async def test_migrate_one_session_on_request_and_roll_back_on_refusal(tmp_path: Path) -> None:
+    a = Worker("src", ["--tokens-per-s", "100"]).start()
+    b = Worker("dst", ["--tokens-per-s", "100"]).start()
+    c = Worker("old-school", ["--no-handoff"]).start()
+    cfg = pool_config([{"id": "src", "url": a.url}])
+    cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        lb.admin_post("/backends", {"id": "dst", "url": b.url})
+        lb.admin_post("/backends", {"id": "old-school", "url": c.url})
+        await wait_state(lb, "dst", "active")
+        async with connect(f"{lb.url}/ws?session=one") as ws:
+            assert json.loads(await ws.recv())["worker"] == "src"
+            await ws.send(json.dumps({"type": "prompt", "text": "go", "max_tokens": TOKENS}))
+            workers: list[str] = []
+            reader = asyncio.ensure_future(read_answer(ws, "one", 1, workers))
+            await asyncio.sleep(0.3)
+            # A target without the handoff API refuses the thaw: the session goes back.
+            status, body = await asyncio.to_thread(
+                _post_status, lb, "/sessions/one/migrate", {"to": "old-school"}
+            )
+            assert status == 409 and body["result"] == "thaw" and body["backend"] == "src"
+            await asyncio.sleep(0.2)
+            result = await asyncio.to_thread(lb.admin_post, "/sessions/one/migrate", {"to": "dst"})
+            assert result["migrated"] and result["backend"] == "dst"
+            assert result["pause_ms"] is not None and result["pause_ms"] < 1000
+            await asyncio.wait_for(reader, 10)
+            assert workers == ["dst"]
+            s = lb.admin("/sessions/one")
+            assert s["migrations"] == 2 and s["backend"] == "dst"  # moved back, then moved
+    finally:
+        lb.stop()
+        for w in (a, b, c):
+            w.stop()
+
+
+def _post_status(lb: Wslb, path: str, body: Any) -> tuple[int, Any]:
+    import urllib.error
+
+    try:
+        return 200, lb.admin_post(path, body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -132,41 +132,38 @@ async def _migrate(
         state, sent, received = body["state"], int(body["sent"]), int(body["received"])
     except (KeyError, TypeError, ValueError):
         raise MigrationError("freeze", "malformed freeze answer") from None
-    # FLUSHED: everything the old worker sent has reached the client.
-    if not await _until(lambda: s.ws.messages >= sent or s.closing, STEP_TIMEOUT):
-        raise MigrationError("flush", f"forwarded {s.ws.messages} of {sent}")
-    if s.closing or s.ws.messages != sent or not s.ws.at_message_boundary:
-        raise MigrationError("flush", f"forwarded {s.ws.messages}, worker sent {sent}")
-    leg_msgs = s.cs.messages - s.leg_start_msg
-    if not 0 <= received <= leg_msgs:
-        raise MigrationError("freeze", f"worker processed {received} of {leg_msgs}")
-    if s.replay_from(s.leg_start_msg + received) is None:
-        raise MigrationError("replay_overflow")
-    # THAWED: the target, chosen as if the old worker were gone.
-    target: Backend | None
-    if to is not None:
-        target = s.pool.backends.get(to)
-        if target is None or target is old or not target.ready:
-            raise MigrationError("target", f"{to} is not a ready backend of the pool")
-    else:
-        target = s.pool.select(s.sid, [old.id], loop.time())
-        if target is None:
-            raise MigrationError("no_target")
-    status, _ = await _post(app, _base(target) + s.sid + "/thaw", {"state": state})
-    if status != 200:
-        raise MigrationError("thaw", f"{target.id} answered {status}")
-    # SWITCHED
+    # FLUSHED: everything the old worker sent has reached the client. From here on the old
+    # worker has let go of the session: a failure either restores it or ends it with 1012.
     try:
-        wt, proto, _, trailing = await open_upstream(
-            app, target, s.req, s.sid, s.peer, s.secure, resume=True
-        )
-    except (OSError, TimeoutError, UpstreamReject) as exc:
-        raise MigrationError("resume", str(exc)) from None
-    if s.closing or s.finished:
-        wt.close()
-        raise MigrationError("closed")
-    s.switch(target, wt, proto, trailing, received)
-    s.release()
+        if not await _until(lambda: s.ws.messages >= sent or s.closing, STEP_TIMEOUT):
+            raise MigrationError("flush", f"forwarded {s.ws.messages} of {sent}")
+        if s.closing or s.ws.messages != sent or not s.ws.at_message_boundary:
+            raise MigrationError("flush", f"forwarded {s.ws.messages}, worker sent {sent}")
+        leg_msgs = s.cs.messages - s.leg_start_msg
+        if not 0 <= received <= leg_msgs:
+            raise MigrationError("freeze", f"worker processed {received} of {leg_msgs}")
+        if s.replay_from(s.leg_start_msg + received) is None:
+            raise MigrationError("replay_overflow")
+    except MigrationError as exc:
+        log.warning("session %s: cannot be moved safely (%s); closing it", s.sid, exc)
+        s.close(1012, "session could not be moved")
+        raise MigrationError(f"{exc.reason}_lost") from None
+    # THAWED: the target, chosen as if the old worker were gone.
+    try:
+        target = _target(s, old, to, loop)
+        await _move(app, s, target, state, received)
+    except MigrationError as exc:
+        # The old worker has let go of the session: give it back, or end it cleanly.
+        try:
+            if not old.healthy:
+                raise MigrationError("rollback", f"{old.id} is down") from None
+            await _move(app, s, old, state, received)
+        except MigrationError as back:
+            log.warning("session %s: could not move or restore it (%s; %s)", s.sid, exc, back)
+            s.close(1012, "session could not be moved")
+            raise MigrationError(f"{exc.reason}_lost") from None
+        log.info("session %s: migration failed (%s), restored on %s", s.sid, exc, old.id)
+        raise
     # The pause ends with the first message on the new leg; an idle session (no answer
     # streaming) has none due, and its pause ends with the switch.
     t_switch = loop.time()
@@ -176,3 +173,33 @@ async def _migrate(
     pause = t_switch - t_freeze
     log.info("session %s moved %s -> %s in %.1f ms", s.sid, old.id, target.id, pause * 1e3)
     return MigrationResult(True, "migrated", target.id, pause)
+
+
+def _target(s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEventLoop) -> Backend:
+    if to is not None:
+        target = s.pool.backends.get(to)
+        if target is None or target is old or not target.ready:
+            raise MigrationError("target", f"{to} is not a ready backend of the pool")
+        return target
+    chosen = s.pool.select(s.sid, [old.id], loop.time())
+    if chosen is None:
+        raise MigrationError("no_target")
+    return chosen
+
+
+async def _move(app: Balancer, s: Session, target: Backend, state: Any, received: int) -> None:
+    """THAWED then SWITCHED on ``target`` (also used to put a session back on its old worker)."""
+    status, _ = await _post(app, _base(target) + s.sid + "/thaw", {"state": state})
+    if status != 200:
+        raise MigrationError("thaw", f"{target.id} answered {status}")
+    try:
+        wt, proto, _, trailing = await open_upstream(
+            app, target, s.req, s.sid, s.peer, s.secure, resume=True
+        )
+    except (OSError, TimeoutError, UpstreamReject) as exc:
+        raise MigrationError("resume", str(exc) or type(exc).__name__) from None
+    if s.closing or s.finished:
+        wt.close()
+        raise MigrationError("closed")
+    s.switch(target, wt, proto, trailing, received)
+    s.release()
