@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -19,16 +18,9 @@ def _run(path: str) -> int:
     except configmod.ConfigError as exc:
         print(f"wslb: invalid configuration {path}:\n{exc}", file=sys.stderr)
         return 2
-    from balancer.aio.app import serve
+    from balancer.aio.app import run
 
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        runner = asyncio.Runner()
-    with runner:
-        return runner.run(serve(cfg, path))
+    return run(cfg, path)
 
 
 def _check(path: str) -> int:

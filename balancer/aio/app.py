@@ -30,7 +30,7 @@ from balancer.handshake import ClientRequest, HandshakeReject
 from balancer.metrics import BackendView, Stats
 from balancer.pool import ACTIVE, Backend, Pool, Upstream
 
-__all__ = ["Balancer", "serve"]
+__all__ = ["Balancer", "run", "serve"]
 
 log = logging.getLogger("wslb")
 
@@ -362,3 +362,15 @@ async def serve(config: Config, config_path: str | None = None) -> int:
         loop.add_signal_handler(sig, app.hurry.set)
     await app.shutdown()
     return 0
+
+
+def run(config: Config, config_path: str | None = None) -> int:
+    """Run a balancer on a uvloop event loop (the process's main job)."""
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        runner = asyncio.Runner()
+    with runner:
+        return runner.run(serve(config, config_path))
