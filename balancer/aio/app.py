@@ -24,9 +24,10 @@ from balancer.aio.health import HealthChecker
 from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
+from balancer.auth import Authenticator
 from balancer.config import BackendCfg, Config, ConfigError
 from balancer.config import load as load_config
-from balancer.handshake import ClientRequest, HandshakeReject
+from balancer.handshake import ClientRequest
 from balancer.metrics import BackendView, Stats
 from balancer.pool import ACTIVE, Backend, Pool, Upstream
 
@@ -55,6 +56,7 @@ class Balancer:
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
         self.drainer = Drainer(self)
+        self.auth = Authenticator(config.auth)
         self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
         self._servers: list[asyncio.Server] = []
         self._idle = asyncio.Event()
@@ -261,13 +263,9 @@ class Balancer:
                 return pool
         return None
 
-    def authorize(self, req: ClientRequest) -> None:
-        """Check the handshake's origin against the allow-list (403); JWT comes later."""
-        origins = self.config.auth.origins
-        if origins:
-            origin = req.header(b"origin")
-            if origin is None or origin.decode("latin-1") not in origins:
-                raise HandshakeReject(403, "origin not allowed")
+    def authorize(self, req: ClientRequest) -> str | None:
+        """Origin allow-list (403) and JWT (401); return the session key a claim gives, if any."""
+        return self.auth.session_key(self.auth.check(req))
 
     def worker_failed(self, pool: Pool, backend: Backend) -> None:
         """A connect or handshake to the worker failed: passive outlier detection."""

@@ -226,8 +226,7 @@ class ClientConnection(asyncio.Protocol):
         pool = app.route(req.path)
         if pool is None:
             raise HandshakeReject(404, f"no pool serves {req.path}")
-        app.authorize(req)
-        sid = session_key(pool.cfg.session_key, req) or new_session_id()
+        sid = app.authorize(req) or session_key(pool.cfg.session_key, req) or new_session_id()
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"

@@ -1,0 +1,93 @@
+"""Handshake authentication: JWT bearer tokens and the Origin allow-list, before any worker.
+
+The algorithms come from the config and only from it: the token's own ``alg`` header is never
+trusted to pick one (so ``alg=none`` and HS256-signed-with-the-RSA-public-key tricks fail). A
+token must carry ``exp`` and be unexpired; ``aud`` is checked when an audience is configured.
+The token comes from ``Authorization: Bearer`` or, for browsers that cannot set headers on a
+WebSocket, from the configured query parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import jwt
+
+from balancer.config import AuthCfg
+from balancer.handshake import ClientRequest, HandshakeReject
+
+__all__ = ["Authenticator", "normalise_origin"]
+
+_CHALLENGE = [(b"www-authenticate", b'Bearer realm="wslb", error="invalid_token"')]
+
+
+def normalise_origin(origin: str) -> str:
+    """Lower-case scheme and host, default port dropped: how the config stores origins."""
+    parts = urlsplit(origin.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    port = parts.port
+    default = {"http": 80, "https": 443}.get(scheme)
+    netloc = host if port is None or port == default else f"{host}:{port}"
+    return f"{scheme}://{netloc}"
+
+
+class Authenticator:
+    """Checks a client's upgrade request; returns the token's claims (or {} without JWT)."""
+
+    def __init__(self, cfg: AuthCfg) -> None:
+        self.cfg = cfg
+        self._origins = frozenset(cfg.origins)
+        self._key: Any = None
+        if cfg.jwt is not None:
+            if cfg.jwt.secret is not None:
+                self._key = cfg.jwt.secret
+            elif cfg.jwt.public_key_file is not None:
+                self._key = Path(cfg.jwt.public_key_file).read_text()
+
+    def check(self, req: ClientRequest) -> dict[str, Any]:
+        """Raise ``HandshakeReject`` (401 or 403) unless the request may pass."""
+        if self._origins:
+            origin = req.header(b"origin")
+            if origin is None or normalise_origin(origin.decode("latin-1")) not in self._origins:
+                raise HandshakeReject(403, "origin not allowed")
+        jcfg = self.cfg.jwt
+        if jcfg is None:
+            return {}
+        token = self._token(req, jcfg.query_param)
+        if token is None:
+            raise HandshakeReject(401, "missing bearer token", _CHALLENGE)
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                self._key,
+                algorithms=list(jcfg.algorithms),
+                audience=jcfg.audience,
+                options={"require": ["exp"], "verify_aud": jcfg.audience is not None},
+            )
+        except jwt.PyJWTError as exc:
+            raise HandshakeReject(401, f"invalid token: {exc}", _CHALLENGE) from None
+        return claims
+
+    @staticmethod
+    def _token(req: ClientRequest, query_param: str | None) -> str | None:
+        auth = req.header(b"authorization")
+        if auth is not None:
+            scheme, _, value = auth.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                return value.strip()
+        if query_param:
+            for k, v in parse_qsl(req.query):
+                if k == query_param and v:
+                    return v
+        return None
+
+    def session_key(self, claims: dict[str, Any]) -> str | None:
+        """The configured claim as session key, when present."""
+        jcfg = self.cfg.jwt
+        if jcfg is None or jcfg.session_claim is None:
+            return None
+        value = claims.get(jcfg.session_claim)
+        return str(value)[:256] if value not in (None, "") else None
