@@ -360,6 +360,15 @@ class WeightsCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamTls:
+    """TLS towards ``wss://`` workers: CA bundle (None: system trust) and client certificate."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class BackendCfg:
     """One worker. ``url`` is kept as written; the properties give its parts."""
 
@@ -406,6 +415,7 @@ class PoolCfg:
     outlier: OutlierCfg = OutlierCfg()
     drain: DrainCfg = DrainCfg()
     backends: tuple[BackendCfg, ...] = ()
+    upstream_tls: UpstreamTls | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1141,7 +1151,21 @@ class _Builder:
             outlier=self.outlier(self.section(item, "outlier", p), (*p, "outlier")),
             drain=self.drain(self.section(item, "drain", p), (*p, "drain")),
             backends=self.backends(item, p),
+            upstream_tls=self.upstream_tls(item, p),
         )
+
+    def upstream_tls(self, item: dict[object, object], path: _Path) -> UpstreamTls | None:
+        v = self.get(item, "upstream_tls", path)
+        if not isinstance(v, dict):
+            return None
+        p = (*path, "upstream_tls")
+        files = {f: self.optional(v, f, p) for f in ("ca", "cert", "key")}
+        for field, name in files.items():
+            if name:
+                self.file((*p, field), name)
+        if (files["cert"] is None) != (files["key"] is None):
+            self.error(p, "a client certificate needs both cert and key")
+        return UpstreamTls(files["ca"], files["cert"], files["key"])
 
     def session_key(self, item: dict[object, object], p: _Path) -> tuple[KeySource, ...]:
         v = self.get(item, "session_key", p)

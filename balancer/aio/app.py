@@ -29,7 +29,7 @@ from balancer.config import BackendCfg, Config, ConfigError
 from balancer.config import load as load_config
 from balancer.handshake import ClientRequest
 from balancer.metrics import BackendView, Stats
-from balancer.pool import ACTIVE, Backend, Pool, Upstream
+from balancer.pool import ACTIVE, Backend, Pool
 
 __all__ = ["Balancer", "run", "serve"]
 
@@ -57,6 +57,8 @@ class Balancer:
         self.health: HealthChecker | None = None
         self.drainer = Drainer(self)
         self.auth = Authenticator(config.auth)
+        self._listener_tls: list[tuple[ssl.SSLContext, str, str]] = []
+        self._upstream_tls: dict[str, ssl.SSLContext] = {}
         self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
         self._servers: list[asyncio.Server] = []
         self._idle = asyncio.Event()
@@ -78,13 +80,18 @@ class Balancer:
             for b in pool.backends.values():
                 self.watch(pool, b)
         for lst in self.config.listen:
+            ctx = None
+            if lst.tls is not None:
+                ctx = self._listener_ssl(lst.tls.cert, lst.tls.key)
+                self._listener_tls.append((ctx, lst.tls.cert, lst.tls.key))
             server = await self.loop.create_server(
                 lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),
                 lst.host,
                 lst.port,
                 backlog=4096,
                 reuse_address=True,
-                ssl=self._listener_ssl(lst.tls.cert, lst.tls.key) if lst.tls else None,
+                ssl=ctx,
+                ssl_handshake_timeout=self.config.timeouts.handshake if ctx else None,
             )
             self._servers.append(server)
             log.info("listening on %s:%d", lst.host, lst.port)
@@ -96,9 +103,26 @@ class Balancer:
         ctx.load_cert_chain(cert, key)
         return ctx
 
-    def upstream_ssl(self, up: Upstream) -> ssl.SSLContext | None:
-        """TLS context for a ``wss://`` worker (system trust store for now)."""
-        return ssl.create_default_context() if up.secure else None
+    def upstream_ssl(self, backend: Backend) -> ssl.SSLContext | None:
+        """TLS context for a ``wss://`` worker: its pool's CA and client certificate."""
+        if not backend.upstream.secure:
+            return None
+        found = self.find_backend(backend.id)
+        tls = found[0].cfg.upstream_tls if found is not None else None
+        key = found[0].name if found is not None else ""
+        ctx = self._upstream_tls.get(key)
+        if ctx is None:
+            ctx = ssl.create_default_context(cafile=tls.ca if tls else None)
+            if tls is not None and tls.cert and tls.key:
+                ctx.load_cert_chain(tls.cert, tls.key)
+            self._upstream_tls[key] = ctx
+        return ctx
+
+    def reload_certificates(self) -> None:
+        """Reread listener certificates (new handshakes use them) and upstream TLS files."""
+        for ctx, cert, key in self._listener_tls:
+            ctx.load_cert_chain(cert, key)
+        self._upstream_tls.clear()
 
     async def shutdown(self) -> None:
         """Graceful stop; see the module docstring."""
@@ -208,6 +232,10 @@ class Balancer:
             raise ConfigError(["no config file to reload"])
         new = load_config(self.config_path)
         report: dict[str, Any] = {"added": [], "removed": [], "updated": [], "ignored": []}
+        try:
+            self.reload_certificates()
+        except (OSError, ssl.SSLError) as exc:
+            report["ignored"].append(f"certificates not reloaded: {exc}")
         for pcfg in new.pools:
             pool = self.pool(pcfg.name)
             if pool is None:

@@ -315,7 +315,11 @@ async def open_upstream(
     timeouts = app.config.timeouts
     transport, proto = await asyncio.wait_for(
         app.loop.create_connection(
-            lambda: UpstreamHandshake(request), up.host, up.port, ssl=app.upstream_ssl(up)
+            lambda: UpstreamHandshake(request),
+            up.host,
+            up.port,
+            ssl=app.upstream_ssl(backend),
+            ssl_handshake_timeout=timeouts.connect if up.secure else None,
         ),
         timeouts.connect,
     )
