@@ -7,10 +7,12 @@ is configured, compared in constant time. Errors are JSON ``{"error": ...}``. Th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
@@ -66,6 +68,7 @@ class Admin:
         r.add_post("/sessions/{sid}/migrate", self.migrate)
         r.add_post("/reload", self.reload)
         r.add_get("/openapi.json", self.openapi)
+        r.add_get("/debug/stats", self.debug_stats)
         return web_app
 
     async def start(self) -> None:
@@ -245,6 +248,19 @@ class Admin:
         except ConfigError as exc:
             return _error(400, "; ".join(exc.errors))
         return web.json_response(report)
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        """Process figures for soak tests: tasks, sessions, connections, RSS, open FDs."""
+        proc = psutil.Process()
+        return web.json_response(
+            {
+                "tasks": len(asyncio.all_tasks()),
+                "sessions": len(self.app.sessions),
+                "connections": self.app.connections,
+                "rss": proc.memory_info().rss,
+                "fds": proc.num_fds(),
+            }
+        )
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)

@@ -133,5 +133,6 @@ OPENAPI: dict[str, Any] = {
             )
         },
         "/openapi.json": {"get": _op("This document")},
+        "/debug/stats": {"get": _op("Process figures: asyncio tasks, sessions, RSS, open FDs")},
     },
 }
