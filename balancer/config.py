@@ -429,6 +429,7 @@ class Timeouts:
     ping_timeout: float = 20.0
     close: float = 5.0
     shutdown_grace: float = 5.0
+    backpressure: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,6 +442,7 @@ class Limits:
     write_buffer_high: int = 256 * 1024
     max_header_bytes: int = 16 * 1024
     max_headers: int = 100
+    max_connections_per_client: int = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -1312,6 +1314,7 @@ class _Builder:
             ping_timeout=self.duration(t, "ping_timeout", p, d.ping_timeout, positive=True),
             close=self.duration(t, "close", p, d.close),
             shutdown_grace=self.duration(t, "shutdown_grace", p, d.shutdown_grace),
+            backpressure=self.duration(t, "backpressure", p, d.backpressure),
         )
 
     def limits(self, root: dict[object, object]) -> Limits:
@@ -1335,6 +1338,9 @@ class _Builder:
             write_buffer_high=self.size(lim, "write_buffer_high", p, d.write_buffer_high),
             max_header_bytes=self.size(lim, "max_header_bytes", p, d.max_header_bytes),
             max_headers=self.integer(lim, "max_headers", p, d.max_headers),
+            max_connections_per_client=self.integer(
+                lim, "max_connections_per_client", p, d.max_connections_per_client
+            ),
         )
 
     def auth(self, root: dict[object, object]) -> AuthCfg:

@@ -96,6 +96,7 @@ class Stats:
     migration_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0
+    backpressure_closes: int = 0
 
     def session_done(self, s: LiveSession) -> None:
         """Fold a finished session's counts into the totals."""
@@ -284,6 +285,11 @@ class BalancerCollector(Collector):
         conns = GaugeMetricFamily("wslb_connections_active", "Open client connections")
         conns.add_metric([], self._connections())
         yield conns
+        bp = CounterMetricFamily(
+            "wslb_backpressure_closes", "Sessions closed (1008) after staying paused too long"
+        )
+        bp.add_metric([], st.backpressure_closes)
+        yield bp
         ct = CounterMetricFamily("wslb_connections", "Client connections accepted")
         ct.add_metric([], st.connections_total)
         yield ct

@@ -13,6 +13,7 @@ import logging
 import signal
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ class Balancer:
         self._routes = sorted(self.pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
         self.sessions: dict[Session, None] = {}
         self.connections = 0
+        self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
         self.spawner = Spawner()
         self.admin = Admin(self)
@@ -313,9 +315,21 @@ class Balancer:
         self.sessions[s] = None
         self._idle.clear()
 
+    def connection_opened(self, peer: str) -> None:
+        self.connections += 1
+        self.per_client[peer] += 1
+
+    def connection_closed(self, peer: str) -> None:
+        self.connections -= 1
+        n = self.per_client[peer] - 1
+        if n > 0:
+            self.per_client[peer] = n
+        else:
+            del self.per_client[peer]
+
     def session_finished(self, s: Session) -> None:
         self.sessions.pop(s, None)
-        self.connections -= 1
+        self.connection_closed(s.peer)
         self.stats.session_done(s)
         if not self.sessions:
             self._idle.set()

@@ -68,6 +68,7 @@ _REASONS = {
     404: "Not Found",
     408: "Request Timeout",
     426: "Upgrade Required",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     502: "Bad Gateway",
@@ -135,11 +136,16 @@ class ClientConnection(asyncio.Protocol):
             self.peer = str(peer[0])
         app = self.app
         app.stats.connections_total += 1
-        if app.closing or app.connections >= app.config.limits.max_connections:
+        limits = app.config.limits
+        if app.closing or app.connections >= limits.max_connections:
             reason = "shutting down" if app.closing else "too many connections"
             self.reject(HandshakeReject(503, reason))
             return
-        app.connections += 1
+        per_client = limits.max_connections_per_client
+        if per_client and app.per_client[self.peer] >= per_client:
+            self.reject(HandshakeReject(429, "too many connections from this address"))
+            return
+        app.connection_opened(self.peer)
         self.counted = True
         self.timer = app.loop.call_later(app.config.timeouts.handshake, self._handshake_timeout)
 
@@ -181,7 +187,7 @@ class ClientConnection(asyncio.Protocol):
             self.task.cancel()
         if self.counted and self.session is None:
             self.counted = False
-            self.app.connections -= 1
+            self.app.connection_closed(self.peer)
 
     # -- handshake -------------------------------------------------------------------------
 
@@ -402,9 +408,12 @@ class ClientLeg(asyncio.Protocol):
         self.session.client_lost()
 
     def pause_writing(self) -> None:
+        """The client does not keep up: stop reading the worker."""
+        self.session.paused_since = self.session.app.loop.time()
         _pause(self.session.wt, True)
 
     def resume_writing(self) -> None:
+        self.session.paused_since = 0.0
         _pause(self.session.wt, False)
 
 
@@ -472,6 +481,7 @@ class Session(asyncio.Protocol):
         self.finished = False
         self.timer: asyncio.TimerHandle | None = None
         self._awaiting_pong = False
+        self.paused_since = 0.0  # loop time backpressure paused a leg; 0 when flowing
         self._last_msgs = 0
         self._last_active = self.since
         pool.attach(sid, backend)
@@ -592,10 +602,14 @@ class Session(asyncio.Protocol):
     # -- flow control (worker leg) ---------------------------------------------------------
 
     def pause_writing(self) -> None:
+        """The worker does not keep up: stop reading the client."""
+        self.paused_since = self.app.loop.time()
         _pause(self.ct, True)
 
     def resume_writing(self) -> None:
-        _pause(self.ct, False)
+        self.paused_since = 0.0
+        if not self.holding:
+            _pause(self.ct, False)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -743,11 +757,8 @@ class Session(asyncio.Protocol):
 
     def _first_tick_delay(self) -> float:
         t = self.app.config.timeouts
-        return (
-            min(x for x in (t.ping_interval, t.idle) if x > 0)
-            if (t.ping_interval > 0 or t.idle > 0)
-            else 0.0
-        )
+        timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
+        return min(timers) if timers else 0.0
 
     def _schedule_tick(self, delay: float) -> None:
         if self.timer is not None:
@@ -772,8 +783,13 @@ class Session(asyncio.Protocol):
         elif t.idle > 0 and now - self._last_active >= t.idle:
             self.close(1001, "idle timeout")
             return
+        if self.paused_since and t.backpressure > 0 and now - self.paused_since >= t.backpressure:
+            log.info("session %s: paused by backpressure for %.0fs", self.sid, t.backpressure)
+            self.app.stats.backpressure_closes += 1
+            self.close(1008, "peer not reading")
+            return
         if t.ping_interval <= 0:
-            self._schedule_tick(max(0.5, t.idle - (now - self._last_active)))
+            self._schedule_tick(self._first_tick_delay())
             return
         if self._awaiting_pong:
             self._awaiting_pong = False
