@@ -27,6 +27,7 @@ from balancer.config import KeySource
 __all__ = [
     "ClientRequest",
     "HandshakeReject",
+    "RequestReader",
     "UpstreamReject",
     "accept_headers",
     "check_client_request",
@@ -73,6 +74,48 @@ class HandshakeReject(Exception):
         self.status = status
         self.message = message
         self.headers = list(headers)
+
+
+class RequestReader:
+    """Reads a client's upgrade request head with h11, within size and count limits.
+
+    ``feed`` returns the ``h11.Request`` once its head is complete, None while more bytes are
+    needed, and raises ``HandshakeReject`` (400, 431) for anything malformed. Bytes that follow
+    the head (frames sent eagerly) are kept in ``trailing``.
+    """
+
+    def __init__(self, max_bytes: int = 16 * 1024, max_headers: int = 100) -> None:
+        self.max_bytes = max_bytes
+        self.max_headers = max_headers
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
+        self.request: h11.Request | None = None
+
+    def feed(self, data: bytes) -> h11.Request | None:
+        if self.request is not None:
+            self._h11.receive_data(data)  # after the head: kept as trailing data
+            return None
+        try:
+            self._h11.receive_data(data)
+            event = self._h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            # h11 hints 431 for an oversized incomplete head, 400 for the rest.
+            raise HandshakeReject(exc.error_status_hint, f"malformed request: {exc}") from None
+        if event is h11.NEED_DATA:
+            return None
+        if isinstance(event, h11.ConnectionClosed):
+            raise HandshakeReject(400, "connection closed before a request")
+        if not isinstance(event, h11.Request):  # pragma: no cover - a server sees requests
+            raise HandshakeReject(400, "unexpected HTTP event")
+        # h11 bounds only an incomplete head; a head that arrived whole is measured here.
+        size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        if size > self.max_bytes or len(event.headers) > self.max_headers:
+            raise HandshakeReject(431, "request header fields too large")
+        self.request = event
+        return event
+
+    @property
+    def trailing(self) -> bytes:
+        return bytes(self._h11.trailing_data[0])
 
 
 class UpstreamReject(Exception):

@@ -38,6 +38,7 @@ from balancer.frames import OP_CLOSE, OP_PING, FrameScanner, build_frame, close_
 from balancer.handshake import (
     ClientRequest,
     HandshakeReject,
+    RequestReader,
     UpstreamReject,
     accept_headers,
     check_client_request,
@@ -118,9 +119,8 @@ class ClientConnection(asyncio.Protocol):
         self.secure = secure
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
-        self.h11 = h11.Connection(
-            h11.SERVER, max_incomplete_event_size=app.config.limits.max_header_bytes
-        )
+        limits = app.config.limits
+        self.reader = RequestReader(limits.max_header_bytes, limits.max_headers)
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.session: Session | None = None
@@ -150,28 +150,17 @@ class ClientConnection(asyncio.Protocol):
         self.timer = app.loop.call_later(app.config.timeouts.handshake, self._handshake_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self.task is not None:
-            # Bytes sent right behind the request (frames, pipelined by an eager client): keep
-            # them for the session; h11 holds them as trailing data.
-            self.h11.receive_data(data)
-            return
+        # Bytes sent right behind the request (frames from an eager client) are kept by the
+        # reader as trailing data for the session.
         try:
-            self.h11.receive_data(data)
-            event = self.h11.next_event()
-        except h11.RemoteProtocolError as exc:
-            # h11 hints 431 for oversized headers, 400 for the rest.
-            self.reject(HandshakeReject(exc.error_status_hint, f"malformed request: {exc}"))
+            event = self.reader.feed(data)
+        except HandshakeReject as rej:
+            self.reject(rej)
             return
-        if event is h11.NEED_DATA:
-            return
-        if isinstance(event, h11.Request):
+        if event is not None:
             assert self.transport is not None
             self.transport.pause_reading()
             self.task = self.app.loop.create_task(self._upgrade(event))
-        elif isinstance(event, h11.ConnectionClosed):
-            self._close()
-        else:  # pragma: no cover - h11 yields a Request first on a server connection
-            self.reject(HandshakeReject(400, "unexpected HTTP event"))
 
     def eof_received(self) -> bool | None:
         if self.task is None:
@@ -223,11 +212,6 @@ class ClientConnection(asyncio.Protocol):
 
     async def _do_upgrade(self, event: h11.Request) -> None:
         app = self.app
-        limits = app.config.limits
-        # h11 bounds only an incomplete head; a head that arrived whole is measured here.
-        size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
-        if size > limits.max_header_bytes or len(event.headers) > limits.max_headers:
-            raise HandshakeReject(431, "request header fields too large")
         req = check_client_request(event)
         pool = app.route(req.path)
         if pool is None:
@@ -287,7 +271,7 @@ class ClientConnection(asyncio.Protocol):
         ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, sid)))
         ctransport.set_protocol(ClientLeg(session))
         wtransport.set_protocol(session)
-        client_trailing = self.h11.trailing_data[0]
+        client_trailing = self.reader.trailing
         worker_trailing += bytes(proto.extra)
         if worker_trailing:
             session.data_received(worker_trailing)
