@@ -184,3 +184,43 @@ async def test_worker_stalled_mid_stream_hits_the_ping_timeout(tmp_path: Path) -
     finally:
         lb.stop()
         w.stop()
+
+
+async def test_no_refused_handshake_reaches_the_worker(tmp_path: Path) -> None:
+    w = Worker("count").start()
+    cfg = pool_config([{"id": "count", "url": w.url}], match={"path_prefix": "/ws"})
+    cfg["limits"] = {"max_headers": 20, "max_connections_per_client": 3}
+    cfg["timeouts"] = {"handshake": "0.5s"}
+    lb = Wslb(cfg, tmp_path).start()
+
+    def connections() -> float:
+        for line in w.metrics().splitlines():
+            if line.startswith("wslb_worker_connections_total"):
+                return float(line.split()[-1])
+        raise AssertionError("no counter")
+
+    try:
+        before = connections()
+        cases: list[tuple[dict[str, str], str, int]] = [
+            ({"Sec-WebSocket-Key": "bad"}, "/ws", 400),
+            ({"Sec-WebSocket-Version": "12"}, "/ws", 426),
+            ({"Upgrade": ""}, "/ws", 426),
+            ({f"X-H{i}": "v" for i in range(30)}, "/ws", 431),
+            ({}, "/elsewhere", 404),
+        ]
+        for headers, path, status in cases:
+            c = await RawClient.connect(lb.port, path=path, headers=headers)
+            assert c.status == status, (headers, path)
+            c.close()
+        # Three held connections from this address, then 429.
+        held = [await asyncio.open_connection("127.0.0.1", lb.port) for _ in range(3)]
+        c = await RawClient.connect(lb.port)
+        assert c.status == 429
+        await asyncio.sleep(0.8)  # the held ones time out their handshake (408)
+        for r, wr in held:
+            assert (await asyncio.wait_for(r.read(), 2)).startswith(b"HTTP/1.1 408")
+            wr.close()
+        assert connections() == before
+    finally:
+        lb.stop()
+        w.stop()
