@@ -6,8 +6,11 @@ pip install atheris && python tests/fuzz/fuzz_handshake.py -max_total_time=60
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import atheris
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 with atheris.instrument_imports():
     from tests.fuzz.targets import handshake_target
