@@ -8,12 +8,12 @@ return when it does. One task per backend: a hanging check delays only its own b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import aiohttp
 
+from balancer.aio.loops import PerBackend
 from balancer.pool import Backend, Pool
 
 __all__ = ["HealthChecker", "health_url"]
@@ -35,22 +35,13 @@ class HealthChecker:
         """``on_result(backend, ok, draining)`` is called after every probe."""
         self._session = session
         self._on_result = on_result  # (backend, ok, draining)
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._loops = PerBackend("health")
 
     def start(self, pool: Pool, backend: Backend) -> None:
-        if backend.id not in self._tasks:
-            self._tasks[backend.id] = asyncio.get_running_loop().create_task(
-                self._loop(pool, backend), name=f"health-{backend.id}"
-            )
+        self._loops.spawn(backend.id, self._loop(pool, backend))
 
     async def stop(self, backend_id: str | None = None) -> None:
-        ids = [backend_id] if backend_id is not None else list(self._tasks)
-        tasks = [t for i in ids if (t := self._tasks.pop(i, None)) is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await self._loops.stop(backend_id)
 
     async def check(self, pool: Pool, backend: Backend) -> tuple[bool, bool]:
         """One probe: (2xx within ``health.timeout``, the worker says it is draining).

@@ -8,12 +8,12 @@ signals, which turn stale after ``weights.stale_after`` (``balancer.weights``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import aiohttp
 
+from balancer.aio.loops import PerBackend
 from balancer.pool import Backend, Pool
 from balancer.weights import parse_signals, resolve_mapping
 
@@ -36,22 +36,13 @@ class Scraper:
     def __init__(self, session: aiohttp.ClientSession, on_failure: Callable[[Backend], None]):
         self._session = session
         self._on_failure = on_failure
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._loops = PerBackend("scrape")
 
     def start(self, pool: Pool, backend: Backend) -> None:
-        if backend.id not in self._tasks:
-            self._tasks[backend.id] = asyncio.get_running_loop().create_task(
-                self._loop(pool, backend), name=f"scrape-{backend.id}"
-            )
+        self._loops.spawn(backend.id, self._loop(pool, backend))
 
     async def stop(self, backend_id: str | None = None) -> None:
-        ids = [backend_id] if backend_id is not None else list(self._tasks)
-        tasks = [t for i in ids if (t := self._tasks.pop(i, None)) is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await self._loops.stop(backend_id)
 
     async def scrape(self, pool: Pool, backend: Backend) -> bool:
         """One scrape; stores the signals on the backend. False on any failure."""
