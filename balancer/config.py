@@ -357,6 +357,7 @@ class WeightsCfg:
     metrics: str | tuple[tuple[str, str], ...] = "reference"
     stale_after: float = 5.0
     coefficients: Coefficients = Coefficients()  # noqa: RUF009 (frozen, shared safely)
+    smoothing: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1220,7 +1221,8 @@ class _Builder:
             queue=self.number(c, "queue", cp, dc.queue),
             min_factor=self.number(c, "min_factor", cp, dc.min_factor),
         )
-        return WeightsCfg(scrape, metrics, stale, coef)
+        smoothing = self.duration(w, "smoothing", p, d.smoothing)
+        return WeightsCfg(scrape, metrics, stale, coef, smoothing)
 
     def health(self, h: dict[object, object], p: _Path) -> HealthCfg:
         d = HealthCfg()

@@ -15,6 +15,7 @@ came back), the ring decides again, so keys return to a worker when it returns.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -69,6 +70,8 @@ class Backend:
         "effective_weight",
         "ejected_until",
         "ejections",
+        "factor",
+        "factor_at",
         "healthy",
         "id",
         "probe_fails",
@@ -103,6 +106,8 @@ class Backend:
         self.returned_at = 0.0
         self.signals: Signals | None = None
         self.stale = True
+        self.factor = 1.0  # smoothed load factor: effective_weight = weight x factor
+        self.factor_at = 0.0
 
     @property
     def ejected(self) -> bool:
@@ -199,9 +204,15 @@ class Pool:
             if b.ejected_until and now >= b.ejected_until:
                 b.ejected_until = 0.0
                 b.returned_at = now
-            b.effective_weight, b.stale = effective_weight(
-                b.weight, b.signals, now, w.stale_after, w.coefficients
-            )
+            was_stale = b.stale
+            raw, b.stale = effective_weight(1.0, b.signals, now, w.stale_after, w.coefficients)
+            if b.stale or was_stale or w.smoothing <= 0:  # no history to smooth against
+                b.factor = raw
+            elif now > b.factor_at:
+                # Exponential smoothing in time, however often this runs.
+                b.factor += (raw - b.factor) * (1.0 - math.exp((b.factor_at - now) / w.smoothing))
+            b.factor_at = now
+            b.effective_weight = b.weight * b.factor
 
     def select(self, key: str, exclude: Iterable[str] = (), now: float = 0.0) -> Backend | None:
         """Pick the backend for a new session with this key, or None if no backend is ready.

@@ -12,7 +12,9 @@ as 0 (no penalty). The bounded-load rule (``ring.load_bound``) then gives each b
 ``c x`` its *effective* share of the live sessions, so wslb's own session counts and the workers'
 reported load act together: a hot worker keeps its existing keys while it has room and takes
 fewer new ones. A scrape older than ``stale_after`` is ignored: the backend falls back to its
-static weight, i.e. plain connection-count weighting, and is reported stale.
+static weight, i.e. plain connection-count weighting, and is reported stale. The pool smooths
+each backend's load factor (``effective / static``) exponentially over ``weights.smoothing``
+seconds, so one noisy scrape (a burst of queued prefills) does not move keys between workers.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def test_schema_defaults_match_dataclasses() -> None:
                 default = Coefficients(**default)
             assert getattr(instance, key) == default, key
             checked += 1
-    assert checked == 31
+    assert checked == 32
     assert schema["properties"]["workers"]["default"] == c.Config().workers
     assert pool["hash_balance_factor"]["default"] == c.PoolCfg("p").hash_balance_factor
     assert pool["session_key"]["default"] == [str(k) for k in c.DEFAULT_SESSION_KEY]
