@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,8 @@ class Admin:
             )
         )
         self._runner: web.AppRunner | None = None
-        token = app.config.admin.token
+        # SPEC 3: WSLB_ADMIN_TOKEN is the admin token when the config names none.
+        token = app.config.admin.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token else None
 
     def make_app(self) -> web.Application:
