@@ -707,11 +707,9 @@ class Session(asyncio.Protocol):
 
     def _maybe_finish(self) -> None:
         """Close TCP where both close frames have passed; clean up once both legs are gone."""
+        # A close wslb sent on the worker's behalf waits for the client's answer (or the timer).
         if not self.client_gone and self.client_close_sent and self.cs.close is not None:
             self.ct.close()
-        elif not self.client_gone and self.client_close_sent and self.worker_gone:
-            # Waiting for the client's answer to a close wslb sent on the worker's behalf.
-            pass
         if (
             not self.worker_gone
             and self.client_gone
