@@ -336,7 +336,7 @@ class _Connection:
         try:
             resumed, self.resumed = self.resumed, None
             if resumed is not None:
-                await self.run_turn(resumed)
+                await self.run_turn(resumed, resumed=True)
             elif self.resume_delay > 0:
                 await self.waker.sleep(self.resume_delay)
             model = self.worker.model
@@ -353,8 +353,13 @@ class _Connection:
             with contextlib.suppress(Exception):
                 await self.ws.close(code=1011, message=b"internal error")
 
-    async def run_turn(self, turn: Turn) -> None:
-        """Wait out the prefill, stream the tokens at the simulated rate, then send ``done``."""
+    async def run_turn(self, turn: Turn, resumed: bool = False) -> None:
+        """Wait out the prefill, stream the tokens at the simulated rate, then send ``done``.
+
+        A ``resumed`` answer (thawed from another worker) was already decoding there: its next
+        token is due at once, not a full decode interval later, so a migration adds only the
+        handoff itself to the gap the client sees.
+        """
         worker = self.worker
         model = worker.model
         loop = asyncio.get_running_loop()
@@ -363,7 +368,7 @@ class _Connection:
                 await self.waker.sleep(turn.delay_s)
             if not self.stopped():
                 model.begin_decode(turn)
-                await self._decode(turn, loop)
+                await self._decode(turn, loop, resumed)
         finally:
             result = model.finish(turn)
             self.current = None
@@ -378,13 +383,17 @@ class _Connection:
             }
         )
 
-    async def _decode(self, turn: Turn, loop: asyncio.AbstractEventLoop) -> None:
+    async def _decode(
+        self, turn: Turn, loop: asyncio.AbstractEventLoop, due_now: bool = False
+    ) -> None:
         # One timer per token, on a deadline schedule so the average rate holds; a stream
         # that falls more than a token behind (slow reader) restarts its schedule, no burst.
         # Between the stop check, emit and the write there is no await: a freeze never
         # leaves a token produced but unsent.
         model = self.worker.model
         deadline = loop.time()
+        if due_now:
+            deadline -= model.token_delay()  # the first token is due immediately
         burst = 0
         while turn.remaining > 0 and not self.stopped():
             delay = model.token_delay()

@@ -55,6 +55,7 @@ class Balancer:
         self.spawner = Spawner()
         self.admin = Admin(self)
         self.http: aiohttp.ClientSession | None = None
+        self.handoff_http: aiohttp.ClientSession | None = None
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
         self.drainer = Drainer(self)
@@ -75,6 +76,11 @@ class Balancer:
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, force_close=False),
             headers={"User-Agent": "wslb"},
+        )
+        # Handoff calls get their own pool without a per-host cap: a drain freezes many
+        # sessions on one worker at once, and a queued freeze would stretch its client's pause.
+        self.handoff_http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)
         )
         self.scraper = Scraper(self.http, self._scrape_failed)
         self.health = HealthChecker(self.http, self._probe_result)
@@ -169,9 +175,10 @@ class Balancer:
             await self.scraper.stop()
         if self.health is not None:
             await self.health.stop()
-        if self.http is not None:
-            await self.http.close()
-            self.http = None
+        for session in (self.http, self.handoff_http):
+            if session is not None:
+                await session.close()
+        self.http = self.handoff_http = None
 
     def watch(self, pool: Pool, b: Backend) -> None:
         """Start what a backend needs: its worker process, scrapes, health checks."""

@@ -63,8 +63,8 @@ def _base(backend: Backend) -> str:
 
 
 async def _post(app: Balancer, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    assert app.http is not None
-    async with app.http.post(
+    assert app.handoff_http is not None
+    async with app.handoff_http.post(
         url, json=body, timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT)
     ) as resp:
         try:
@@ -151,7 +151,12 @@ async def _migrate(
     # THAWED: the target, chosen as if the old worker were gone.
     try:
         target = _target(s, old, to, loop)
-        await _move(app, s, target, state, received)
+        # Reserve the place, so concurrent migrations of a drain see it in their bounds.
+        target.sessions += 1
+        try:
+            await _move(app, s, target, state, received)
+        finally:
+            target.sessions -= 1
     except MigrationError as exc:
         # The old worker has let go of the session: give it back, or end it cleanly.
         try:
