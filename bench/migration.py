@@ -1,0 +1,1102 @@
+#!/usr/bin/env python3
+"""Migration benchmark: the pause live sessions see when their worker is drained; drain time.
+
+For each ``--sessions`` count N (a list sweeps), the script starts ``--workers`` reference workers
+(``backends.worker``) and wslb in front of them, all on 127.0.0.1, and opens N chat sessions
+through wslb from this process (aiohttp, uvloop when installed). Every session asks for a long
+answer (``--answer`` tokens at ``--rate`` tokens/s) and asks again when it is done, checking that
+every token arrives exactly once, in order, with the text ``backends.model.token_text`` gives it.
+After ``--warmup`` seconds it drains the worker holding the most sessions
+(``POST /backends/{id}/drain {"migrate": true}``), waits for the state ``drained`` and records:
+
+- **pause** (wslb's measure, from ``GET /sessions``: ``migration_pauses_ms``): from the freeze
+  request to the first message on the new worker leg, one per migration.
+- **stall** (the client's measure): for each moved session, the largest gap between two messages
+  around the drain minus that session's median gap, i.e. the extra wait the user sees. The same
+  measure over sessions that did not move (**control**) shows the jitter the load alone causes.
+- **drain**: wslb's ``drain.finished - drain.started``, and the client's view (from the drain
+  request to ``state == drained``, polled every 20 ms).
+- **token errors**: lost, duplicated, out-of-order or wrong tokens, unexpected messages and
+  closes, sessions that failed to connect. All must be 0.
+
+It then explains the pause from the processes' logs (wslb logs ``session X moved A -> B in N ms``,
+the workers log ``froze session X`` and ``thawed session X (kv ..., T ms)``, all at 1 ms
+resolution): request -> freeze handled, freeze handled -> thaw handled, thaw handled -> first
+message on the new leg, of which the simulated model accounts for one decode interval plus the KV
+transfer. Finally ``--probe`` sessions connected straight to two loaded workers are handed off one
+at a time with the step timed from outside (freeze POST, thaw POST, resume handshake, first
+token), which is the floor of the protocol on this machine under the same load.
+
+Not a test: pytest collects only ``tests/``. Run ``python bench/migration.py --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import contextlib
+import ctypes
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import aiohttp
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from backends.model import token_text  # noqa: E402
+
+CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
+CONNECT_TIMEOUT = 30.0  # seconds to open every session
+DRAIN_POLL = 0.02  # seconds between admin polls while waiting for "drained"
+STALL_SLACK = 0.3  # seconds after "drained" still searched for the migration gap
+LAG_TICK = 0.005  # the client's event-loop lag probe interval
+HASH_BALANCE_FACTOR = 1.5
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Procs:
+    """Child processes, each the leader of its own process group; all stopped on ``close``."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
+        with (self.logdir / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                list(cmd),
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.logdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def close(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.procs.clear()
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    with contextlib.suppress(psutil.Error):
+        t = psutil.Process(pid).cpu_times()
+        return float(t.user + t.system)
+    return 0.0
+
+
+@dataclass
+class CpuSample:
+    """CPU seconds so far per role, and the machine's busy and total CPU seconds."""
+
+    at: float
+    roles: dict[str, float]
+    busy: float
+    total: float
+
+
+def cpu_sample(pids: dict[str, list[int]]) -> CpuSample:
+    sys_t = psutil.cpu_times()
+    idle = sys_t.idle + getattr(sys_t, "iowait", 0.0)
+    total = float(sum(sys_t))
+    return CpuSample(
+        time.monotonic(),
+        {role: sum(cpu_seconds(p) for p in ps) for role, ps in pids.items()},
+        total - idle,
+        total,
+    )
+
+
+def cpu_window(a: CpuSample, b: CpuSample) -> dict[str, float]:
+    """Per role: % of one core over the window; ``machine``: % of all cores busy."""
+    span = max(b.at - a.at, 1e-9)
+    out = {role: 100.0 * (b.roles[role] - a.roles[role]) / span for role in a.roles}
+    ours = sum(out.values())
+    out["machine"] = 100.0 * (b.busy - a.busy) / max(b.total - a.total, 1e-9)
+    # Everything else on the machine (other jobs), in % of one core.
+    out["others"] = max(0.0, out["machine"] * (os.cpu_count() or 1) - ours)
+    out["seconds"] = span
+    return out
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Percentile ``q`` in [0, 100], linear between closest ranks; NaN for no values."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50": pct(values, 50),
+        "p90": pct(values, 90),
+        "p99": pct(values, 99),
+        "max": max(values) if values else math.nan,
+    }
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """One chat session through wslb, checked token by token."""
+
+    sid: str
+    answer: int
+    first_worker: str = ""
+    workers: list[str] = field(default_factory=list)  # the worker of each ``done``
+    turn: int = 0
+    expect: int = 0  # next token index of the current turn
+    missing: set[int] = field(default_factory=set)
+    prompt_words: int = 0  # words of every prompt sent so far (they are context tokens)
+    times: array.array[float] = field(default_factory=lambda: array.array("d"))
+    tokens: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    out_of_order: int = 0
+    bad_text: int = 0
+    unexpected: int = 0
+    closes: int = 0  # closes the client did not ask for
+    close_info: str = ""
+    connected: bool = False
+    stopping: bool = False
+    ws: aiohttp.ClientWebSocketResponse | None = None
+
+    def in_answer(self) -> bool:
+        return 0 < self.expect < self.answer
+
+    async def prompt(self) -> None:
+        assert self.ws is not None
+        self.turn += 1
+        self.expect = 0
+        self.missing.clear()
+        text = f"turn {self.turn} of {self.sid}: please keep talking"
+        self.prompt_words += len(text.split())
+        await self.ws.send_str(
+            json.dumps({"type": "prompt", "text": text, "max_tokens": self.answer})
+        )
+
+    def on_token(self, msg: dict[str, Any]) -> None:
+        turn, i = msg.get("turn"), msg.get("i")
+        if turn != self.turn or not isinstance(i, int):
+            self.unexpected += 1
+            return
+        self.tokens += 1
+        if msg.get("text") != token_text(self.sid, turn, i):
+            self.bad_text += 1
+        if i == self.expect:
+            self.expect += 1
+        elif i > self.expect:
+            self.missing.update(range(self.expect, i))
+            self.expect = i + 1
+        elif i in self.missing:
+            self.missing.discard(i)
+            self.out_of_order += 1
+        else:
+            self.duplicated += 1
+
+    def finish(self) -> None:
+        """The client stopped: tokens skipped in the unfinished answer count as lost too."""
+        self.lost += len(self.missing)
+        self.missing.clear()
+
+    def context_at(self, sent: int) -> int:
+        """Context tokens the worker held when it had sent ``sent`` messages on the session:
+        the prompts plus every token (messages less the hello and the ``done`` of each earlier
+        turn; exact while the session is in its first answer, the default)."""
+        return self.prompt_words + max(0, sent - 1 - len(self.workers))
+
+    def on_done(self, msg: dict[str, Any]) -> None:
+        if msg.get("turn") != self.turn or msg.get("tokens") != self.answer:
+            self.unexpected += 1
+        if self.expect < self.answer:
+            self.missing.update(range(self.expect, self.answer))
+        self.lost += len(self.missing)
+        self.missing.clear()
+        self.workers.append(str(msg.get("worker")))
+
+    async def run(self, http: aiohttp.ClientSession, url: str, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            self.ws = await http.ws_connect(
+                f"{url}/ws?session={self.sid}", autoping=True, max_msg_size=0
+            )
+            hello = await self.ws.receive_json(timeout=10)
+            if hello.get("type") != "hello" or hello.get("session") != self.sid:
+                raise RuntimeError(f"{self.sid}: expected hello, got {hello!r}")
+            self.first_worker = str(hello["worker"])
+            self.connected = True
+        await self.prompt()
+        ws, times, now = self.ws, self.times, time.monotonic
+        while True:
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                if not self.stopping:
+                    self.closes += 1
+                    self.close_info = f"{msg.type.name} {ws.close_code} {msg.extra!r}"
+                return
+            times.append(now())
+            obj = json.loads(msg.data)
+            kind = obj.get("type")
+            if kind == "token":
+                self.on_token(obj)
+            elif kind == "done":
+                self.on_done(obj)
+                if not self.stopping:
+                    await self.prompt()
+            else:
+                self.unexpected += 1
+
+    def stall(self, t0: float, t1: float) -> tuple[float, float] | None:
+        """(largest gap ending in [t0, t1], median gap) in seconds; None if too few messages."""
+        t = self.times
+        if len(t) < 5:
+            return None
+        gaps = [t[k] - t[k - 1] for k in range(1, len(t))]
+        window = [t[k] - t[k - 1] for k in range(1, len(t)) if t0 <= t[k] <= t1]
+        if not window:
+            return None
+        return max(window), statistics.median(gaps)
+
+
+class LagMonitor:
+    """How late this process's event loop wakes up (it timestamps the tokens)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(LAG_TICK)
+            now = time.monotonic()
+            self.samples.append((now, now - t - LAG_TICK))
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    def window(self, t0: float, t1: float) -> list[float]:
+        return [lag for at, lag in self.samples if t0 <= at <= t1]
+
+
+# -- wslb's admin API, logs and metrics -------------------------------------------------------
+
+
+class Admin:
+    def __init__(self, http: aiohttp.ClientSession, port: int) -> None:
+        self.http = http
+        self.base = f"http://127.0.0.1:{port}"
+
+    async def get(self, path: str) -> Any:
+        async with self.http.get(self.base + path, timeout=aiohttp.ClientTimeout(10)) as r:
+            if path == "/metrics":
+                return await r.text()
+            return await r.json()
+
+    async def post(self, path: str, body: Any) -> tuple[int, Any]:
+        async with self.http.post(
+            self.base + path, json=body, timeout=aiohttp.ClientTimeout(10)
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def prom_samples(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value of a Prometheus text exposition."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = float(value)
+    return out
+
+
+_TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+MOVED_RE = re.compile(_TS + r" INFO \S+: session (\S+) moved (\S+) -> (\S+) in ([\d.]+) ms")
+# Every other line of wslb's migration logger is about a failure (retried, restored, closed).
+FAILED_RE = re.compile(_TS + r" (?:INFO|WARNING) wslb\.migrate: session (\S+): (.*)")
+FROZE_RE = re.compile(_TS + r" INFO \S+: froze session (\S+): sent=(\d+) received=(\d+)")
+THAWED_RE = re.compile(_TS + r" INFO \S+: thawed session (\S+) \(kv (\w+), ([\d.]+) ms\)")
+
+
+def log_time(stamp: str) -> float:
+    """A ``logging`` asctime (local time, ms) as a Unix time."""
+    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@dataclass
+class Steps:
+    """Where one migration's pause went, from the logs (ms; the logs have 1 ms resolution)."""
+
+    sid: str
+    pause: float  # wslb's measure
+    to_freeze: float  # wslb froze the client (start of the pause) -> old worker handled freeze
+    to_thaw: float  # old worker handled freeze -> new worker handled thaw
+    to_first: float  # new worker handled thaw -> first message on the new leg (end of pause)
+    model: float  # of ``to_first``: the simulated decode interval, KV transfer and prefill
+    transfer: float  # the KV transfer alone
+    prefill: float  # the prefill of the context not in the new worker's KV cache
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The reference worker's simulated times, to take out of the pause (see ``resume_turn``):
+    a resumed answer waits the KV transfer, the prefill of the context not transferred, then one
+    decode interval before its first token (at full rate: streams per worker <= max_batch)."""
+
+    token_interval_ms: float
+    prefill_ms_per_token: float
+    kv_transfer_ms_per_token: float
+
+    def __call__(self, transfer_ms: float, context: int) -> tuple[float, float]:
+        """(the whole model time, of which prefill) in ms."""
+        cached = round(transfer_ms / self.kv_transfer_ms_per_token)
+        prefill = max(0, context - cached) * self.prefill_ms_per_token
+        return self.token_interval_ms + transfer_ms + prefill, prefill
+
+
+def log_steps(
+    wslb_log: str,
+    worker_logs: Sequence[str],
+    cost: ModelCost,
+    context_at: Callable[[str, int], int | None],
+) -> tuple[list[Steps], list[str]]:
+    """Per migrated session, the pause split at the workers' log lines; and failure lines.
+
+    ``context_at(sid, sent)``: context tokens of the session when its old worker had sent
+    ``sent`` messages (None: unknown session)."""
+    froze: dict[str, tuple[float, int]] = {}
+    thawed: dict[str, tuple[float, float]] = {}
+    for text in worker_logs:
+        for m in FROZE_RE.finditer(text):
+            froze[m[2]] = (log_time(m[1]), int(m[3]))
+        for m in THAWED_RE.finditer(text):
+            thawed[m[2]] = (log_time(m[1]), float(m[4]))
+    steps: list[Steps] = []
+    for m in MOVED_RE.finditer(wslb_log):
+        sid, pause = m[2], float(m[5])
+        if sid not in froze or sid not in thawed:
+            continue
+        (t_froze, sent), (t_thawed, transfer) = froze[sid], thawed[sid]
+        context = context_at(sid, sent)
+        if context is None:
+            continue
+        model, prefill = cost(transfer, context)
+        end = log_time(m[1])
+        start = end - pause / 1e3
+        steps.append(
+            Steps(
+                sid=sid,
+                pause=pause,
+                to_freeze=(t_froze - start) * 1e3,
+                to_thaw=(t_thawed - t_froze) * 1e3,
+                to_first=(end - t_thawed) * 1e3,
+                model=model,
+                transfer=transfer,
+                prefill=prefill,
+            )
+        )
+    failures = [m[0] for m in FAILED_RE.finditer(wslb_log)]
+    return steps, failures
+
+
+# -- the handoff probe: the protocol's steps timed from outside ------------------------------
+
+
+async def probe_handoffs(
+    http: aiohttp.ClientSession, a_port: int, b_port: int, count: int, tag: str
+) -> dict[str, list[float]]:
+    """Hand ``count`` sessions, one at a time, from worker A to worker B the way wslb does."""
+    steps: dict[str, list[float]] = {"freeze": [], "thaw": [], "resume": [], "first": []}
+    timeout = aiohttp.ClientTimeout(5)
+    for j in range(count):
+        sid = f"probe-{tag}-{j}"
+        old = await http.ws_connect(f"ws://127.0.0.1:{a_port}/ws?session={sid}")
+        new: aiohttp.ClientWebSocketResponse | None = None
+        try:
+            await old.receive_json(timeout=5)  # hello
+            await old.send_str(json.dumps({"type": "prompt", "text": "probe", "max_tokens": 10**5}))
+            for _ in range(3):
+                await old.receive(timeout=5)
+            t0 = time.perf_counter()
+            url = f"http://127.0.0.1:{a_port}/wslb/sessions/{sid}/freeze"
+            async with http.post(url, json={}, timeout=timeout) as r:
+                frozen = await r.json()
+            t1 = time.perf_counter()
+            url = f"http://127.0.0.1:{b_port}/wslb/sessions/{sid}/thaw"
+            async with http.post(url, json={"state": frozen["state"]}, timeout=timeout) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"probe thaw answered {r.status}: {await r.text()}")
+            t2 = time.perf_counter()
+            new = await http.ws_connect(
+                f"ws://127.0.0.1:{b_port}/ws", headers={"X-WSLB-Resume": sid}
+            )
+            t3 = time.perf_counter()
+            first = await new.receive(timeout=5)
+            t4 = time.perf_counter()
+            if first.type is not aiohttp.WSMsgType.TEXT:
+                raise RuntimeError(f"probe: no token after resume: {first!r}")
+        finally:
+            await old.close()
+            if new is not None:
+                await new.close()
+        for name, v in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            steps[name].append(v * 1e3)
+    return steps
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunResult:
+    sessions: int
+    repeat: int
+    drained: str
+    moved: int
+    mid_answer_at_drain: int
+    migrated: int
+    fallback: int
+    failed: int
+    pauses_ms: list[float]
+    stalls_ms: list[float]
+    control_stalls_ms: list[float]
+    gaps_ms: list[float]  # the moved sessions' raw migration gaps
+    median_gap_ms: float
+    drain_s: float
+    drain_client_s: float
+    errors: dict[str, int]
+    metrics: dict[str, float]
+    cpu_steady: dict[str, float]
+    cpu_drain: dict[str, float]
+    client_lag_ms: dict[str, float]
+    steps: list[dict[str, float | str]]
+    failure_lines: list[str]
+    targets: dict[str, int]  # migrations per new worker
+    sessions_before: dict[str, int]  # live sessions per worker before the drain, and after
+    sessions_after: dict[str, int]
+    bound_after: dict[str, int]  # hash_balance_factor x weighted share of the sessions left
+    probe_ms: dict[str, list[float]]
+    loadavg: tuple[float, float, float]
+
+
+def load_bounds(after: dict[str, int], weights: dict[str, float], drained: str) -> dict[str, int]:
+    """Each remaining worker's bounded-load cap (SPEC 4, ``balancer.ring.load_bound``) for the
+    sessions left, with the effective weights read before the drain."""
+    ready = {b: w for b, w in weights.items() if b != drained}
+    total, wsum = sum(after.values()), sum(ready.values())
+    if wsum <= 0:
+        return {}
+    return {b: math.ceil(HASH_BALANCE_FACTOR * total * w / wsum - 1e-9) for b, w in ready.items()}
+
+
+def start_system(
+    procs: Procs, args: argparse.Namespace, logdir: Path
+) -> tuple[list[tuple[str, int]], int, int]:
+    workers = []
+    for k in range(args.workers):
+        wid, port = f"w{k + 1}", free_port()
+        cmd = [
+            sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid,
+            "--tokens-per-s", f"{args.rate:g}", "--max-batch", str(args.max_batch),
+            "--handoff-kv", args.handoff_kv,
+            "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}",
+            "--kv-transfer-ms-per-token", f"{args.kv_transfer_ms_per_token:g}",
+        ]  # fmt: skip
+        wait_port(port, procs.spawn(wid, cmd))
+        workers.append((wid, port))
+    port, admin_port = free_port(), free_port()
+    config = {
+        "listen": f"127.0.0.1:{port}",
+        "admin": {"listen": f"127.0.0.1:{admin_port}"},
+        "pools": [
+            {
+                "name": "chat",
+                "hash_balance_factor": HASH_BALANCE_FACTOR,
+                "drain": {"timeout": f"{args.drain_timeout:g}s", "migrate": True},
+                "backends": [{"id": w, "url": f"ws://127.0.0.1:{p}/ws"} for w, p in workers],
+            }
+        ],
+        "timeouts": {"ping_interval": "20s", "close": "2s"},
+    }
+    path = logdir / "wslb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    wslb = shlex.split(args.wslb_cmd) if args.wslb_cmd else [sys.executable, "-m", "balancer"]
+    proc = procs.spawn("wslb", [*wslb, "--config", str(path)])
+    wait_port(port, proc)
+    wait_port(admin_port, proc)
+    return workers, port, admin_port
+
+
+async def wait_active(admin: Admin, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        backends = await admin.get("/backends")
+        if all(b["state"] == "active" and b.get("healthy", True) for b in backends):
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"backends not active after {timeout:g}s: {backends}")
+
+
+def wait_idle(limit: float, busy_max: float = 15.0) -> float:
+    """Wait up to ``limit`` seconds for a 2 s window with the machine under ``busy_max`` % busy
+    (other jobs sharing it); returns the last window's busy %."""
+    deadline = time.monotonic() + limit
+    while True:
+        a = cpu_sample({})
+        time.sleep(2.0)
+        busy = cpu_window(a, cpu_sample({}))["machine"]
+        if busy < busy_max or time.monotonic() > deadline:
+            return busy
+        log(f"machine {busy:.0f}% busy with other jobs; waiting for it to settle")
+
+
+async def run_once(args: argparse.Namespace, n: int, rep: int, logdir: Path) -> RunResult:
+    procs = Procs(logdir)
+    try:
+        workers, port, admin_port = start_system(procs, args, logdir)
+        return await _measure(args, n, rep, procs, workers, port, admin_port)
+    finally:
+        procs.close()
+
+
+async def _measure(
+    args: argparse.Namespace,
+    n: int,
+    rep: int,
+    procs: Procs,
+    workers: list[tuple[str, int]],
+    port: int,
+    admin_port: int,
+) -> RunResult:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        aiohttp.ClientSession() as admin_http,
+    ):
+        admin = Admin(admin_http, admin_port)
+        await wait_active(admin)
+        pids = {
+            "wslb": [procs.procs["wslb"].pid],
+            "workers": [procs.procs[w].pid for w, _ in workers],
+            "client": [os.getpid()],
+        }
+        lag = LagMonitor()
+        lag.start()
+        streams = [Stream(f"mig{n}r{rep}s{i}", args.answer) for i in range(n)]
+        gate = asyncio.Semaphore(CONNECT_PARALLEL)
+        url = f"ws://127.0.0.1:{port}"
+        tasks = [asyncio.ensure_future(s.run(http, url, gate)) for s in streams]
+        try:
+            deadline = time.monotonic() + CONNECT_TIMEOUT
+            while not all(s.connected or t.done() for s, t in zip(streams, tasks, strict=True)):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            failed = [s.sid for s, t in zip(streams, tasks, strict=True) if not s.connected]
+            for s, t in zip(streams, tasks, strict=True):
+                if t.done() and not s.connected and t.exception() is not None:
+                    log(f"session {s.sid} failed to connect: {t.exception()!r}")
+            log(f"N={n} rep {rep + 1}: {n - len(failed)} sessions open; warmup {args.warmup:g}s")
+            if len(failed) == n:
+                raise RuntimeError(f"no session could connect; see {procs.logdir}/wslb.log")
+            a = cpu_sample(pids)
+            await asyncio.sleep(args.warmup)
+            listing = await admin.get("/backends")
+            backends = {b["id"]: b["sessions"] for b in listing}
+            weights = {b["id"]: float(b["effective_weight"]) for b in listing}
+            target = max(sorted(backends), key=lambda b: backends[b])
+            on_target = [s for s in streams if s.first_worker == target]
+            mid = sum(1 for s in on_target if s.in_answer())
+            log(f"draining {target} ({backends[target]} sessions, {mid} mid-answer): {backends}")
+            b = cpu_sample(pids)
+            t0 = time.monotonic()
+            status, body = await admin.post(
+                f"/backends/{target}/drain",
+                {"migrate": True, "timeout": f"{args.drain_timeout:g}s"},
+            )
+            if status != 202:
+                raise RuntimeError(f"drain answered {status}: {body}")
+            view: dict[str, Any] = {}
+            drain_deadline = t0 + args.drain_timeout + 15.0
+            while time.monotonic() < drain_deadline:
+                view = await admin.get(f"/backends/{target}")
+                if view["state"] == "drained":
+                    break
+                await asyncio.sleep(DRAIN_POLL)
+            t1 = time.monotonic()
+            c = cpu_sample(pids)
+            if view.get("state") != "drained":
+                raise RuntimeError(f"{target} not drained after {t1 - t0:.1f}s: {view}")
+            log(f"{target} drained in {t1 - t0:.3f}s (client view): {view['drain']}")
+            await asyncio.sleep(args.after)
+            live = await admin.get("/sessions")
+            after = {b["id"]: b["sessions"] for b in await admin.get("/backends")}
+            metrics = prom_samples(await admin.get("/metrics"))
+            probe: dict[str, list[float]] = {}
+            if args.probe > 0:
+                others = [p for w, p in workers if w != target]
+                if len(others) >= 2:
+                    probe = await probe_handoffs(
+                        http, others[0], others[1], args.probe, f"{n}r{rep}"
+                    )
+        finally:
+            for s in streams:
+                s.stopping = True
+            closing = [s.ws.close() for s in streams if s.ws is not None and not s.ws.closed]
+            if closing:
+                await asyncio.wait([asyncio.ensure_future(x) for x in closing], timeout=10)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await lag.stop()
+            for s in streams:
+                s.finish()
+
+    drain = view["drain"]
+    by_sid = {s["id"]: s for s in live}
+    moved = [s for s in streams if by_sid.get(s.sid, {}).get("migrations", 0) > 0]
+    pauses = [p for s in moved for p in by_sid[s.sid]["migration_pauses_ms"]]
+    stalls, gaps, controls, medians = [], [], [], []
+    moved_ids = {s.sid for s in moved}
+    for s in streams:
+        st = s.stall(t0, t1 + STALL_SLACK)
+        if st is None:
+            continue
+        gap, median = st
+        medians.append(median)
+        if s.sid in moved_ids:
+            stalls.append((gap - median) * 1e3)
+            gaps.append(gap * 1e3)
+        elif s.first_worker != target:
+            controls.append((gap - median) * 1e3)
+    errors = {
+        "connect_failed": len(failed),
+        "lost": sum(s.lost for s in streams),
+        "duplicated": sum(s.duplicated for s in streams),
+        "out_of_order": sum(s.out_of_order for s in streams),
+        "bad_text": sum(s.bad_text for s in streams),
+        "unexpected": sum(s.unexpected for s in streams),
+        "closes": sum(s.closes for s in streams),
+        # a session of the drained worker that wslb did not move and that is still open
+        "not_moved": sum(1 for s in on_target if s.sid not in moved_ids and s.closes == 0),
+    }
+    for s in streams:
+        if s.closes:
+            log(f"session {s.sid} closed: {s.close_info}")
+    by_stream = {s.sid: s for s in streams}
+
+    def context_at(sid: str, sent: int) -> int | None:
+        s = by_stream.get(sid)
+        return None if s is None else s.context_at(sent)
+
+    cost = ModelCost(1e3 / args.rate, args.prefill_ms_per_token, args.kv_transfer_ms_per_token)
+    steps, failure_lines = log_steps(
+        procs.log("wslb"), [procs.log(w) for w, _ in workers], cost, context_at
+    )
+    moved_steps = [st for st in steps if st.sid in moved_ids]
+    return RunResult(
+        sessions=n,
+        repeat=rep,
+        drained=target,
+        moved=int(drain["sessions_at_start"]),
+        mid_answer_at_drain=mid,
+        migrated=int(drain["migrated"]),
+        fallback=int(drain["closed_after_answer"]) + int(drain["closed_at_timeout"]),
+        failed=int(drain["migration_failures"]),
+        pauses_ms=pauses,
+        stalls_ms=stalls,
+        control_stalls_ms=controls,
+        gaps_ms=gaps,
+        median_gap_ms=statistics.median(medians) * 1e3 if medians else math.nan,
+        drain_s=float(drain["finished"]) - float(drain["started"]),
+        drain_client_s=t1 - t0,
+        errors=errors,
+        metrics={
+            k: v
+            for k, v in metrics.items()
+            if k.startswith(("wslb_migrations_total", "wslb_migration_pause_seconds_"))
+            or k.startswith("wslb_drain_duration_seconds_")
+        },
+        cpu_steady=cpu_window(a, b),
+        cpu_drain=cpu_window(b, c),
+        client_lag_ms={
+            "p99": pct(lag.window(t0, t1), 99) * 1e3,
+            "max": max(lag.window(t0, t1), default=math.nan) * 1e3,
+        },
+        steps=[asdict(st) for st in moved_steps],
+        failure_lines=failure_lines,
+        targets=dict(Counter(by_sid[s.sid]["backend"] for s in moved)),
+        sessions_before=backends,
+        sessions_after=after,
+        bound_after=load_bounds(after, weights, target),
+        probe_ms=probe,
+        loadavg=os.getloadavg(),
+    )
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "uvloop": version("uvloop"),
+        "aiohttp": version("aiohttp"),
+        "loadavg_before": os.getloadavg(),
+        "tree": tree_state(),
+        "command": " ".join(["python", "bench/migration.py", *map(shlex.quote, sys.argv[1:])]),
+    }
+
+
+def tree_state() -> str:
+    """The commit under test, and whether balancer/ or backends/ differ from it."""
+
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return out.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "balancer", "backends").splitlines()
+    if not dirty:
+        return f"{head} (balancer/ and backends/ clean)"
+    names = ", ".join(line[3:] for line in dirty[:6]) + (" ..." if len(dirty) > 6 else "")
+    return f"{head} + uncommitted changes in {names}"
+
+
+def f1(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def table_row(label: str, rs: Sequence[RunResult]) -> str:
+    pauses = [p for r in rs for p in r.pauses_ms]
+    stalls = [p for r in rs for p in r.stalls_ms]
+    ps, ss = summary(pauses), summary(stalls)
+    errors = sum(v for r in rs for v in r.errors.values())
+    drain = "/".join(f"{r.drain_s:.2f}" for r in rs)
+    drain_c = "/".join(f"{r.drain_client_s:.2f}" for r in rs)
+    return (
+        f"| {label} | {sum(r.moved for r in rs)} | {sum(r.migrated for r in rs)}/"
+        f"{sum(r.fallback for r in rs)}/{sum(r.failed for r in rs)} | {f1(ps['p50'])} | "
+        f"{f1(ps['p90'])} | {f1(ps['p99'])} | {f1(ps['max'])} | {f1(ss['p50'])} | "
+        f"{f1(ss['p99'])} | {drain} | {drain_c} | {errors} |"
+    )
+
+
+def report(info: dict[str, Any], results: list[RunResult], args: argparse.Namespace) -> str:
+    out: list[str] = []
+    w = out.append
+    la = info["loadavg_before"]
+    w(
+        f"machine: {info['nproc']} x {info['cpu']}, Linux {info['kernel']}, Python "
+        f"{info['python']}, uvloop {info['uvloop']}, aiohttp {info['aiohttp']}; "
+        f"loadavg before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}"
+    )
+    w(f"wslb tree: {info['tree']}")
+    w(f"command: {info['command']}")
+    w(
+        f"load: {args.workers} workers at {args.rate:g} tokens/s per stream "
+        f"(max-batch {args.max_batch}, handoff-kv {args.handoff_kv}), answers of "
+        f"{args.answer} tokens, drain after {args.warmup:g}s; workers, wslb and this client "
+        "share the machine"
+    )
+    w("")
+    w(
+        "| N | moved | migrated/fallback/failed | pause p50 ms | p90 | p99 | max | "
+        "stall p50 ms | p99 | drain s (wslb) | drain s (client) | token errors |"
+    )
+    w("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sizes = list(dict.fromkeys(r.sessions for r in results))
+    for n in sizes:
+        rs = [r for r in results if r.sessions == n]
+        w(table_row(str(n) if len(rs) == 1 else f"{n} (x{len(rs)})", rs))
+    w("")
+    w(
+        "pause: wslb's measure (freeze request -> first message on the new leg), over every "
+        "migration; stall: client's largest inter-message gap during the drain minus its "
+        f"median gap (the median gap was ~{f1(statistics.median(r.median_gap_ms for r in results))}"
+        " ms). Percentiles interpolate between ranks: with ~N/4 migrations p99 is close to max."
+    )
+    w("")
+    w("where the pause goes (ms, p50 / p99 over migrations; from the logs, 1 ms resolution):")
+    w("")
+    w(
+        "| N | hold -> freeze handled | -> thaw handled | -> first msg on new leg | "
+        "of which model (decode interval + KV transfer + prefill) | rest of that step | pause | "
+        "pause - model |"
+    )
+    w("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        st = [s for r in results if r.sessions == n for s in r.steps]
+        if not st:
+            continue
+
+        def pp(key: str, st: list[dict[str, Any]] = st) -> str:
+            v = [float(s[key]) for s in st]
+            return f"{f1(pct(v, 50))} / {f1(pct(v, 99))}"
+
+        rest = [float(s["to_first"]) - float(s["model"]) for s in st]
+        over = [float(s["pause"]) - float(s["model"]) for s in st]
+        w(
+            f"| {n} | {pp('to_freeze')} | {pp('to_thaw')} | {pp('to_first')} | {pp('model')} | "
+            f"{f1(pct(rest, 50))} / {f1(pct(rest, 99))} | {pp('pause')} | "
+            f"{f1(pct(over, 50))} / {f1(pct(over, 99))} |"
+        )
+    w("")
+    w("machine load and checks per run:")
+    w("")
+    for r in results:
+        cs, cd = r.cpu_steady, r.cpu_drain
+        ctl = summary(r.control_stalls_ms)
+        w(
+            f"- N={r.sessions} rep {r.repeat + 1}: drained {r.drained} ({r.moved} sessions, "
+            f"{r.mid_answer_at_drain} mid-answer); CPU % of one core, steady / during drain: "
+            f"wslb {cs['wslb']:.0f}/{cd['wslb']:.0f}, workers {cs['workers']:.0f}/"
+            f"{cd['workers']:.0f}, client {cs['client']:.0f}/{cd['client']:.0f}, other jobs "
+            f"{cs['others']:.0f}/{cd['others']:.0f}; machine busy "
+            f"{cs['machine']:.0f}%/{cd['machine']:.0f}% of {info['nproc']} cores; "
+            f"loadavg after {r.loadavg[0]:.2f}"
+        )
+        w(
+            f"  control stall (sessions not moved) p50/p99/max {f1(ctl['p50'])}/"
+            f"{f1(ctl['p99'])}/{f1(ctl['max'])} ms; client loop lag during drain "
+            f"p99/max {f1(r.client_lag_ms['p99'])}/{f1(r.client_lag_ms['max'])} ms"
+        )
+        before, after = (
+            dict(sorted(r.sessions_before.items())),
+            dict(sorted(r.sessions_after.items())),
+        )
+        w(f"  moved to {dict(sorted(r.targets.items()))}; sessions before {before}, after {after}")
+        above = {
+            b: f"{n} > {r.bound_after[b]}" for b, n in after.items() if n > r.bound_after.get(b, n)
+        }
+        if above:
+            w(f"  over the bounded-load cap after the drain: {above}")
+        bad = {k: v for k, v in r.errors.items() if v}
+        w(f"  token errors: {bad or 'none'}")
+        m = r.metrics
+        results_m = {
+            k.split('"')[1]: int(v) for k, v in m.items() if k.startswith("wslb_migrations_total")
+        }
+        w(
+            f"  /metrics: migrations {results_m}, pause histogram count "
+            f"{int(m.get('wslb_migration_pause_seconds_count', 0))}, drain duration sum "
+            f"{m.get('wslb_drain_duration_seconds_sum', math.nan):.3f}s"
+        )
+        if r.probe_ms:
+            parts = ", ".join(
+                f"{k} {f1(pct(v, 50))}/{f1(pct(v, 99))}" for k, v in r.probe_ms.items()
+            )
+            w(
+                f"  probe ({len(r.probe_ms['freeze'])} handoffs straight to two loaded workers, "
+                f"p50/p99 ms): {parts}"
+            )
+        for line in r.failure_lines[:5]:
+            w(f"  wslb: {line}")
+    w("")
+    for n in sizes:
+        p99 = pct([p for r in results if r.sessions == n for p in r.pauses_ms], 99)
+        verdict = "met" if p99 < args.target_ms else "NOT met"
+        w(f"N={n}: pause p99 {f1(p99)} ms, target < {args.target_ms:g} ms {verdict}")
+    return "\n".join(out)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,...: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("session counts must be at least 1")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Migration pause and drain duration of wslb for N live sessions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add: Callable[..., Any] = p.add_argument
+    add("--sessions", type=parse_sizes, default=[100], help="N, or a list N,N,... to sweep")
+    add("--workers", type=int, default=4, help="reference workers behind wslb")
+    add("--rate", type=float, default=30.0, help="tokens/s of each stream")
+    add("--answer", type=int, default=0, help="tokens per answer; 0: long enough for the run")
+    add("--max-batch", type=int, default=1024, help="worker --max-batch (streams at full rate)")
+    add("--handoff-kv", choices=["transfer", "prefill"], default="transfer")
+    add("--prefill-ms-per-token", type=float, default=0.2, help="worker option of that name")
+    add("--kv-transfer-ms-per-token", type=float, default=0.02, help="worker option")
+    add("--warmup", type=float, default=3.0, help="seconds of streaming before the drain")
+    add("--after", type=float, default=2.0, help="seconds of streaming after the drain")
+    add("--drain-timeout", type=float, default=60.0, help="drain timeout given to wslb (s)")
+    add("--probe", type=int, default=20, help="handoffs timed step by step from outside; 0: off")
+    add("--repeat", type=int, default=1, help="runs per N (fresh processes each)")
+    add("--target-ms", type=float, default=50.0, help="the pause p99 goal")
+    add("--keep-logs", type=Path, default=None, help="copy the processes' logs here")
+    add("--wait-idle", type=float, default=0.0, help="before each run, wait up to S s for a "
+        "quiet machine (under 15%% busy over 2 s); 0: do not wait")  # fmt: skip
+    add("--wslb-cmd", default="", help="command starting wslb; empty: this python -m balancer")
+    add("--json", action="store_true", help="print every run as JSON instead of tables")
+    return p
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 2 or args.repeat < 1 or args.rate <= 0 or args.warmup < 0:
+        raise SystemExit("need --workers >= 2, --repeat >= 1, --rate > 0, --warmup >= 0")
+    if args.answer <= 0:
+        # Every session must still be in its first answer when the drain and the after-window end.
+        args.answer = math.ceil(args.rate * (args.warmup + args.after + 20.0))
+    signal.signal(signal.SIGTERM, _sigterm)
+    info = machine()
+    results: list[RunResult] = []
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    try:
+        with tempfile.TemporaryDirectory(prefix="wslb-migration-") as tmp:
+            for n in args.sessions:
+                for rep in range(args.repeat):
+                    logdir = Path(tmp) / f"n{n}-r{rep}"
+                    logdir.mkdir()
+                    if args.wait_idle > 0:
+                        busy = wait_idle(args.wait_idle)
+                        log(f"machine {busy:.0f}% busy before N={n} rep {rep + 1}")
+                    try:
+                        with asyncio.Runner(loop_factory=loop_factory) as runner:
+                            results.append(runner.run(run_once(args, n, rep, logdir)))
+                    finally:
+                        if args.keep_logs is not None:
+                            shutil.copytree(
+                                logdir, args.keep_logs / logdir.name, dirs_exist_ok=True
+                            )
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if args.json:
+        doc = {"machine": info, "args": vars(args), "runs": [asdict(r) for r in results]}
+        print(json.dumps(doc, default=str, indent=1))
+    else:
+        print(report(info, results, args))
+    errors = sum(v for r in results for v in r.errors.values())
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
