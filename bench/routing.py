@@ -1,0 +1,1125 @@
+#!/usr/bin/env python3
+"""Routing benchmark: KV-cache locality, TTFT and balance of wslb's balancing modes.
+
+A multi-turn chat workload runs against reference workers (``backends.worker``) with a finite
+KV cache, through wslb, once per balancing mode and once more with one worker hot:
+
+- ``--sessions`` chat sessions arrive as a Poisson process over ``--arrival-s`` seconds. Each has
+  ``--turns`` turns (uniform in the range) with an exponential think time (``--think-s`` mean)
+  between them. Every session starts with the same ``--system-words`` system prompt; user prompts
+  and answers are ``--prompt-words`` words / ``--answer-tokens`` tokens, so the context grows
+  turn by turn. A share ``--reconnect-share`` of the sessions opens a new WebSocket for every
+  turn (as stateless HTTP-style chat clients do); the others keep one connection per session.
+  Every prompt carries the whole conversation (``messages``), as chat-completions clients send
+  it, so a session that lands on a new worker still has its context (and pays its prefill).
+- Modes: ``consistent`` with load-aware effective weights, ``consistent`` with static weights,
+  ``least_conn`` and ``round_robin`` (the last two with the same load-aware weights as the first,
+  or static ones with ``--baseline-weights static``). The session plan (arrivals, prompts,
+  think times) is the same for every mode; every run starts fresh workers and a fresh wslb.
+- Runs: ``even`` (identical workers) and ``hetero`` (the last worker has
+  ``--hot-background-util`` of its GPU taken by something else: prefill and decode run
+  1/(1-U) slower and its GPU utilisation reads at least U).
+
+Measured in the client: TTFT (prompt sent -> first token) for first and follow-up turns apart,
+cached tokens per turn (``done.cached_tokens``), the worker of every turn, tokens, failures.
+wslb's admin API is polled every ``--poll-s`` for live sessions and effective weights per worker.
+Prints one table per run, writes ``docs/routing.md`` (tables, command, machine, parameters,
+definitions; text after an ``<!-- analysis -->`` line of an existing file is kept) and a plot
+``docs/routing.png`` (if matplotlib is importable).
+
+The machine may be shared: each run records the CPU cores this benchmark and everything else
+used meanwhile (``--wait-idle-s`` waits for the others to go quiet first). ``--modes`` also takes
+weight variants (``NAME=BALANCE:GPU,KV_CACHE,QUEUE``), ``--code`` runs another checkout's wslb.
+
+Not a test: ``pytest`` only collects ``tests/``. ``python bench/routing.py --help``;
+``--quick`` for a version of about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import datetime as dt
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import yaml
+from websockets.asyncio.client import ClientConnection, connect
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from balancer.ring import load_bound  # noqa: E402
+from tests.procs import free_port, stop, wait_port  # noqa: E402
+
+ANALYSIS_MARK = "<!-- analysis -->"
+LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "min_factor": 0.05}
+STATIC = {"gpu": 0.0, "kv_cache": 0.0, "queue": 0.0, "min_factor": 0.05}
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int
+    turns: tuple[int, int]
+    think_s: float
+    arrival_s: float
+    system_words: int
+    prompt_words: tuple[int, int]
+    answer_tokens: tuple[int, int]
+    reconnect_share: float
+    turn_timeout_s: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class WorkerParams:
+    count: int
+    tokens_per_s: float
+    prefill_ms_per_token: float
+    kv_capacity_tokens: int
+    max_batch: int
+    session_ttl: float
+    hot_background_util: float
+
+    def args(self, hot: bool) -> list[str]:
+        a = [
+            "--tokens-per-s",
+            f"{self.tokens_per_s:g}",
+            "--prefill-ms-per-token",
+            f"{self.prefill_ms_per_token:g}",
+            "--kv-capacity-tokens",
+            str(self.kv_capacity_tokens),
+            "--max-batch",
+            str(self.max_batch),
+            "--session-ttl",
+            f"{self.session_ttl:g}",
+            "--simulate-gpu",
+            "--log-level",
+            "warning",
+        ]
+        if hot:
+            a += ["--background-util", f"{self.hot_background_util:g}"]
+        return a
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    balance: str
+    coefficients: dict[str, float]
+
+
+@dataclass(frozen=True)
+class LbParams:
+    factor: float
+    scrape_s: float
+    poll_s: float
+
+
+# -- the session plan --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    think_s: float  # before this turn (0 for the first)
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    sid: str
+    start_s: float
+    reconnect: bool
+    turns: tuple[TurnPlan, ...]
+
+
+def make_plan(w: Workload) -> tuple[str, list[SessionPlan]]:
+    """The shared system prompt and every session's turns, deterministic in ``w.seed``."""
+    rng = random.Random(w.seed)
+
+    def text(n: int) -> str:
+        return " ".join(f"w{rng.randrange(100_000)}" for _ in range(n))
+
+    system = text(w.system_words)
+    starts = sorted(rng.uniform(0.0, w.arrival_s) for _ in range(w.sessions))
+    n_reconnect = round(w.sessions * w.reconnect_share)
+    reconnect = [True] * n_reconnect + [False] * (w.sessions - n_reconnect)
+    rng.shuffle(reconnect)
+    plans = []
+    for i, (start, rec) in enumerate(zip(starts, reconnect, strict=True)):
+        turns = []
+        for k in range(rng.randint(*w.turns)):
+            think = 0.0 if k == 0 else min(rng.expovariate(1.0 / w.think_s), 5 * w.think_s)
+            turns.append(
+                TurnPlan(think, text(rng.randint(*w.prompt_words)), rng.randint(*w.answer_tokens))
+            )
+        plans.append(SessionPlan(f"s{w.seed}-{i:04d}", start, rec, tuple(turns)))
+    return system, plans
+
+
+# -- records -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    index: int  # 0-based turn of the session
+    reconnect: bool
+    context: int  # context tokens of the turn (conversation before it + the new prompt)
+    ideal_cached: int  # context - new prompt tokens for follow-ups, 0 for first turns
+    cached: int
+    ttft: float
+    tokens: int
+    decode_s: float  # first token -> done
+    worker: str
+    sent_at: float
+    done_at: float
+    connect_s: float | None  # connection + hello, when this turn opened one
+
+
+@dataclass
+class SessionRecord:
+    sid: str
+    reconnect: bool
+    turns: list[TurnRecord] = field(default_factory=list)
+    failed: str | None = None
+
+
+@dataclass
+class Poll:
+    t: float
+    sessions: dict[str, int]
+    weights: dict[str, float]
+    kv: dict[str, float]
+
+
+class SessionError(Exception):
+    pass
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Lb:
+    """A running wslb: its ports."""
+
+    port: int
+    admin_port: int
+    token: str = field(default_factory=lambda: os.urandom(16).hex())
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+class Fleet:
+    """Reference workers plus one wslb, started from ``code`` (a checkout), stopped on exit.
+
+    Children get SIGKILL if this script dies without cleaning up; Ctrl-C reaches them too
+    (same process group) and the script stops what is left.
+    """
+
+    def __init__(self, tmp: Path, code: Path) -> None:
+        self.tmp = tmp
+        self.code = code
+        self.workers: list[tuple[str, int, subprocess.Popen[bytes]]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        with (self.tmp / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=self.code,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
+        self.procs.append(proc)
+        return proc
+
+    def start_workers(self, params: WorkerParams, hot: set[str]) -> None:
+        for i in range(params.count):
+            wid, port = f"w{i + 1}", free_port()
+            cmd = [sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid]
+            proc = self._spawn(f"{wid}-{port}", [*cmd, *params.args(wid in hot)])
+            self.workers.append((wid, port, proc))
+        for _, port, proc in self.workers:
+            wait_port(port, timeout=30.0, proc=proc)
+
+    def start_lb(self, mode: Mode, lbp: LbParams) -> Lb:
+        lb = Lb(free_port(), free_port())
+        cfg: dict[str, Any] = {
+            "listen": f"127.0.0.1:{lb.port}",
+            "admin": {"listen": f"127.0.0.1:{lb.admin_port}", "token": lb.token},
+            "pools": [
+                {
+                    "name": "chat",
+                    "balance": mode.balance,
+                    "hash_balance_factor": lbp.factor,
+                    "session_key": ["query:session"],
+                    "weights": {
+                        "scrape_interval": f"{lbp.scrape_s:g}s",
+                        "metrics": "reference",
+                        "coefficients": mode.coefficients,
+                    },
+                    "backends": [
+                        {"id": w, "url": f"ws://127.0.0.1:{p}/ws"} for w, p, _ in self.workers
+                    ],
+                }
+            ],
+            "timeouts": {"ping_interval": "20s"},
+        }
+        path = self.tmp / f"wslb-{lb.port}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        name = f"wslb-{lb.port}"
+        proc = self._spawn(name, [sys.executable, "-m", "balancer", "--config", str(path)])
+        wait_port(lb.port, timeout=30.0, proc=proc)
+        wait_port(lb.admin_port, timeout=30.0, proc=proc)
+        deadline = time.monotonic() + 20.0
+        while True:  # every backend active and scraped once
+            with contextlib.suppress(OSError, ValueError):
+                req = urllib.request.Request(f"{lb.admin}/backends", headers=lb.auth)
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    data = json.loads(r.read())
+                if all(b["state"] == "active" and not b.get("signals_stale") for b in data):
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wslb backends not ready:\n{self.log_tail(name)}")
+            time.sleep(0.1)
+        return lb
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.tmp / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CpuMeter:
+    """CPU cores used, from now until ``read``: by these processes (and this one), and by the rest.
+
+    The machine is shared; a run while something else keeps a core busy is not comparable.
+    """
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.procs = [psutil.Process()]
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                self.procs.append(psutil.Process(pid))
+        self.t0 = time.monotonic()
+        self.busy0 = self._busy()
+        self.ours0 = self._ours()
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return float(sum(t)) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)
+
+    def _ours(self) -> float:
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                c = p.cpu_times()
+                total += c.user + c.system
+        return total
+
+    def read(self) -> tuple[float, float]:
+        dt_s = max(1e-6, time.monotonic() - self.t0)
+        ours = (self._ours() - self.ours0) / dt_s
+        busy = (self._busy() - self.busy0) / dt_s
+        return ours, max(0.0, busy - ours)
+
+
+def wait_idle(limit_s: float, threshold: float = 0.3, quiet_s: float = 5.0) -> None:
+    """Wait (at most ``limit_s``) until other processes use under ``threshold`` cores for
+    ``quiet_s`` seconds in a row."""
+    if limit_s <= 0:
+        return
+    deadline = time.monotonic() + limit_s
+    quiet = 0.0
+    while time.monotonic() < deadline:
+        meter = CpuMeter([])
+        time.sleep(1.0)
+        _, other = meter.read()
+        quiet = quiet + 1.0 if other < threshold else 0.0
+        if quiet >= quiet_s:
+            return
+    print(f"warning: the machine did not go idle within {limit_s:g} s", file=sys.stderr)
+
+
+# -- load generator ----------------------------------------------------------------------------
+
+
+def count_words(s: str) -> int:
+    return len(s.split())
+
+
+async def run_session(
+    plan: SessionPlan, system: str, url: str, t0: float, timeout: float
+) -> SessionRecord:
+    loop = asyncio.get_running_loop()
+    rec = SessionRecord(plan.sid, plan.reconnect)
+    await asyncio.sleep(max(0.0, t0 + plan.start_s - loop.time()))
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    context = count_words(system)
+    ws: ClientConnection | None = None
+    try:
+        for k, turn in enumerate(plan.turns):
+            if turn.think_s:
+                await asyncio.sleep(turn.think_s)
+            async with asyncio.timeout(timeout):
+                connect_s = None
+                if ws is None:
+                    tc = loop.time()
+                    ws = await connect(
+                        f"{url}/ws?session={plan.sid}",
+                        compression=None,
+                        ping_interval=None,
+                        max_size=None,
+                        open_timeout=timeout,
+                        close_timeout=2,
+                    )
+                    hello = json.loads(await ws.recv())
+                    if hello.get("type") != "hello":
+                        raise SessionError(f"expected hello, got {hello!r}")
+                    connect_s = loop.time() - tc
+                prompt_tokens = count_words(turn.prompt)
+                messages.append({"role": "user", "content": turn.prompt})
+                context += prompt_tokens
+                msg = {"type": "prompt", "messages": messages, "max_tokens": turn.max_tokens}
+                sent = loop.time()
+                await ws.send(json.dumps(msg, separators=(",", ":")))
+                first: float | None = None
+                texts: list[str] = []
+                while True:
+                    m = json.loads(await ws.recv())
+                    kind = m.get("type")
+                    if kind == "token":
+                        if first is None:
+                            first = loop.time()
+                        if m.get("i") != len(texts):
+                            raise SessionError(f"token {m.get('i')} out of order")
+                        texts.append(m["text"])
+                    elif kind == "done":
+                        break
+                    else:
+                        raise SessionError(f"unexpected message {m!r}")
+                done = loop.time()
+                if m["tokens"] != turn.max_tokens or len(texts) != turn.max_tokens:
+                    raise SessionError(f"{len(texts)} tokens for max_tokens={turn.max_tokens}")
+                rec.turns.append(
+                    TurnRecord(
+                        index=k,
+                        reconnect=plan.reconnect,
+                        context=context,
+                        ideal_cached=context - prompt_tokens if k else 0,
+                        cached=int(m["cached_tokens"]),
+                        ttft=(first if first is not None else done) - sent,
+                        tokens=len(texts),
+                        decode_s=done - (first if first is not None else done),
+                        worker=str(m["worker"]),
+                        sent_at=sent - t0,
+                        done_at=done - t0,
+                        connect_s=connect_s,
+                    )
+                )
+                answer = " ".join(texts)
+                messages.append({"role": "assistant", "content": answer})
+                context += len(texts)
+                if plan.reconnect:
+                    await ws.close()
+                    ws = None
+    except Exception as exc:  # any error, timeout or close fails the session
+        rec.failed = f"turn {len(rec.turns) + 1}: {type(exc).__name__}: {exc}"[:300]
+    finally:
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                await ws.close()
+    return rec
+
+
+async def poll_admin(lb: Lb, period: float, out: list[Poll], t0: float) -> None:
+    loop = asyncio.get_running_loop()
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout, headers=lb.auth) as http:
+        while True:
+            try:
+                async with http.get(f"{lb.admin}/backends") as r:
+                    r.raise_for_status()
+                    data = await r.json()
+                out.append(
+                    Poll(
+                        loop.time() - t0,
+                        {b["id"]: int(b["sessions"]) for b in data},
+                        {b["id"]: float(b["effective_weight"]) for b in data},
+                        {b["id"]: float(b["signals"].get("kv_cache_usage") or 0.0) for b in data},
+                    )
+                )
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+                pass
+            await asyncio.sleep(period)
+
+
+async def drive(
+    plans: list[SessionPlan], system: str, lb: Lb, poll_s: float, timeout: float
+) -> tuple[list[SessionRecord], list[Poll], float]:
+    loop = asyncio.get_running_loop()
+    polls: list[Poll] = []
+    t0 = loop.time() + 0.2
+    poller = asyncio.create_task(poll_admin(lb, poll_s, polls, t0))
+    try:
+        records = await asyncio.gather(
+            *(run_session(p, system, lb.url, t0, timeout) for p in plans)
+        )
+    finally:
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+    return list(records), polls, loop.time() - t0
+
+
+# -- analysis ----------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass
+class Result:
+    run: str
+    mode: str
+    sessions: int
+    turns: int
+    hit: float
+    ideal: float
+    ttft_first_p50: float
+    ttft_first_p99: float
+    ttft_follow_p50: float
+    ttft_follow_p99: float
+    follow_turns: int
+    follow_missed: int  # follow-up turns that found less than their previous context cached
+    follow_moved: int  # ... of which answered by another worker than the turn before
+    ttft_follow_p99_persistent: float
+    ttft_follow_p99_reconnect: float
+    hit_reconnect: float
+    ideal_reconnect: float
+    connect_p99: float
+    tokens_per_s: float
+    stream_tokens_per_s: float
+    peak_sessions: int
+    mean_sessions: float
+    imbalance: float  # mean over loaded polls of max/mean live sessions per worker
+    weight_spread: float  # median over loaded polls of max/min effective weight
+    bound_ratio_max: float
+    bound_over_polls: float  # share of loaded polls with some worker above its bound
+    changed: int
+    failed: int
+    failures: list[str]
+    worker_turn_share: dict[str, float]
+    mean_weight: dict[str, float]
+    mean_kv_usage: dict[str, float]
+    duration_s: float
+    cpu_ours: float = math.nan  # cores used by this script, its workers and wslb
+    cpu_other: float = math.nan  # cores used by everything else on the machine meanwhile
+
+
+def analyse(
+    run: str,
+    mode: str,
+    records: list[SessionRecord],
+    polls: list[Poll],
+    duration: float,
+    factor: float,
+) -> Result:
+    turns = [t for r in records for t in r.turns]
+    first = [t.ttft for t in turns if t.index == 0]
+    follow = [t for t in turns if t.index > 0]
+    ctx = sum(t.context for t in turns) or 1
+    rec_turns = [t for t in turns if t.reconnect]
+    rec_ctx = sum(t.context for t in rec_turns) or 1
+    tokens = sum(t.tokens for t in turns)
+    span = (max(t.done_at for t in turns) - min(t.sent_at for t in turns)) if turns else 1.0
+    streams = [t.tokens / t.decode_s for t in turns if t.decode_s > 0 and t.tokens > 1]
+    connects = [t.connect_s for t in turns if t.connect_s is not None]
+    by_worker: dict[str, int] = {}
+    for t in turns:
+        by_worker[t.worker] = by_worker.get(t.worker, 0) + 1
+
+    totals = [sum(p.sessions.values()) for p in polls]
+    peak_total = max(totals, default=0)
+    loaded = [p for p, n in zip(polls, totals, strict=True) if n > 0 and n >= 0.5 * peak_total]
+    ratios: list[float] = []
+    over = 0
+    imbalance: list[float] = []
+    spread: list[float] = []
+    for p in loaded:
+        spread.append(max(p.weights.values()) / max(1e-9, min(p.weights.values())))
+        total = sum(p.sessions.values())
+        wsum = sum(p.weights.values())
+        mean = total / len(p.sessions)
+        imbalance.append(max(p.sessions.values()) / mean)
+        any_over = False
+        for b, n in p.sessions.items():
+            bound = load_bound(total, factor, p.weights[b], wsum)
+            ratios.append(n / bound if bound else math.inf)
+            any_over |= n > bound
+        over += any_over
+    ids = sorted({b for p in polls for b in p.sessions})
+    return Result(
+        run=run,
+        mode=mode,
+        sessions=len(records),
+        turns=len(turns),
+        hit=sum(t.cached for t in turns) / ctx,
+        ideal=sum(t.ideal_cached for t in turns) / ctx,
+        ttft_first_p50=pct(first, 50),
+        ttft_first_p99=pct(first, 99),
+        ttft_follow_p50=pct([t.ttft for t in follow], 50),
+        ttft_follow_p99=pct([t.ttft for t in follow], 99),
+        follow_turns=len(follow),
+        follow_missed=sum(1 for t in follow if t.cached < t.ideal_cached),
+        follow_moved=sum(
+            1
+            for r in records
+            for a, b in zip(r.turns, r.turns[1:], strict=False)
+            if b.cached < b.ideal_cached and a.worker != b.worker
+        ),
+        ttft_follow_p99_persistent=pct([t.ttft for t in follow if not t.reconnect], 99),
+        ttft_follow_p99_reconnect=pct([t.ttft for t in follow if t.reconnect], 99),
+        hit_reconnect=sum(t.cached for t in rec_turns) / rec_ctx,
+        ideal_reconnect=sum(t.ideal_cached for t in rec_turns) / rec_ctx,
+        connect_p99=pct(connects, 99),
+        tokens_per_s=tokens / span if span > 0 else 0.0,
+        stream_tokens_per_s=pct(streams, 50),
+        peak_sessions=max((max(p.sessions.values()) for p in polls if p.sessions), default=0),
+        mean_sessions=(
+            sum(sum(p.sessions.values()) / len(p.sessions) for p in loaded) / len(loaded)
+            if loaded
+            else 0.0
+        ),
+        imbalance=sum(imbalance) / len(imbalance) if imbalance else math.nan,
+        weight_spread=pct(spread, 50),
+        bound_ratio_max=max(ratios, default=math.nan),
+        bound_over_polls=over / len(loaded) if loaded else math.nan,
+        changed=sum(1 for r in records if len({t.worker for t in r.turns}) > 1),
+        failed=sum(1 for r in records if r.failed),
+        failures=[f"{r.sid}: {r.failed}" for r in records if r.failed][:5],
+        worker_turn_share={w: n / max(1, len(turns)) for w, n in sorted(by_worker.items())},
+        mean_weight={
+            b: sum(p.weights.get(b, 0.0) for p in loaded) / max(1, len(loaded)) for b in ids
+        },
+        mean_kv_usage={b: sum(p.kv.get(b, 0.0) for p in loaded) / max(1, len(loaded)) for b in ids},
+        duration_s=duration,
+    )
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def table(results: list[Result]) -> str:
+    head = (
+        "| mode | KV hit (ideal) | hit/ideal | TTFT first p50 / p99 ms "
+        "| TTFT follow-up p50 / p99 ms | follow-ups not fully cached | tok/s "
+        "| sessions/worker max / mean | imbalance | max sessions / bound "
+        "| sessions changed worker | failed sessions |"
+    )
+    lines = [head, "|" + " --- |" * 12]
+    for r in results:
+        lines.append(
+            f"| {r.mode} | {r.hit:.1%} ({r.ideal:.1%}) | {r.hit / r.ideal:.2f} "
+            f"| {ms(r.ttft_first_p50)} / {ms(r.ttft_first_p99)} "
+            f"| {ms(r.ttft_follow_p50)} / {ms(r.ttft_follow_p99)} "
+            f"| {r.follow_missed} / {r.follow_turns} "
+            f"({r.follow_missed / max(1, r.follow_turns):.1%}; {r.follow_moved} moved) "
+            f"| {r.tokens_per_s:.0f} | {r.peak_sessions} / {r.mean_sessions:.1f} "
+            f"| {r.imbalance:.2f} | {r.bound_ratio_max:.2f} ({r.bound_over_polls:.0%}) "
+            f"| {r.changed} / {r.sessions} | {r.failed} |"
+        )
+    return "\n".join(lines)
+
+
+def detail_table(results: list[Result]) -> str:
+    head = (
+        "| mode | follow-up p99 ms persistent / reconnect | KV hit reconnect (ideal) "
+        "| connect p99 ms | stream tok/s p50 | turns per worker | mean effective weight "
+        "| weight spread | mean KV usage | CPU cores ours / others |"
+    )
+    lines = [head, "|" + " --- |" * 10]
+    for r in results:
+        share = " ".join(f"{w}:{s:.0%}" for w, s in r.worker_turn_share.items())
+        weight = " ".join(f"{w}:{v:.2f}" for w, v in r.mean_weight.items())
+        kv = " ".join(f"{w}:{v:.2f}" for w, v in r.mean_kv_usage.items())
+        lines.append(
+            f"| {r.mode} | {ms(r.ttft_follow_p99_persistent)} / {ms(r.ttft_follow_p99_reconnect)} "
+            f"| {r.hit_reconnect:.1%} ({r.ideal_reconnect:.1%}) | {ms(r.connect_p99)} "
+            f"| {r.stream_tokens_per_s:.1f} | {share} | {weight} | {r.weight_spread:.2f} | {kv} "
+            f"| {r.cpu_ours:.2f} / {r.cpu_other:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: list[Result], runs: list[str], factor: float) -> list[str]:
+    out = []
+    for run in runs:
+        rs = {r.mode: r for r in results if r.run == run}
+        la = rs.get("consistent-load-aware")
+        if la is None:
+            continue
+        others = [r for m, r in rs.items() if m != la.mode]
+        best = all(la.ttft_follow_p99 <= r.ttft_follow_p99 for r in others)
+        rank = sorted(rs.values(), key=lambda r: r.ttft_follow_p99)
+        order = ", ".join(f"{r.mode} {ms(r.ttft_follow_p99)}" for r in rank)
+        out.append(
+            f"- {run}: load-aware consistent has the best follow-up TTFT p99: "
+            f"{'MET' if best else 'MISSED'} ({order} ms)"
+        )
+        rr = rs.get("round_robin")
+        if run == "even" and rr is not None:
+            ok = la.ttft_follow_p99 <= 0.5 * rr.ttft_follow_p99
+            out.append(
+                f"- {run}: ... at most half of round_robin's: {'MET' if ok else 'MISSED'} "
+                f"({ms(la.ttft_follow_p99)} vs 0.5 x {ms(rr.ttft_follow_p99)} ms)"
+            )
+        ok = la.hit >= 0.9 * la.ideal
+        out.append(
+            f"- {run}: KV hit rate >= 90% of ideal: {'MET' if ok else 'MISSED'} "
+            f"({la.hit:.1%} of {la.ideal:.1%} = {la.hit / la.ideal:.1%})"
+        )
+        ok = la.bound_ratio_max <= 1.0
+        out.append(
+            f"- {run}: no worker above c x its share (c = {factor:g}, admin polls): "
+            f"{'MET' if ok else 'MISSED'} (max live sessions / bound = "
+            f"{la.bound_ratio_max:.2f}, above in {la.bound_over_polls:.1%} of polls)"
+        )
+    return out
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def write_doc(
+    path: Path,
+    command: str,
+    results: list[Result],
+    runs: list[str],
+    w: Workload,
+    wp: WorkerParams,
+    lb: LbParams,
+    baseline: str,
+    elapsed: float,
+) -> None:
+    kept = ""
+    if path.exists():
+        old = path.read_text()
+        if ANALYSIS_MARK in old:
+            kept = old[old.index(ANALYSIS_MARK) :]
+    run_names = {
+        "even": f"even: {wp.count} identical workers",
+        "hetero": (
+            f"hetero: w{wp.count} hot (--background-util {wp.hot_background_util:g}: "
+            f"prefill and decode {1 / (1 - wp.hot_background_util):.1f}x slower)"
+        ),
+    }
+    parts = [
+        "# Routing benchmark",
+        "",
+        "Multi-turn chat through wslb against reference workers with a finite KV cache, "
+        "once per balancing mode; produced by `bench/routing.py` (its docstring has the details).",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"- date: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}; "
+        f"wall time {elapsed:.0f} s",
+        f"- machine: {machine()}; load generator, wslb and workers all on 127.0.0.1",
+        f"- CPU during the runs: this benchmark {min(r.cpu_ours for r in results):.2f}-"
+        f"{max(r.cpu_ours for r in results):.2f} cores, other processes on the machine "
+        f"{min(r.cpu_other for r in results):.2f}-{max(r.cpu_other for r in results):.2f} "
+        "cores (per run: last column of the second tables)",
+        f"- workload: {w.sessions} sessions arriving (Poisson) over {w.arrival_s:g} s, "
+        f"{w.turns[0]}-{w.turns[1]} turns each, think time exponential mean {w.think_s:g} s "
+        f"(capped at {5 * w.think_s:g} s), shared system prompt {w.system_words} words, "
+        f"user prompts {w.prompt_words[0]}-{w.prompt_words[1]} words, answers "
+        f"{w.answer_tokens[0]}-{w.answer_tokens[1]} tokens; {w.reconnect_share:.0%} of the "
+        "sessions reconnect for every turn, the others keep one connection; every prompt "
+        f"carries the whole conversation (`messages`); seed {w.seed}",
+        f"- workers: {wp.count} x `backends.worker --tokens-per-s {wp.tokens_per_s:g} "
+        f"--prefill-ms-per-token {wp.prefill_ms_per_token:g} --kv-capacity-tokens "
+        f"{wp.kv_capacity_tokens} --max-batch {wp.max_batch} --session-ttl {wp.session_ttl:g}`",
+        f"- wslb: `hash_balance_factor: {lb.factor:g}`, `scrape_interval: {lb.scrape_s:g}s`, "
+        f"load-aware coefficients `{LOAD_AWARE}`, static `{STATIC}`; `least_conn` and "
+        f"`round_robin` use the {baseline} weights; admin polled every {lb.poll_s:g} s",
+        "",
+    ]
+    for run in runs:
+        rs = [r for r in results if r.run == run]
+        if not rs:
+            continue
+        parts += [f"## {run_names[run]}", "", table(rs), "", detail_table(rs), ""]
+    parts += ["## Targets", "", *targets(results, runs, lb.factor), ""]
+    parts += [
+        "## Definitions",
+        "",
+        "- **KV hit** = sum of `done.cached_tokens` / sum of the context tokens of every turn "
+        "(conversation before the turn + its new prompt, counted as the worker counts them: "
+        "whitespace-separated words of all messages). **ideal** = the same ratio if every "
+        "follow-up turn found its whole previous context cached (context - new prompt tokens) "
+        "and first turns found nothing. The reference worker caches per session, so the shared "
+        "system prompt is uncached on every session's first turn under any routing (no "
+        "cross-session prefix sharing); hit/ideal is the share of the achievable reuse "
+        "achieved.",
+        "- **TTFT** = prompt sent -> first token received, in the client (for reconnecting "
+        "clients the connection is opened before; its time is `connect p99`). First turns "
+        "are cold under any routing; follow-up turns are where routing shows.",
+        "- **follow-ups not fully cached**: follow-up turns whose `cached_tokens` was below "
+        "the ideal: *moved* when answered by another worker than the turn before, the rest "
+        "found their own worker's KV cache had evicted part of the session. With about "
+        "1,200 follow-up turns the p99 is the 12th slowest, so once more than 1% of the "
+        "follow-ups miss, the p99 is a cache miss's TTFT.",
+        "- **tok/s** = all answer tokens / (last `done` - first prompt); **stream tok/s p50** = "
+        "median per-answer decode rate (first token -> done), which drops when a worker "
+        "decodes more than `--max-batch` streams.",
+        "- **sessions/worker max / mean**: from admin polls (`GET /backends`, live sessions): "
+        "the most live sessions any worker had at any poll / the mean live sessions per "
+        "worker over the loaded polls (total live >= half its peak). **imbalance** = mean "
+        "over loaded polls of (most loaded worker / mean).",
+        "- **max sessions / bound**: the highest ratio, over loaded polls and workers, of "
+        "live sessions to `ceil(c x total live x effective weight / sum of effective "
+        "weights)` (the bounded-load rule), and in brackets the share of polls where some "
+        "worker was above it. The rule applies when a session is placed; a worker can end "
+        "up above it afterwards when other workers' sessions end or its weight drops, so "
+        "this is observed, not asserted. For `least_conn` and `round_robin` it is the same "
+        "ratio, for comparison.",
+        "- **weight spread**: median over loaded polls of the largest / smallest effective "
+        "weight (1.00 with static weights; identical workers should stay near 1).",
+        "- **CPU cores ours / others**: cores used during the run by this script, its workers "
+        "and wslb / by every other process on the machine (a shared machine: a run with others "
+        "well above 0 had less CPU than it expected, and its latencies are suspect).",
+        "- **sessions changed worker**: sessions whose turns were answered (`done.worker`) "
+        "by more than one worker. **failed**: sessions with any error, unexpected close, "
+        "wrong token count or a turn over the timeout.",
+        "",
+    ]
+    text = "\n".join(parts)
+    if kept:
+        text += "\n" + kept
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def plot(path: Path, results: list[Result], runs: list[str]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("warning: matplotlib is not importable; no plot written", file=sys.stderr)
+        return False
+    modes = list(dict.fromkeys(r.mode for r in results))
+    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red"]
+    fig, grid = plt.subplots(2, 2, figsize=(13, 8.5))
+    axes = list(grid.flat)
+    width = 0.8 / max(1, len(modes))
+    x = list(range(len(runs)))
+    get: dict[str, Callable[[Result], float]] = {
+        "follow-up TTFT p99 (ms)": lambda r: r.ttft_follow_p99 * 1000,
+        "follow-up turns not fully cached (%)": lambda r: (
+            100 * r.follow_missed / max(1, r.follow_turns)
+        ),
+        "KV hit rate / ideal": lambda r: r.hit / r.ideal,
+        "max live sessions / bound": lambda r: r.bound_ratio_max,
+    }
+    for ax, (title, f) in zip(axes, get.items(), strict=True):
+        for i, m in enumerate(modes):
+            ys = []
+            for run in runs:
+                r = next((r for r in results if r.run == run and r.mode == m), None)
+                ys.append(f(r) if r is not None else 0.0)
+            xs = [v + (i - (len(modes) - 1) / 2) * width for v in x]
+            bars = ax.bar(xs, ys, width, label=m, color=colors[i % len(colors)])
+            ax.bar_label(bars, fmt="%.2f" if "/" in title else "%.0f", fontsize=7)
+        ax.set_xticks(x, runs)
+        ax.set_title(title)
+        if "/" in title:
+            ax.axhline(1.0 if "bound" in title else 0.9, color="gray", ls="--", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("wslb routing benchmark (bench/routing.py)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def pair(s: str) -> tuple[int, int]:
+    a, _, b = s.partition("-")
+    lo, hi = int(a), int(b or a)
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO-HI with 0 < LO <= HI, got {s!r}")
+    return lo, hi
+
+
+def parse_mode(spec: str, known: dict[str, Mode]) -> Mode:
+    """A known mode name, or ``NAME=BALANCE:GPU,KV_CACHE,QUEUE`` (a weights variant)."""
+    if "=" not in spec:
+        if spec not in known:
+            raise ValueError(f"unknown mode {spec!r} (one of {', '.join(known)}, or NAME=...)")
+        return known[spec]
+    name, _, rest = spec.partition("=")
+    balance, _, coef = rest.partition(":")
+    if balance not in ("consistent", "least_conn", "round_robin", "random"):
+        raise ValueError(f"unknown balance {balance!r}")
+    values = [float(v) for v in coef.split(",")] if coef else [0.0, 0.0, 0.0]
+    if len(values) != 3:
+        raise ValueError(f"{spec!r}: expected GPU,KV_CACHE,QUEUE")
+    gpu, kv, queue = values
+    return Mode(name, balance, {"gpu": gpu, "kv_cache": kv, "queue": queue, "min_factor": 0.05})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Routing benchmark of wslb's balancing modes (multi-turn chat, finite KV).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--quick", action="store_true", help="small version (~1-2 min): fewer, shorter sessions")
+    a("--sessions", type=int, default=None, help="sessions per run (default 300; quick 60)")
+    a("--turns", type=pair, default=None, help="turns per session LO-HI (default 4-6; quick 2-3)")
+    a("--arrival-s", type=float, default=None, help="arrival window (default 24; quick 5)")
+    a("--think-s", type=float, default=None, help="mean think time (default 1.5; quick 1)")
+    a("--system-words", type=int, default=200)
+    a("--prompt-words", type=pair, default=(20, 60))
+    a("--answer-tokens", type=pair, default=(20, 60))
+    a("--reconnect-share", type=float, default=0.5)
+    a("--turn-timeout-s", type=float, default=30.0)
+    a("--seed", type=int, default=1)
+    a("--workers", type=int, default=4)
+    a("--tokens-per-s", type=float, default=40.0)
+    a("--prefill-ms-per-token", type=float, default=1.0)
+    a("--kv-capacity-tokens", type=int, default=24_000)
+    a("--max-batch", type=int, default=16)
+    a("--session-ttl", type=float, default=300.0)
+    a("--hot-background-util", type=float, default=0.6)
+    a("--factor", type=float, default=1.25, help="hash_balance_factor c")
+    a("--scrape-s", type=float, default=0.5, help="wslb weights.scrape_interval")
+    a("--poll-s", type=float, default=0.25, help="admin poll period")
+    a("--baseline-weights", choices=["load-aware", "static"], default="load-aware")
+    a(
+        "--modes",
+        default="consistent-load-aware;consistent-static;least_conn;round_robin",
+        help="';'-separated: the four names, or NAME=BALANCE:GPU,KV_CACHE,QUEUE for a variant "
+        "(e.g. 'consistent-gpu=consistent:0.5,0,0')",
+    )
+    a("--runs", default="even,hetero")
+    a("--doc", type=Path, default=ROOT / "docs" / "routing.md", help="'-' for none")
+    a("--png", type=Path, default=ROOT / "docs" / "routing.png", help="'-' for none")
+    a("--json", type=Path, default=None, help="also write raw results here")
+    a(
+        "--code",
+        type=Path,
+        default=ROOT,
+        help="checkout whose balancer/ and backends/ run (default: this one)",
+    )
+    a(
+        "--wait-idle-s",
+        type=float,
+        default=0.0,
+        help="before each run, wait up to this long for other processes to leave the CPUs",
+    )
+    a("--keep-logs", action="store_true", help="keep the process logs (printed path)")
+    return p
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    q = args.quick
+    w = Workload(
+        sessions=args.sessions or (60 if q else 300),
+        turns=args.turns or ((2, 3) if q else (4, 6)),
+        think_s=args.think_s or (1.0 if q else 1.5),
+        arrival_s=args.arrival_s or (5.0 if q else 24.0),
+        system_words=args.system_words,
+        prompt_words=args.prompt_words,
+        answer_tokens=args.answer_tokens,
+        reconnect_share=args.reconnect_share,
+        turn_timeout_s=args.turn_timeout_s,
+        seed=args.seed,
+    )
+    wp = WorkerParams(
+        count=args.workers,
+        tokens_per_s=args.tokens_per_s,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_batch=args.max_batch,
+        session_ttl=args.session_ttl,
+        hot_background_util=args.hot_background_util,
+    )
+    lbp = LbParams(factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s)
+    baseline = LOAD_AWARE if args.baseline_weights == "load-aware" else STATIC
+    all_modes = {
+        "consistent-load-aware": Mode("consistent-load-aware", "consistent", LOAD_AWARE),
+        "consistent-static": Mode("consistent-static", "consistent", STATIC),
+        "least_conn": Mode("least_conn", "least_conn", baseline),
+        "round_robin": Mode("round_robin", "round_robin", baseline),
+    }
+    try:
+        modes = [parse_mode(m.strip(), all_modes) for m in args.modes.split(";") if m.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--modes: {exc}") from None
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for r in runs:
+        if r not in ("even", "hetero"):
+            raise SystemExit(f"unknown run {r!r} (even, hetero)")
+    system, plans = make_plan(w)
+    command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    print(f"# {command.strip()}\n# {machine()}", flush=True)
+
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+
+    # SIGTERM (and SIGINT, also where a non-interactive shell ignores it) end the script
+    # through its finally blocks, so every worker and wslb it started is stopped.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    results: list[Result] = []
+    polls_of: dict[tuple[str, str], list[Poll]] = {}
+    started = time.monotonic()
+    tmpdir = tempfile.mkdtemp(prefix="wslb-routing-")
+    try:
+        for run in runs:
+            hot = {f"w{wp.count}"} if run == "hetero" else set()
+            for mode in modes:
+                wait_idle(args.wait_idle_s)
+                with Fleet(Path(tmpdir), args.code.resolve()) as fleet:
+                    fleet.start_workers(wp, hot)
+                    lb = fleet.start_lb(mode, lbp)
+                    cpu = CpuMeter([p.pid for p in fleet.procs])
+                    with asyncio.Runner(loop_factory=loop_factory) as runner:
+                        records, polls, duration = runner.run(
+                            drive(plans, system, lb, lbp.poll_s, w.turn_timeout_s)
+                        )
+                    ours, other = cpu.read()
+                res = analyse(run, mode.name, records, polls, duration, lbp.factor)
+                res.cpu_ours, res.cpu_other = ours, other
+                results.append(res)
+                polls_of[(run, mode.name)] = polls
+                print(
+                    f"[{run}] {mode.name}: {duration:.1f}s, hit {res.hit:.1%}/{res.ideal:.1%}, "
+                    f"follow-up p99 {ms(res.ttft_follow_p99)} ms, failed {res.failed}; "
+                    f"CPU cores: this benchmark {ours:.2f}, other processes {other:.2f}",
+                    flush=True,
+                )
+                for f in res.failures:
+                    print(f"    failed {f}", flush=True)
+    finally:
+        if args.keep_logs:
+            print(f"logs in {tmpdir}")
+        else:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    elapsed = time.monotonic() - started
+
+    for run in runs:
+        rs = [r for r in results if r.run == run]
+        print(f"\n## {run}\n\n{table(rs)}\n\n{detail_table(rs)}")
+    print("\n## Targets\n\n" + "\n".join(targets(results, runs, lbp.factor)))
+    print(f"\nwall time {elapsed:.0f} s")
+    if str(args.doc) != "-":
+        write_doc(
+            args.doc, command.strip(), results, runs, w, wp, lbp, args.baseline_weights, elapsed
+        )
+        print(f"wrote {args.doc}")
+    if str(args.png) != "-" and plot(args.png, results, runs):
+        print(f"wrote {args.png}")
+    if args.json is not None:
+        raw = [
+            {**asdict(r), "polls": [asdict(p) for p in polls_of[(r.run, r.mode)]]} for r in results
+        ]
+        args.json.write_text(json.dumps(raw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
