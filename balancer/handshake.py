@@ -119,7 +119,14 @@ class RequestReader:
 
 
 class UpstreamReject(Exception):
-    """The worker's answer to wslb's upgrade is not an acceptable 101 (the client gets 502)."""
+    """The worker's answer to wslb's upgrade is not an acceptable 101 (the client gets 502).
+
+    ``status`` is the worker's HTTP status when it answered with something other than 101.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -289,7 +296,7 @@ def check_upstream_response(
 ) -> str | None:
     """Check the worker's answer; return the negotiated subprotocol or raise ``UpstreamReject``."""
     if resp.status_code != 101:
-        raise UpstreamReject(f"worker answered {resp.status_code}, not 101")
+        raise UpstreamReject(f"worker answered {resp.status_code}, not 101", resp.status_code)
     upgrade: list[str] = []
     connection: list[str] = []
     accept: bytes | None = None

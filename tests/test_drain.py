@@ -206,3 +206,56 @@ def _post_status(lb: Wslb, path: str, body: Any) -> tuple[int, Any]:
         return 200, lb.admin_post(path, body)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+async def test_spawned_worker_that_drained_itself_is_undrained_when_back(tmp_path: Path) -> None:
+    import psutil
+
+    from tests.procs import free_port
+
+    ports = [free_port(), free_port()]
+    cfg = pool_config(
+        [
+            {
+                "id": f"sp{i}",
+                "url": f"ws://127.0.0.1:{p}/ws",
+                "spawn": "reference",
+                "args": ["--drain-grace", "0.5"],
+            }
+            for i, p in enumerate(ports)
+        ],
+        health={"interval": "0.1s", "timeout": "0.5s", "rise": 1},
+    )
+    cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        assert lb.proc is not None
+        victim = next(
+            p for p in psutil.Process(lb.proc.pid).children() if str(ports[0]) in p.cmdline()
+        )
+        # A live session keeps the worker draining (not exiting) until wslb has moved it.
+        ws, i = None, 0
+        while ws is None and i < 100:
+            conn = await connect(f"{lb.url}/ws?session=self-{i}")
+            if json.loads(await conn.recv())["worker"] == "sp0":
+                ws = conn
+            else:
+                await conn.close()
+            i += 1
+        assert ws is not None
+        victim.terminate()  # the worker drains itself, exits, and wslb restarts it
+        seen: list[str] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            state = lb.admin("/backends/sp0")["state"]
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if "drained" in seen and state == "active":
+                break
+            await asyncio.sleep(0.05)
+        assert "drained" in seen and seen[-1] == "active", seen
+        await ws.send(json.dumps({"type": "prompt", "text": "still", "max_tokens": 2}))
+        assert json.loads(await ws.recv())["type"] == "token"  # the moved session lives on
+        await ws.close()
+    finally:
+        lb.stop()

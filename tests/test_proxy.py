@@ -585,3 +585,21 @@ async def test_frames_pipelined_behind_the_request_are_kept(lb: Wslb) -> None:
 async def test_oversized_headers_get_431(lb: Wslb) -> None:
     c = await RawClient.connect(lb.port, headers={"X-Big": "a" * 20000})
     assert c.status == 431
+
+
+async def test_worker_answering_503_is_skipped_for_the_next_one(tmp_path: Path) -> None:
+    server, port, seen = await _raw_server(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+    )
+    w = Worker("ok").start()
+    lb = _lb_for([("busy", f"ws://127.0.0.1:{port}/"), ("ok", w.url)], tmp_path)
+    try:
+        for i in range(8):  # keys that hash to "busy" walk on to "ok"
+            async with connect(f"{lb.url}/ws?session=busy-{i}") as ws:
+                assert json.loads(await ws.recv())["worker"] == "ok"
+        assert seen  # "busy" was tried and refused
+    finally:
+        lb.stop()
+        w.stop()
+        server.close()
+        await server.wait_closed()

@@ -214,6 +214,7 @@ class Admin:
             return _error(400, f"timeout: {exc}")
         if b.admin_state == DRAINED:  # nothing to do: drains are idempotent
             return web.json_response(self._backend_json(self._view(b.id)))
+        self.app.self_drained.discard(b.id)  # an operator's drain is not undone by probes
         self.app.drainer.start(pool, b, migrate, timeout)
         return web.json_response(self._backend_json(self._view(b.id)), status=202)
 

@@ -63,6 +63,7 @@ class Balancer:
         self._listener_tls: list[tuple[ssl.SSLContext, str, str]] = []
         self._upstream_tls: dict[str, ssl.SSLContext] = {}
         self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+        self.self_drained: set[str] = set()  # backends drained because they said "draining"
         self._servers: list[asyncio.Server] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -202,6 +203,14 @@ class Balancer:
                 pool = found[0]
                 log.info("worker %s reports draining; draining it", b.id)
                 self.drainer.start(pool, b, pool.cfg.drain.migrate, pool.cfg.drain.timeout)
+                self.self_drained.add(b.id)
+        elif ok and b.id in self.self_drained:
+            # The worker that drained itself is back (restarted): it takes sessions again.
+            self.self_drained.discard(b.id)
+            log.info("worker %s is healthy again after draining itself; undraining", b.id)
+            task = self.loop.create_task(self.drainer.undrain(b))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
 
     # -- operator actions ------------------------------------------------------------------
 

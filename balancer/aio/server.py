@@ -230,9 +230,14 @@ class ClientConnection(asyncio.Protocol):
                     app, backend, req, sid, self.peer, self.secure
                 )
             except UpstreamReject as exc:
-                # The worker spoke but refused: a 502 for this client, not a retry elsewhere.
                 app.stats.handshake_failures[backend.id] += 1
                 app.worker_failed(pool, backend)
+                if exc.status in (502, 503, 504):
+                    # Busy or going away (a worker draining itself): nothing was tunnelled, so
+                    # walk on like a connect failure (HAProxy's retry-on 503).
+                    last_error = f"worker {backend.id}: {exc}"
+                    continue
+                # Any other refusal is the worker's answer to this request: a 502.
                 raise HandshakeReject(502, f"worker {backend.id}: {exc}") from None
             except (OSError, TimeoutError) as exc:
                 app.stats.connect_failures[backend.id] += 1
@@ -478,7 +483,7 @@ class Session(asyncio.Protocol):
         """Bytes from the worker."""
         ws = self.ws
         out = ws.feed(data)
-        if out:
+        if out and not self.ct.is_closing():  # uvloop raises on a write to a closed handle
             self.ct.write(out)
         if ws.notable:
             ws.notable = False
@@ -488,7 +493,7 @@ class Session(asyncio.Protocol):
         """Bytes from the client."""
         cs = self.cs
         out = cs.feed(data)
-        if out:
+        if out and not self.wt.is_closing():
             self.wt.write(out)
             if self.clog is not None:
                 self._log_client(out)
@@ -672,7 +677,9 @@ class Session(asyncio.Protocol):
         self.client_close_sent = True
         self.ws.closed = True  # nothing more goes to the client after our close
         self.app.stats.closes["client", code] += 1
-        if self.ws.at_frame_boundary:
+        if self.ct.is_closing():
+            pass
+        elif self.ws.at_frame_boundary:
             self.ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
             if self.cs.error is not None:
                 # Failing the connection (RFC 6455 7.1.7): close TCP, don't wait for an answer.
@@ -687,7 +694,9 @@ class Session(asyncio.Protocol):
         self.worker_close_sent = True
         self.cs.closed = True
         self.app.stats.closes["worker", code] += 1
-        if self.cs.at_frame_boundary:
+        if self.wt.is_closing():
+            pass
+        elif self.cs.at_frame_boundary:
             self.wt.write(build_frame(OP_CLOSE, close_payload(code, reason), mask=True))
         else:
             self.wt.abort()
