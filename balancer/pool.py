@@ -28,6 +28,10 @@ from balancer.weights import Signals, effective_weight
 
 __all__ = ["Backend", "Pool", "Upstream"]
 
+# How long a key's last placement is remembered after its session ends: longer than a worker
+# keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
+AFFINITY_TTL = 600.0
+
 ACTIVE = "active"
 DRAINING = "draining"
 DRAINED = "drained"
@@ -158,8 +162,8 @@ class Pool:
         self.factor = cfg.hash_balance_factor
         self.backends: dict[str, Backend] = {}
         self.ring = Ring({})
-        # key -> (backend placed on, the key's first ready backend on the ring at that time)
-        self._affinity: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        # key -> (backend placed on, the key's first ready backend on the ring then, loop time)
+        self._affinity: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
         self._affinity_size = affinity_size
         self._rr_current: dict[str, float] = {}
         self._random = random.Random(seed)
@@ -272,7 +276,7 @@ class Pool:
 
     # -- accounting ------------------------------------------------------------------------
 
-    def attach(self, key: str, backend: Backend) -> None:
+    def attach(self, key: str, backend: Backend, now: float = 0.0) -> None:
         """Count a session placed on ``backend`` and remember the key's worker."""
         backend.sessions += 1
         backend.sessions_total += 1
@@ -281,10 +285,20 @@ class Pool:
         first = next(
             (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
         )
-        aff[key] = (backend.id, first)
+        aff[key] = (backend.id, first, now)
         aff.move_to_end(key)
-        if len(aff) > self._affinity_size:
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Forget placements older than ``AFFINITY_TTL`` (their KV cache is gone by then) and
+        beyond the table's size, so memory follows the live key set, not every key ever seen."""
+        aff = self._affinity
+        while len(aff) > self._affinity_size:
             aff.popitem(last=False)
+        if now > 0.0:
+            horizon = now - AFFINITY_TTL
+            while aff and next(iter(aff.values()))[2] < horizon:
+                aff.popitem(last=False)
 
     def failed(self, backend: Backend, now: float) -> bool:
         """Passive outlier detection: count a connect/handshake failure; True if now ejected.
@@ -316,9 +330,14 @@ class Pool:
         """A connect and handshake worked: the failure streak ends."""
         backend.consecutive_failures = 0
 
-    def detach(self, backend: Backend) -> None:
-        """Count a session gone from ``backend``."""
+    def detach(self, backend: Backend, key: str | None = None, now: float = 0.0) -> None:
+        """Count a session gone from ``backend``; its key's placement counts from now."""
         backend.sessions -= 1
+        if key is not None:
+            entry = self._affinity.get(key)
+            if entry is not None and entry[0] == backend.id:
+                self._affinity[key] = (entry[0], entry[1], now)
+                self._affinity.move_to_end(key)
 
     def last_backend(self, key: str) -> str | None:
         """The backend this key was last placed on, if remembered."""

@@ -149,3 +149,22 @@ def test_no_ready_backend_gives_none() -> None:
     for b in pool.backends.values():
         b.healthy = False
     assert pool.select("k") is None
+
+
+def test_placements_are_forgotten_after_the_ttl_and_kept_while_live() -> None:
+    from balancer.pool import AFFINITY_TTL
+
+    pool = make_pool(n=2)
+    b = pool.select("old", now=1.0)
+    assert b is not None
+    pool.attach("old", b, now=1.0)
+    live = pool.select("live", now=1.0)
+    assert live is not None
+    pool.attach("live", live, now=1.0)
+    pool.detach(b, "old", now=2.0)  # "old" ended at t=2; "live" is still connected
+    pool.detach(live, "live", now=AFFINITY_TTL)  # ...until AFFINITY_TTL
+    other = pool.select("x", now=AFFINITY_TTL + 3.0)
+    assert other is not None
+    pool.attach("x", other, now=AFFINITY_TTL + 3.0)  # pruning happens on attach
+    assert pool.last_backend("old") is None
+    assert pool.last_backend("live") == live.id

@@ -473,7 +473,7 @@ class Session(asyncio.Protocol):
         self.paused_since = 0.0  # loop time backpressure paused a leg; 0 when flowing
         self._last_msgs = 0
         self._last_active = self.since
-        pool.attach(sid, backend)
+        pool.attach(sid, backend, app.loop.time())
         app.session_started(self)
         self._schedule_tick(self._first_tick_delay())
 
@@ -575,7 +575,7 @@ class Session(asyncio.Protocol):
         wt.set_write_buffer_limits(high=limits.write_buffer_high)
         self.pool.detach(old_backend)
         self.backend = target
-        self.pool.attach(self.sid, target)
+        self.pool.attach(self.sid, target, self.app.loop.time())
         self.migrations += 1
         wt.set_protocol(self)
         data = trailing + bytes(proto.extra)
@@ -731,7 +731,7 @@ class Session(asyncio.Protocol):
             if self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
-            self.pool.detach(self.backend)
+            self.pool.detach(self.backend, self.sid, self.app.loop.time())
             self.app.session_finished(self)
 
     def _close_timeout(self) -> None:
