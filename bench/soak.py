@@ -24,7 +24,10 @@ waits ``--settle`` seconds for closes to finish), then checks:
 - asyncio tasks after == idle baseline; no live session or connection left;
 - RSS growth under load < ``--rss-target`` MB per 10 minutes (default 1), as a least-squares
   slope over the second half of the loaded samples (the first half includes the allocator's
-  warm-up); the growth from the start sample to the last loaded one is printed too.
+  warm-up, and wslb's affinity table filling with the keys of the last 10 minutes); the growth
+  from the start sample to the last loaded one is printed too. Under 15 minutes of measured load
+  (``--quick``, ``--duration 600``) the slope is printed but not judged: RSS moves in steps of
+  about 0.1 MB, and the warm-up dominates.
 
 It also prints the sessions run by ending, the client errors by kind (1011 after a worker kill is
 expected; anything else is suspicious), worker kills and how long wslb took to bring each back,
@@ -82,6 +85,7 @@ REUSE_SHARE = 0.2  # sessions that come back with an earlier session key
 CLOSE_MID_SHARE = 0.15  # sessions that close (1000) in the middle of an answer
 ABRUPT_SHARE = 0.2  # sessions that drop TCP in the middle of an answer
 EXPECTED = {"close 1011 (worker lost)"}
+RSS_MIN_SPAN = 900.0  # seconds of measured load below which the RSS slope is only printed
 KILL_WAIT = 90.0  # seconds a killed worker gets to be back (a SIGTERMed one drains first)
 
 # -- samples ---------------------------------------------------------------------------------
@@ -548,8 +552,21 @@ async def run(
     fit_all = slope_per_10min([(s.t, s.rss_mb) for s in loaded])
     span = max(last_load.t - start_sample.t, 1e-9)
     first_last = 600.0 * (last_load.rss_mb - start_sample.rss_mb) / span
-    # Under --tracemalloc the snapshots themselves take memory: no RSS verdict then.
-    rss_ok = args.tracemalloc or (not math.isnan(fit_half) and fit_half < args.rss_target)
+    rss_met = not math.isnan(fit_half) and fit_half < args.rss_target
+    # No RSS verdict under --tracemalloc (the snapshots take memory) or over a short window:
+    # the allocator's warm-up and wslb's affinity table (keys of the sessions that ended in the
+    # last 10 min) dominate the first minutes; 0.1 MB steps over 2 min read as 3 MB/10 min.
+    judged = not args.tracemalloc and span >= RSS_MIN_SPAN
+    rss_ok = rss_met or not judged
+    if args.tracemalloc:
+        verdict = "not judged (tracemalloc)"
+    elif not judged:
+        verdict = (
+            f"{'met' if rss_met else 'not met'}, not judged: {span:.0f} s of measured load, "
+            f"under {RSS_MIN_SPAN:.0f} s"
+        )
+    else:
+        verdict = "OK" if rss_ok else "MISSED"
     fds_ok = fds_settled(fds_idle, fds_after, args.workers)
     tasks_ok = idle.tasks is None or (after.tasks is not None and after.tasks <= idle.tasks)
     clean_ok = not after.sessions and not after.connections
@@ -584,7 +601,7 @@ async def run(
     say(
         f"  growth under load: fit over the second half {fit_half:+.2f} MB/10 min "
         f"(target < {args.rss_target:g}): "
-        f"{'n/a (tracemalloc)' if args.tracemalloc else 'OK' if rss_ok else 'MISSED'}; "
+        f"{verdict}; "
         f"fit over all {fit_all:+.2f}; start -> end {first_last:+.2f} MB/10 min"
     )
     say(
@@ -632,6 +649,7 @@ async def run(
         "fds_idle": dict(fds_idle),
         "fds_after": dict(fds_after),
         "ok": {"rss": rss_ok, "fds": fds_ok, "tasks": tasks_ok, "clean": clean_ok},
+        "rss_judged": judged,
         "samples": [asdict(s) for s in samples],
     }
 
@@ -674,8 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=0,
         help="draw session keys from this many (0: a new key per session, but a fifth reuse a "
-        "recent one; default: %(default)s). wslb remembers each key's worker in a bounded "
-        "LRU table (100k keys per pool), which grows with distinct keys until it is full",
+        "recent one; default: %(default)s). wslb remembers each key's worker until 10 min "
+        "after its session ends (at most 100k keys per pool), so its RSS grows with the "
+        "distinct keys of the last 10 min until that window is full",
     )
     add("--seed", type=int, default=1, help="client randomness (default: 1)")
     add("--json", default="", help="write the result (and every sample) to this file")
