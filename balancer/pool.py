@@ -80,6 +80,7 @@ class Backend:
         "id",
         "probe_fails",
         "probe_oks",
+        "remote_sessions",
         "returned_at",
         "sessions",
         "sessions_total",
@@ -101,7 +102,10 @@ class Backend:
         self.healthy = True
         self.probe_oks = 0
         self.probe_fails = 0
-        self.sessions = 0
+        self.sessions = 0  # live sessions this process placed on the backend
+        # Sessions that other balancer processes or instances hold on it (``workers: N``'s
+        # shared board, or cluster mode's scraped counts); bounds and least_conn see both.
+        self.remote_sessions = 0
         self.sessions_total = 0
         self.connect_failures = 0  # total, for metrics
         self.consecutive_failures = 0  # connect/handshake failures since the last success
@@ -116,6 +120,11 @@ class Backend:
     @property
     def ejected(self) -> bool:
         return self.ejected_until > 0.0
+
+    @property
+    def load(self) -> int:
+        """Live sessions on the backend from every balancer process that shares it."""
+        return self.sessions + self.remote_sessions
 
     @property
     def ready(self) -> bool:
@@ -232,18 +241,18 @@ class Pool:
         if self.balance == "consistent":
             return self._select_consistent(key, ready)
         if self.balance == "least_conn":
-            return min(ready, key=lambda b: ((b.sessions + 1) / b.effective_weight, b.id))
+            return min(ready, key=lambda b: ((b.load + 1) / b.effective_weight, b.id))
         if self.balance == "round_robin":
             return self._select_round_robin(ready)
         return self._random.choices(ready, weights=[b.effective_weight for b in ready])[0]
 
     def _select_consistent(self, key: str, ready: list[Backend]) -> Backend:
-        total_after = sum(b.sessions for b in ready) + 1
+        total_after = sum(b.load for b in ready) + 1
         weight_sum = sum(b.effective_weight for b in ready)
         by_id = {b.id: b for b in ready}
 
         def fits(b: Backend) -> bool:
-            return b.sessions + 1 <= load_bound(
+            return b.load + 1 <= load_bound(
                 total_after, self.factor, b.effective_weight, weight_sum
             )
 
@@ -258,7 +267,7 @@ class Pool:
             if fits(b):
                 return b
         # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
-        return min(ready, key=lambda b: (b.sessions / b.effective_weight, b.id))
+        return min(ready, key=lambda b: (b.load / b.effective_weight, b.id))
 
     def _select_round_robin(self, ready: list[Backend]) -> Backend:
         """Smooth weighted round robin, as nginx does it."""
