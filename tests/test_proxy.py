@@ -594,10 +594,12 @@ async def test_worker_answering_503_is_skipped_for_the_next_one(tmp_path: Path) 
     w = Worker("ok").start()
     lb = _lb_for([("busy", f"ws://127.0.0.1:{port}/"), ("ok", w.url)], tmp_path)
     try:
-        for i in range(8):  # keys that hash to "busy" walk on to "ok"
+        for i in range(24):  # keys that hash to "busy" walk on to "ok"
             async with connect(f"{lb.url}/ws?session=busy-{i}") as ws:
                 assert json.loads(await ws.recv())["worker"] == "ok"
         assert seen  # "busy" was tried and refused
+        # A 503 is "busy or draining", not a failure: the worker is not ejected for it.
+        assert lb.admin("/backends/busy")["state"] == "active"
     finally:
         lb.stop()
         w.stop()

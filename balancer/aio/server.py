@@ -231,7 +231,10 @@ class ClientConnection(asyncio.Protocol):
                 )
             except UpstreamReject as exc:
                 app.stats.handshake_failures[backend.id] += 1
-                app.worker_failed(pool, backend)
+                if exc.status != 503:
+                    # A 503 is a worker saying it is busy or draining, not a broken one: the
+                    # health probe takes it out; ejecting it would outlast its restart.
+                    app.worker_failed(pool, backend)
                 if exc.status in (502, 503, 504):
                     # Busy or going away (a worker draining itself): nothing was tunnelled, so
                     # walk on like a connect failure (HAProxy's retry-on 503).
