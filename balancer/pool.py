@@ -20,13 +20,14 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
 from balancer.weights import Signals, effective_weight
 
-__all__ = ["Backend", "Pool", "Upstream"]
+__all__ = ["Backend", "Pool", "SharedLoad", "Upstream"]
 
 # How long a key's last placement is remembered after its session ends: longer than a worker
 # keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
@@ -161,6 +162,16 @@ class Backend:
         return False
 
 
+class SharedLoad(Protocol):
+    """Where the processes of one balancer publish their per-backend session counts."""
+
+    def publish(self, backend_id: str, sessions: int) -> None: ...
+
+    def remote(self, backend_id: str) -> int:
+        """Sessions the *other* processes hold on the backend."""
+        ...
+
+
 class Pool:
     """The backends of one pool and the selection policy over them."""
 
@@ -176,6 +187,8 @@ class Pool:
         self._affinity_size = affinity_size
         self._rr_current: dict[str, float] = {}
         self._random = random.Random(seed)
+        # Session counts shared with the other processes of ``workers: N`` (None: alone).
+        self.shared: SharedLoad | None = None
         for b in cfg.backends:
             self.backends[b.id] = Backend(b)
         self._rebuild()
@@ -213,7 +226,10 @@ class Pool:
     def refresh(self, now: float) -> None:
         """Bring time-dependent state up to ``now``: ejections that ended, effective weights."""
         w = self.cfg.weights
+        shared = self.shared
         for b in self.backends.values():
+            if shared is not None:
+                b.remote_sessions = shared.remote(b.id)
             if b.ejected_until and now >= b.ejected_until:
                 b.ejected_until = 0.0
                 b.returned_at = now
@@ -290,6 +306,8 @@ class Pool:
         backend.sessions += 1
         backend.sessions_total += 1
         backend.consecutive_failures = 0
+        if self.shared is not None:
+            self.shared.publish(backend.id, backend.sessions)
         aff = self._affinity
         first = next(
             (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
@@ -342,6 +360,8 @@ class Pool:
     def detach(self, backend: Backend, key: str | None = None, now: float = 0.0) -> None:
         """Count a session gone from ``backend``; its key's placement counts from now."""
         backend.sessions -= 1
+        if self.shared is not None:
+            self.shared.publish(backend.id, backend.sessions)
         if key is not None:
             entry = self._affinity.get(key)
             if entry is not None and entry[0] == backend.id:
