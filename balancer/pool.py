@@ -171,6 +171,18 @@ class SharedLoad(Protocol):
         """Sessions the *other* processes hold on the backend."""
         ...
 
+    def remember(self, key: str, backend_id: str, first: str | None) -> None:
+        """Record a key's placement for every process (the affinity table, shared)."""
+        ...
+
+    def touch(self, key: str, backend_id: str) -> None:
+        """Restart the key's expiry if it is still placed on ``backend_id``."""
+        ...
+
+    def recall(self, key: str, ttl: float) -> tuple[str, str | None, float] | None:
+        """The key's placement (backend, first ready backend then, time) if younger than ttl."""
+        ...
+
 
 class Pool:
     """The backends of one pool and the selection policy over them."""
@@ -274,7 +286,7 @@ class Pool:
 
         walk = [b for bid in self.ring.walk(key) if (b := by_id.get(bid)) is not None]
         first = walk[0].id if walk else None
-        remembered = self._affinity.get(key)
+        remembered = self._remembered(key)
         if remembered is not None and remembered[1] == first:
             b = by_id.get(remembered[0])
             if b is not None and fits(b):
@@ -313,6 +325,8 @@ class Pool:
             (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
         )
         aff[key] = (backend.id, first, now)
+        if self.shared is not None:
+            self.shared.remember(key, backend.id, first)
         aff.move_to_end(key)
         self._prune(now)
 
@@ -367,8 +381,17 @@ class Pool:
             if entry is not None and entry[0] == backend.id:
                 self._affinity[key] = (entry[0], entry[1], now)
                 self._affinity.move_to_end(key)
+            if self.shared is not None:
+                self.shared.touch(key, backend.id)
+
+    def _remembered(self, key: str) -> tuple[str, str | None, float] | None:
+        """The key's last placement: from the board under ``workers: N`` (the process that
+        accepts a key's reconnect need not be the one that placed it), else this process's."""
+        if self.shared is not None:
+            return self.shared.recall(key, AFFINITY_TTL)
+        return self._affinity.get(key)
 
     def last_backend(self, key: str) -> str | None:
         """The backend this key was last placed on, if remembered."""
-        entry = self._affinity.get(key)
+        entry = self._remembered(key)
         return entry[0] if entry is not None else None

@@ -77,7 +77,14 @@ class Admin:
         cfg = self.app.config.admin
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, cfg.host, cfg.port).start()
+        link = self.app.link
+        if link is not None:
+            # A serving process of workers: N answers its supervisor only, on a Unix socket in
+            # the supervisor's private (0700) run directory; the token guards the public API.
+            self._token = None
+            await web.UnixSite(self._runner, link.admin_socket).start()
+        else:
+            await web.TCPSite(self._runner, cfg.host, cfg.port).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -197,7 +204,7 @@ class Admin:
 
     async def delete_backend(self, request: web.Request) -> web.Response:
         pool, b = self._find(request)
-        if b.admin_state != DRAINED or b.sessions:
+        if b.admin_state != DRAINED or b.load:
             return _error(409, f"backend {b.id!r} is {b.state}; drain it first")
         await self.app.remove_backend(pool, b)
         return web.json_response({"id": b.id, "removed": True})

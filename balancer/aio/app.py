@@ -14,7 +14,8 @@ import signal
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,26 +27,53 @@ from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
 from balancer.auth import Authenticator
-from balancer.config import BackendCfg, Config, ConfigError
+from balancer.board import Board
+from balancer.config import BackendCfg, Config, ConfigError, Listener
 from balancer.config import load as load_config
 from balancer.handshake import ClientRequest
 from balancer.metrics import BackendView, Stats
 from balancer.pool import ACTIVE, Backend, Pool
+from balancer.weights import Signals
 
-__all__ = ["Balancer", "run", "serve"]
+__all__ = ["Balancer", "ProcessLink", "run", "run_loop", "serve"]
 
 log = logging.getLogger("wslb")
+
+BOARD_FOLLOW = 0.1  # how often a serving process of workers: N rereads health and signals
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessLink:
+    """How one serving process of ``workers: N`` finds the rest of its balancer.
+
+    Such a process listens with SO_REUSEPORT, serves its admin API on a Unix socket for the
+    supervisor, and neither spawns, scrapes nor probes workers: it follows the supervisor's
+    board (``balancer/board.py``) for health and signals and publishes its session counts there.
+    """
+
+    index: int
+    processes: int
+    board: str
+    admin_socket: str
 
 
 class Balancer:
     """Everything one wslb process runs."""
 
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
+    def __init__(
+        self, config: Config, config_path: str | None = None, link: ProcessLink | None = None
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.link = link
         self.loop = asyncio.get_running_loop()
         self.stats = Stats()
         self.pools = [Pool(p) for p in config.pools]
+        self.board: Board | None = None
+        if link is not None:
+            self.board = Board(link.board, link.processes, link.index)
+            for pool in self.pools:
+                pool.shared = self.board
         # Longest prefix first, so the most specific pool wins.
         self._routes = sorted(self.pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
         self.sessions: dict[Session, None] = {}
@@ -72,6 +100,11 @@ class Balancer:
     # -- startup / shutdown ----------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.start_serving()
+        await self.admin.start()
+
+    async def start_serving(self) -> None:
+        """Everything but the admin API, which opens last: once it answers, wslb serves."""
         # One pooled HTTP client for scrapes and probes; limit_per_host keeps a slow worker
         # from taking every connection.
         self.http = aiohttp.ClientSession(
@@ -83,12 +116,15 @@ class Balancer:
         self.handoff_http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)
         )
-        self.scraper = Scraper(self.http, self._scrape_failed)
-        self.health = HealthChecker(self.http, self._probe_result)
+        if self.link is None:  # a serving process of workers: N follows the board instead
+            self.scraper = Scraper(self.http, self._scrape_failed)
+            self.health = HealthChecker(self.http, self._probe_result)
+        else:
+            self._spawn_background(self._follow_board())
         for pool in self.pools:
             for b in pool.backends.values():
                 self.watch(pool, b)
-        for lst in self.config.listen:
+        for lst in self.listeners():
             ctx = None
             if lst.tls is not None:
                 ctx = self._listener_ssl(lst.tls.cert, lst.tls.key)
@@ -99,12 +135,49 @@ class Balancer:
                 lst.port,
                 backlog=4096,
                 reuse_address=True,
+                reuse_port=self.link is not None,
                 ssl=ctx,
                 ssl_handshake_timeout=self.config.timeouts.handshake if ctx else None,
             )
             self._servers.append(server)
             log.info("listening on %s:%d", lst.host, lst.port)
-        await self.admin.start()
+
+    def listeners(self) -> tuple[Listener, ...]:
+        """The addresses this process accepts clients on."""
+        return self.config.listen
+
+    def _spawn_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a fire-and-forget task, kept alive until it ends."""
+        task = self.loop.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _follow_board(self) -> None:
+        """Take each backend's health and scraped signals from the supervisor's board."""
+        board = self.board
+        assert board is not None
+        seen: dict[str, int] = {}
+        while not self.closing:
+            now, mono = self.loop.time(), time.monotonic()
+            for pool in self.pools:
+                for b in pool.backends.values():
+                    info = board.read_info(b.id)
+                    if info is None or seen.get(b.id) == info.seq:
+                        continue
+                    seen[b.id] = info.seq
+                    b.healthy = info.healthy
+                    b.signals = (
+                        None
+                        if info.scraped_at is None
+                        else Signals(
+                            at=now - (mono - info.scraped_at),
+                            gpu_util=info.gpu_util,
+                            kv_cache_usage=info.kv_cache_usage,
+                            running=info.running,
+                            waiting=info.waiting,
+                        )
+                    )
+            await asyncio.sleep(BOARD_FOLLOW)
 
     @staticmethod
     def _listener_ssl(cert: str, key: str) -> ssl.SSLContext:
@@ -170,6 +243,8 @@ class Balancer:
         await self.stop_monitors()
         await self.spawner.stop()
         await self.admin.stop()
+        if self.board is not None:
+            self.board.close()
 
     async def stop_monitors(self) -> None:
         if self.scraper is not None:
@@ -183,7 +258,7 @@ class Balancer:
 
     def watch(self, pool: Pool, b: Backend) -> None:
         """Start what a backend needs: its worker process, scrapes, health checks."""
-        if b.cfg.spawn == "reference":
+        if b.cfg.spawn == "reference" and self.link is None:
             self.spawner.start(b)
         if self.scraper is not None:
             self.scraper.start(pool, b)
@@ -208,9 +283,7 @@ class Balancer:
             # The worker that drained itself is back (restarted): it takes sessions again.
             self.self_drained.discard(b.id)
             log.info("worker %s is healthy again after draining itself; undraining", b.id)
-            task = self.loop.create_task(self.drainer.undrain(b))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
+            self._spawn_background(self.drainer.undrain(b))
 
     # -- operator actions ------------------------------------------------------------------
 
@@ -237,7 +310,7 @@ class Balancer:
             await self.scraper.stop(b.id)
         if self.health is not None:
             await self.health.stop(b.id)
-        if b.cfg.spawn == "reference":
+        if b.cfg.spawn == "reference" and self.link is None:
             await self.spawner.stop(b.id)
 
     async def reload(self) -> dict[str, Any]:
@@ -279,9 +352,7 @@ class Balancer:
                 b = pool.backends[bid]
                 if b.admin_state == ACTIVE:
                     self.drainer.start(pool, b, False, float("inf"))
-                task = self.loop.create_task(self._remove_when_drained(pool, b))
-                self.background.add(task)
-                task.add_done_callback(self.background.discard)
+                self._spawn_background(self._remove_when_drained(pool, b))
                 report["removed"].append(bid)
         if (new.listen, new.admin, new.timeouts, new.limits) != (
             self.config.listen,
@@ -294,7 +365,7 @@ class Balancer:
         return report
 
     async def _remove_when_drained(self, pool: Pool, b: Backend) -> None:
-        while b.sessions > 0 and pool.backends.get(b.id) is b:  # noqa: ASYNC110 (rare, coarse)
+        while b.load > 0 and pool.backends.get(b.id) is b:  # noqa: ASYNC110 (rare, coarse)
             await asyncio.sleep(0.5)
         if pool.backends.get(b.id) is b:
             await self.drainer.undrain(b)
@@ -383,10 +454,22 @@ class Balancer:
         return None
 
 
-async def serve(config: Config, config_path: str | None = None) -> int:
-    """Run a balancer until SIGTERM or SIGINT; return the exit status."""
+async def serve(
+    config: Config, config_path: str | None = None, link: ProcessLink | None = None
+) -> int:
+    """Run a balancer until SIGTERM or SIGINT; return the exit status.
+
+    With ``workers: N`` above 1 this process is the supervisor of N serving processes
+    (``balancer/aio/multi.py``); ``link`` is given to each of those.
+    """
     loop = asyncio.get_running_loop()
-    app = Balancer(config, config_path)
+    app: Balancer
+    if link is None and config.workers > 1:
+        from balancer.aio.multi import Supervisor
+
+        app = Supervisor(config, config_path)
+    else:
+        app = Balancer(config, config_path, link)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -405,7 +488,7 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await app.start()
-    except OSError as exc:
+    except (OSError, TimeoutError) as exc:
         log.error("cannot start: %s", exc)
         await app.stop_monitors()
         await app.spawner.stop()
@@ -422,6 +505,11 @@ async def serve(config: Config, config_path: str | None = None) -> int:
 
 def run(config: Config, config_path: str | None = None) -> int:
     """Run a balancer on a uvloop event loop (the process's main job)."""
+    return run_loop(serve(config, config_path))
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` to completion on a uvloop event loop."""
     try:
         import uvloop
 
@@ -429,4 +517,4 @@ def run(config: Config, config_path: str | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.Runner()
     with runner:
-        return runner.run(serve(config, config_path))
+        return runner.run(main)
