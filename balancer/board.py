@@ -84,7 +84,8 @@ class Board:
         self._names_at = _HEADER_SIZE
         self._info_at = self._names_at + MAX_BACKENDS * ID_BYTES
         self._aff_at = self._info_at + MAX_BACKENDS * _INFO_SIZE
-        self._counts_at = self._aff_at + AFFINITY_ENTRIES * _AFF.size
+        self._conns_at = self._aff_at + AFFINITY_ENTRIES * _AFF.size
+        self._counts_at = self._conns_at + processes * 8
         size = self._counts_at + processes * MAX_BACKENDS * 8
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(path, flags, 0o600)
@@ -104,13 +105,15 @@ class Board:
             raise ValueError(f"{path} is not a wslb board for {processes} processes")
         view = memoryview(self._mm)
         self._counts = view[self._counts_at :].cast("q")
+        self._conns = view[self._conns_at : self._counts_at].cast("q")
         self._slots: dict[str, int] = {}
         self._ids: dict[int, str] = {}
 
     def close(self) -> None:
         if hasattr(self, "_counts"):
             self._counts.release()
-            del self._counts
+            self._conns.release()
+            del self._counts, self._conns
         if not self._mm.closed:
             self._mm.close()
             os.close(self._fd)
@@ -185,8 +188,19 @@ class Board:
         slot = self.slot(backend_id)
         return sum(self._counts[r * MAX_BACKENDS + slot] for r in range(self.processes))
 
+    def publish_connections(self, n: int) -> None:
+        """Set this process's open client connections (for the balancer's ``max_connections``)."""
+        if self.row is None:
+            raise ValueError("the supervisor has no row of its own")
+        self._conns[self.row] = n
+
+    def connections(self) -> int:
+        """Open client connections over every serving process."""
+        return sum(self._conns)
+
     def clear_row(self, row: int) -> None:
-        """Forget a dead process's counts (its sessions died with it)."""
+        """Forget a dead process's counts (its sessions and connections died with it)."""
+        self._conns[row] = 0
         start = row * MAX_BACKENDS
         for i in range(start, start + MAX_BACKENDS):
             self._counts[i] = 0

@@ -1407,6 +1407,11 @@ class _Builder:
             problem = _http_url_problem(etcd)
             if problem:
                 self.error((*p, "etcd"), problem)
+        workers = root.get("workers")
+        if isinstance(workers, int) and not isinstance(workers, bool) and workers > 1:
+            # Each instance holds one lease and drains its own sessions: one process per instance.
+            self.error(p, f"cluster mode runs one process per instance: set workers: 1 (not "
+                       f"{workers}) and run more instances")  # fmt: skip
         return ClusterCfg(etcd, self.string(c, "prefix", p, ClusterCfg("").prefix))
 
 

@@ -1,7 +1,9 @@
 """``wslb ctl``: the operator's client for the admin API.
 
 Tables for people, ``--json`` for scripts. ``drain ID --wait`` redraws a progress bar until the
-backend is drained. Exit status: 0 on success, 1 when the API refused (its error is printed),
+backend is drained (in cluster mode: on every instance). ``add``/``remove`` and ``--wait-admin``
+serve Kubernetes hooks (a sidecar registers its pod's worker when it starts, removes it when
+the pod goes). Exit status: 0 on success, 1 when the API refused (its error is printed),
 2 for usage errors, 3 when the admin API cannot be reached.
 """
 
@@ -100,6 +102,8 @@ def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float
         d = b.get("drain") or {}
         total = int(d.get("sessions_at_start") or 0)
         left = int(b.get("sessions") or 0)
+        for i in (b.get("cluster") or {}).get("instances", {}).values():
+            left = max(left, int(i.get("left") or 0))  # the slowest instance
         line = (
             f"{bid} {b['state']:<8} {bar(total - left, total)} {left} left, "
             f"{d.get('migrated', 0)} migrated, "
@@ -108,7 +112,9 @@ def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float
         if not as_json:
             out.write(("\r" + line) if tty else (line + "\n"))
             out.flush()
-        if b["state"] == "drained":
+        # Cluster mode: done when every instance has drained it, not only the one asked.
+        cluster = b.get("cluster")
+        if b["state"] == "drained" and (cluster is None or cluster.get("state") == "drained"):
             if as_json:
                 out.write(json.dumps(b) + "\n")
             elif tty:
@@ -120,8 +126,8 @@ def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float
         time.sleep(poll)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``wslb ctl ...``; returns the exit status."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``wslb ctl`` (also what tests check deployment hooks against)."""
     p = argparse.ArgumentParser(prog="wslb ctl", description="operate a running wslb")
     p.add_argument(
         "--admin",
@@ -130,6 +136,13 @@ def main(argv: Sequence[str]) -> int:
     )
     p.add_argument("--token", default=os.environ.get("WSLB_ADMIN_TOKEN") or None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--wait-admin",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="retry while the admin API cannot be reached, up to SECONDS (start-up hooks)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("backends", help="list backends")
     ss = sub.add_parser("sessions", help="list live sessions")
@@ -145,8 +158,31 @@ def main(argv: Sequence[str]) -> int:
     mg.add_argument("sid")
     mg.add_argument("--to", help="target backend (default: where the ring sends it)")
     sub.add_parser("reload", help="reread the config file")
-    args = p.parse_args(list(argv))
+    ad = sub.add_parser("add", help="add a backend (cluster mode: to every instance)")
+    ad.add_argument("id")
+    ad.add_argument("url", help="ws:// or wss:// URL of the worker")
+    ad.add_argument("--weight", type=float)
+    ad.add_argument("--pool", help="pool name (default: the first)")
+    ad.add_argument("--exist-ok", action="store_true", help="succeed if the id exists")
+    rm = sub.add_parser("remove", help="remove a drained backend")
+    rm.add_argument("id")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``wslb ctl ...``; returns the exit status."""
+    args = parser().parse_args(list(argv))
     client = Client(args.admin, args.token)
+    if args.wait_admin > 0:
+        deadline = time.monotonic() + args.wait_admin
+        while True:
+            try:
+                client.call("GET", "/healthz")
+                break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() >= deadline:
+                    break  # the command itself reports the failure
+                time.sleep(0.5)
     out = sys.stdout
     try:
         if args.cmd == "backends":
@@ -201,6 +237,26 @@ def main(argv: Sequence[str]) -> int:
                 return 0
         elif args.cmd == "reload":
             data = client.call("POST", "/reload", {})
+        elif args.cmd == "add":
+            body = {"id": args.id, "url": args.url}
+            if args.weight is not None:
+                body["weight"] = args.weight
+            if args.pool:
+                body["pool"] = args.pool
+            try:
+                data = client.call("POST", "/backends", body)
+            except ApiError as exc:
+                if not (args.exist_ok and exc.status == 409):
+                    raise
+                data = client.call("GET", f"/backends/{args.id}")
+            if not args.json:
+                out.write(f"{args.id}: {data['state']}\n")
+                return 0
+        elif args.cmd == "remove":
+            data = client.call("DELETE", f"/backends/{args.id}")
+            if not args.json:
+                out.write(f"{args.id}: removed\n")
+                return 0
         out.write(json.dumps(data, indent=None if args.json else 2) + "\n")
         return 0
     except ApiError as exc:

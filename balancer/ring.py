@@ -34,8 +34,10 @@ class Ring:
 
     def __init__(self, weights: Mapping[str, float]) -> None:
         self.ids = tuple(sorted(weights))
-        # ketama wants integer weights; hundredths keep fractional weights meaningful.
-        nodes = {bid: {"weight": max(1, round(w * 100))} for bid, w in weights.items()}
+        # ketama wants integer weights; hundredths keep fractional weights meaningful. Nodes go
+        # in sorted order: should two points collide, the same one wins on every instance,
+        # whatever order each learned its backends in (cluster mode).
+        nodes = {bid: {"weight": max(1, round(w * 100))} for bid, w in sorted(weights.items())}
         self._ring = HashRing(nodes=nodes, hash_fn="ketama") if nodes else None
 
     def walk(self, key: str) -> Iterator[str]:

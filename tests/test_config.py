@@ -107,7 +107,6 @@ FULL: dict[str, Any] = {
         "origins": ["https://App.Example:443", "http://localhost:3000"],
     },
     "workers": 4,
-    "cluster": {"etcd": "http://127.0.0.1:2379", "prefix": "/wslb/a/"},
 }
 
 
@@ -197,7 +196,6 @@ def test_everything_set() -> None:
     assert cfg.auth.jwt == c.JwtCfg("s3cret", None, ("HS256", "HS512"), "chat", "token", "sid")
     assert cfg.auth.origins == ("https://app.example", "http://localhost:3000")
     assert cfg.workers == 4
-    assert cfg.cluster == c.ClusterCfg("http://127.0.0.1:2379", "/wslb/a/")
     assert cfg.backend_ids() == ("w1", "w2", "b1")
     assert cfg.backend("b1") == b1
     assert cfg.backend("nope") is None
@@ -698,6 +696,14 @@ TWO_POOLS = with_(
 )
 def test_semantic_checks(data: object, expected: str) -> None:
     assert only_error(data).startswith(expected)
+
+
+def test_cluster_runs_one_process_per_instance() -> None:
+    clustered = with_(BASE, "cluster", {"etcd": "http://127.0.0.1:2379", "prefix": "/wslb/a/"})
+    assert c.parse(clustered).cluster == c.ClusterCfg("http://127.0.0.1:2379", "/wslb/a/")
+    assert only_error(with_(clustered, "workers", 4)).startswith(
+        "cluster: cluster mode runs one process per instance: set workers: 1 (not 4)"
+    )
 
 
 def test_semantic_check_accepts_the_valid_neighbours(tmp_path: Path) -> None:

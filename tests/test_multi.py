@@ -19,6 +19,7 @@ from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
 from tests.procs import Worker, Wslb, pool_config
 from tests.test_drain import chat_session
+from tests.wsraw import RawClient
 
 # -- the board -----------------------------------------------------------------------------
 
@@ -211,6 +212,7 @@ async def test_reconnects_find_their_worker_from_either_process(tmp_path: Path) 
     cfg = pool_config([{"id": w.id, "url": w.url} for w in workers], hash_balance_factor=3.0)
     cfg["workers"] = 2
     cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
+    cfg["limits"] = {"max_connections": 6}
     lb = Wslb(cfg, tmp_path).start()
     try:
         first = {f"k{i}": await _hello(lb.url, f"k{i}") for i in range(20)}
@@ -218,6 +220,14 @@ async def test_reconnects_find_their_worker_from_either_process(tmp_path: Path) 
         for _ in range(2):
             for key, worker in first.items():
                 assert await _hello(lb.url, key) == worker
+        # max_connections is the balancer's, not each process's.
+        held = [await connect(f"{lb.url}/ws?session=cap-{i}") for i in range(6)]
+        assert len({s["process"] for s in lb.admin("/sessions")}) == 2
+        for _ in range(4):  # whichever process the kernel picks
+            extra = await RawClient.connect(lb.port)
+            assert extra.status == 503
+        for ws in held:
+            await ws.close()
     finally:
         lb.stop()
         for w in workers:

@@ -18,9 +18,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from balancer.aio.cluster import EtcdError
 from balancer.aio.migrate import migrate
 from balancer.aio.openapi import OPENAPI
-from balancer.config import ConfigError, parse_backend, parse_duration
+from balancer.config import BackendCfg, ConfigError, parse_backend, parse_duration
 from balancer.metrics import BackendView, BalancerCollector
 from balancer.pool import DRAINED, Backend, Pool
 
@@ -49,6 +50,8 @@ class Admin:
             )
         )
         self._runner: web.AppRunner | None = None
+        if app.cluster is not None:
+            self.registry.register(app.cluster.collector())
         # SPEC 3: WSLB_ADMIN_TOKEN is the admin token when the config names none.
         token = app.config.admin.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token else None
@@ -109,6 +112,8 @@ class Admin:
             if exc.status < 400:
                 raise
             return _error(exc.status, exc.reason)
+        except EtcdError as exc:  # cluster mode: a write could not reach the store
+            return _error(503, f"cluster store unreachable: {exc}")
 
     # -- handlers --------------------------------------------------------------------------
 
@@ -118,6 +123,12 @@ class Admin:
     async def readyz(self, request: web.Request) -> web.Response:
         if self.app.closing:
             return web.json_response({"status": "shutting down"}, status=503)
+        if self.app.cluster is not None:
+            # 200 either way: routing goes on with the last known state, and a store blip must
+            # not pull every replica out of its Service at once.
+            cluster = self.app.cluster.status()
+            body = {"status": "ready", "degraded": not cluster["connected"], "cluster": cluster}
+            return web.json_response(body)
         return web.json_response({"status": "ready"})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -126,7 +137,7 @@ class Admin:
 
     def _backend_json(self, v: BackendView) -> dict[str, Any]:
         found = self.app.find_backend(v.id)
-        return {
+        out: dict[str, Any] = {
             "id": v.id,
             "pool": v.pool,
             "url": found[1].url if found is not None else None,
@@ -142,7 +153,11 @@ class Admin:
             "ejected_for": round(v.ejected_for, 3),
             "ejections": v.ejections,
             "drain": self.app.drainer.view(found[1]) if found is not None else None,
+            "sessions_remote": found[1].remote_sessions if found is not None else 0,
         }
+        if self.app.cluster is not None:
+            out["cluster"] = self.app.cluster.backend_view(v.id)
+        return out
 
     async def backends(self, request: web.Request) -> web.Response:
         return web.json_response([self._backend_json(v) for v in self.app.backend_views()])
@@ -197,13 +212,31 @@ class Admin:
             cfg = parse_backend(body)
         except ConfigError as exc:
             return _error(400, "; ".join(exc.errors))
+        if self.app.cluster is not None:
+            return await self._cluster_add(pool, cfg)
         if self.app.find_backend(cfg.id) is not None:
             return _error(409, f"backend {cfg.id!r} exists")
         b = self.app.add_backend(pool, cfg)
         return web.json_response({"id": b.id, "pool": pool.name, "state": b.state}, status=201)
 
+    async def _cluster_add(self, pool: Pool, cfg: BackendCfg) -> web.Response:
+        """Cluster mode: write the backend to etcd; the watch adds it everywhere."""
+        assert self.app.cluster is not None
+        if cfg.spawn is not None:
+            return _error(400, "spawn: not shared in cluster mode (every instance would start it)")
+        if not await self.app.cluster.add_backend(pool, cfg):
+            return _error(409, f"backend {cfg.id!r} exists")
+        found = self.app.find_backend(cfg.id)
+        state = found[1].state if found is not None else "pending"
+        return web.json_response({"id": cfg.id, "pool": pool.name, "state": state}, status=201)
+
     async def delete_backend(self, request: web.Request) -> web.Response:
         pool, b = self._find(request)
+        if self.app.cluster is not None:  # drained on every instance, then gone everywhere
+            why = await self.app.cluster.remove_backend(b.id)
+            if why is not None:
+                return _error(409, why)
+            return web.json_response({"id": b.id, "removed": True})
         if b.admin_state != DRAINED or b.load:
             return _error(409, f"backend {b.id!r} is {b.state}; drain it first")
         await self.app.remove_backend(pool, b)
@@ -219,6 +252,10 @@ class Admin:
             timeout = parse_duration(body.get("timeout", pool.cfg.drain.timeout))
         except (ValueError, TypeError) as exc:
             return _error(400, f"timeout: {exc}")
+        if self.app.cluster is not None:  # written to etcd; every instance drains its sessions
+            written = await self.app.cluster.set_state(b, "draining", migrate, timeout)
+            view = self._backend_json(self._view(b.id))
+            return web.json_response(view, status=202 if written else 200)
         if b.admin_state == DRAINED:  # nothing to do: drains are idempotent
             return web.json_response(self._backend_json(self._view(b.id)))
         self.app.self_drained.discard(b.id)  # an operator's drain is not undone by probes
@@ -227,7 +264,10 @@ class Admin:
 
     async def undrain(self, request: web.Request) -> web.Response:
         _, b = self._find(request)
-        await self.app.drainer.undrain(b)
+        if self.app.cluster is not None:
+            await self.app.cluster.set_state(b, "active", True, 0.0)
+        else:
+            await self.app.drainer.undrain(b)
         return web.json_response(self._backend_json(self._view(b.id)))
 
     def _view(self, bid: str) -> BackendView:

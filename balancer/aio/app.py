@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from balancer.aio.admin import Admin
+from balancer.aio.cluster import Cluster
 from balancer.aio.drain import Drainer
 from balancer.aio.health import HealthChecker
 from balancer.aio.scraper import Scraper
@@ -70,10 +71,14 @@ class Balancer:
         self.stats = Stats()
         self.pools = [Pool(p) for p in config.pools]
         self.board: Board | None = None
+        # Per client address; the kernel spreads one client's connections over the serving
+        # processes of workers: N by port, so each enforces its share.
+        self.per_client_limit = config.limits.max_connections_per_client
         if link is not None:
             self.board = Board(link.board, link.processes, link.index)
             for pool in self.pools:
                 pool.shared = self.board
+            self.per_client_limit = -(-self.per_client_limit // link.processes)
         # Longest prefix first, so the most specific pool wins.
         self._routes = sorted(self.pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
         self.sessions: dict[Session, None] = {}
@@ -81,6 +86,8 @@ class Balancer:
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
         self.spawner = Spawner()
+        # Cluster mode (etcd): created before the admin API, which registers its metrics.
+        self.cluster = Cluster(self, config.cluster) if config.cluster is not None else None
         self.admin = Admin(self)
         self.http: aiohttp.ClientSession | None = None
         self.handoff_http: aiohttp.ClientSession | None = None
@@ -124,6 +131,8 @@ class Balancer:
         for pool in self.pools:
             for b in pool.backends.values():
                 self.watch(pool, b)
+        if self.cluster is not None:  # etcd's backends replace the file's, before listening
+            await self.cluster.start()
         for lst in self.listeners():
             ctx = None
             if lst.tls is not None:
@@ -247,6 +256,8 @@ class Balancer:
             self.board.close()
 
     async def stop_monitors(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.health is not None:
@@ -327,7 +338,9 @@ class Balancer:
             self.reload_certificates()
         except (OSError, ssl.SSLError) as exc:
             report["ignored"].append(f"certificates not reloaded: {exc}")
-        for pcfg in new.pools:
+        if self.cluster is not None:
+            report["ignored"].append("backends: in cluster mode they live in etcd (admin API)")
+        for pcfg in new.pools if self.cluster is None else ():
             pool = self.pool(pcfg.name)
             if pool is None:
                 report["ignored"].append(f"new pool {pcfg.name} (restart to add pools)")
@@ -402,12 +415,22 @@ class Balancer:
         self.sessions[s] = None
         self._idle.clear()
 
+    def at_capacity(self) -> bool:
+        """``limits.max_connections`` reached, over every serving process of ``workers: N``."""
+        if self.board is not None:
+            return self.board.connections() >= self.config.limits.max_connections
+        return self.connections >= self.config.limits.max_connections
+
     def connection_opened(self, peer: str) -> None:
         self.connections += 1
         self.per_client[peer] += 1
+        if self.board is not None:
+            self.board.publish_connections(self.connections)
 
     def connection_closed(self, peer: str) -> None:
         self.connections -= 1
+        if self.board is not None:
+            self.board.publish_connections(self.connections)
         n = self.per_client[peer] - 1
         if n > 0:
             self.per_client[peer] = n

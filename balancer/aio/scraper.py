@@ -37,6 +37,8 @@ class Scraper:
         self._session = session
         self._on_failure = on_failure
         self._loops = PerBackend("scrape")
+        # Called after each good scrape (cluster mode counts other instances' sessions there).
+        self.on_scrape: Callable[[Backend], None] | None = None
 
     def start(self, pool: Pool, backend: Backend) -> None:
         self._loops.spawn(backend.id, self._loop(pool, backend))
@@ -59,6 +61,8 @@ class Scraper:
             log.debug("scrape of %s failed: %s", backend.id, exc)
             self._on_failure(backend)
             return False
+        if self.on_scrape is not None:
+            self.on_scrape(backend)
         return True
 
     async def _loop(self, pool: Pool, backend: Backend) -> None:

@@ -136,12 +136,11 @@ class ClientConnection(asyncio.Protocol):
             self.peer = str(peer[0])
         app = self.app
         app.stats.connections_total += 1
-        limits = app.config.limits
-        if app.closing or app.connections >= limits.max_connections:
+        if app.closing or app.at_capacity():
             reason = "shutting down" if app.closing else "too many connections"
             self.reject(HandshakeReject(503, reason))
             return
-        per_client = limits.max_connections_per_client
+        per_client = app.per_client_limit
         if per_client and app.per_client[self.peer] >= per_client:
             self.reject(HandshakeReject(429, "too many connections from this address"))
             return
