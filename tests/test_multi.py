@@ -18,7 +18,7 @@ from balancer.board import Board
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
 from tests.procs import Worker, Wslb, pool_config
-from tests.test_drain import chat_session
+from tests.test_drain import chat_session, wait_state
 from tests.wsraw import RawClient
 
 # -- the board -----------------------------------------------------------------------------
@@ -274,12 +274,8 @@ async def test_a_drain_reaches_every_process_and_survives_a_restart(tmp_path: Pa
         victim = max(live, key=lambda k: live[k])
         holders = {s["process"] for s in lb.admin(f"/sessions?backend={victim}")}
         assert holders == {0, 1}, holders  # the drain has sessions to move in both processes
-        t0 = time.monotonic()
         lb.admin_post(f"/backends/{victim}/drain", {"migrate": True, "timeout": "20s"})
-        while lb.admin(f"/backends/{victim}")["state"] != "drained":
-            assert time.monotonic() - t0 < 20
-            await asyncio.sleep(0.05)
-        view = lb.admin(f"/backends/{victim}")
+        view = await wait_state(lb, victim, "drained")
         assert view["sessions"] == 0
         assert view["drain"]["migrated"] == view["drain"]["sessions_at_start"] == live[victim]
         results = await asyncio.wait_for(asyncio.gather(*clients), 60)
