@@ -304,3 +304,56 @@ async def test_a_drain_reaches_every_process_and_survives_a_restart(tmp_path: Pa
         for w in workers:
             w.stop()
     assert not any(psutil.pid_exists(pid) for pid in pids)  # no serving process outlives it
+
+
+async def test_a_worker_that_drains_itself_is_drained_in_every_process(tmp_path: Path) -> None:
+    from tests.procs import free_port
+
+    ports = [free_port(), free_port()]
+    cfg = pool_config(
+        [
+            {
+                "id": f"sd{i}",
+                "url": f"ws://127.0.0.1:{p}/ws",
+                "spawn": "reference",
+                "args": ["--drain-grace", "0.5"],
+            }
+            for i, p in enumerate(ports)
+        ],
+        health={"interval": "0.1s", "timeout": "0.5s", "rise": 1},
+    )
+    cfg["workers"] = 2
+    cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        # Sessions on sd0 in both serving processes.
+        kept = []
+        for i in range(60):
+            ws = await connect(f"{lb.url}/ws?session=self-{i}")
+            if json.loads(await ws.recv())["worker"] == "sd0":
+                kept.append(ws)
+            else:
+                await ws.close()
+        assert {s["process"] for s in lb.admin("/sessions?backend=sd0")} == {0, 1}
+        assert lb.proc is not None
+        victim = next(
+            p for p in psutil.Process(lb.proc.pid).children() if str(ports[0]) in p.cmdline()
+        )
+        victim.terminate()  # the worker reports "draining", exits, and is restarted
+        seen: list[str] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            state = lb.admin("/backends/sd0")["state"]
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if "drained" in seen and state == "active":
+                break
+            await asyncio.sleep(0.05)
+        assert "drained" in seen and seen[-1] == "active", seen
+        for ws in kept:  # every moved session lives on
+            await ws.send(json.dumps({"type": "prompt", "text": "still", "max_tokens": 2}))
+            reply = json.loads(await ws.recv())
+            assert reply["type"] == "token", reply
+            await ws.close()
+    finally:
+        lb.stop()
