@@ -201,6 +201,9 @@ class Snapshot:
         self.kv: dict[str, tuple[bytes, int]] = {}  # relative key -> (value, mod_revision)
         self.revision = 0
         self.bad: dict[str, str] = {}  # relative key -> why its value was ignored
+        # Decoded backend records by key, valid for one mod_revision: the diff runs often and
+        # a record's validation (the config file's rules) is not free.
+        self._records: dict[str, tuple[int, BackendRecord | str]] = {}
 
     def _rel(self, key: bytes) -> str | None:
         text = key.decode(errors="replace")
@@ -243,18 +246,26 @@ class Snapshot:
 
     def backends(self) -> dict[str, BackendRecord]:
         out: dict[str, BackendRecord] = {}
-        for rel, (raw, _) in self.kv.items():
+        for rel, (raw, mod) in self.kv.items():
             if not rel.startswith(BACKENDS):
                 continue
-            try:
-                rec = BackendRecord.decode(raw)
-            except ValueError as exc:
-                self.bad[rel] = str(exc)
-                continue
-            if rec.cfg.id != rel[len(BACKENDS) :]:
-                self.bad[rel] = f"id {rec.cfg.id!r} does not match the key"
-                continue
-            out[rec.cfg.id] = rec
+            cached = self._records.get(rel)
+            if cached is not None and cached[0] == mod and mod:
+                rec: BackendRecord | str = cached[1]
+            else:
+                try:
+                    rec = BackendRecord.decode(raw)
+                    if rec.cfg.id != rel[len(BACKENDS) :]:
+                        rec = f"id {rec.cfg.id!r} does not match the key"
+                except ValueError as exc:
+                    rec = str(exc)
+                self._records[rel] = (mod, rec)
+            if isinstance(rec, str):
+                self.bad[rel] = rec
+            else:
+                out[rec.cfg.id] = rec
+        for rel in [k for k in self._records if k not in self.kv]:
+            del self._records[rel]
         return out
 
     def state(self, backend_id: str) -> StateRecord:

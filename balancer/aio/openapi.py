@@ -49,6 +49,7 @@ OPENAPI: dict[str, Any] = {
                 ("401", "Missing or wrong bearer token"),
                 ("404", "Not found"),
                 ("409", "Conflict with the current state"),
+                ("503", "Cluster mode: etcd unreachable, nothing was written"),
             )
         },
     },
@@ -56,7 +57,14 @@ OPENAPI: dict[str, Any] = {
     "paths": {
         "/healthz": {"get": {**_op("Liveness", errors=()), "security": []}},
         "/readyz": {
-            "get": {**_op("Readiness (503 while shutting down)", errors=()), "security": []}
+            "get": {
+                **_op(
+                    "Readiness: 503 while shutting down; in cluster mode 200 with degraded: true"
+                    " and a cluster object while etcd is unreachable",
+                    errors=(),
+                ),
+                "security": [],
+            }
         },
         "/metrics": {"get": _op("Prometheus metrics (text format)")},
         "/backends": {
@@ -75,13 +83,13 @@ OPENAPI: dict[str, Any] = {
                         "metrics_url": {"type": "string"},
                     },
                 },
-                ("400", "401", "404", "409"),
+                ("400", "401", "404", "409", "503"),
             ),
         },
         "/backends/{id}": {
             "parameters": [_ID],
             "get": _op("One backend", errors=("401", "404")),
-            "delete": _op("Remove a drained backend", errors=("401", "404", "409")),
+            "delete": _op("Remove a drained backend", errors=("401", "404", "409", "503")),
         },
         "/backends/{id}/drain": {
             "parameters": [_ID],
@@ -95,12 +103,12 @@ OPENAPI: dict[str, Any] = {
                         "timeout": {"type": ["string", "number"]},
                     },
                 },
-                ("400", "401", "404", "409"),
+                ("400", "401", "404", "409", "503"),
             ),
         },
         "/backends/{id}/undrain": {
             "parameters": [_ID],
-            "post": _op("Back to active", errors=("401", "404")),
+            "post": _op("Back to active", errors=("401", "404", "503")),
         },
         "/sessions": {
             "get": {
