@@ -292,3 +292,30 @@ def _unb64(text: str) -> str:
     import base64
 
     return base64.b64decode(text).decode()
+
+
+async def test_instance_started_without_etcd_routes_on_its_file_and_joins_later(
+    tmp_path: Path,
+) -> None:
+    etcd = Etcd(tmp_path / "etcd")  # ports chosen, not started yet
+    w = Worker("solo").start()
+    lb = Wslb(cluster_config(etcd, [w]), tmp_path)
+    try:
+        t0 = time.monotonic()
+        lb.start()
+        assert time.monotonic() - t0 < 10  # waits a little for etcd, then serves anyway
+        ready = lb.admin("/readyz")
+        assert ready["degraded"] and not ready["cluster"]["connected"]
+        assert "wslb_cluster_connected 0.0" in lb.admin("/metrics")
+        assert await worker_for(lb, "early") == "solo"  # the file's backends
+        etcd.start()
+        took = await until(lambda: lb.admin("/readyz")["cluster"]["connected"], 10, "joins")
+        print(f"\njoined etcd {took:.2f}s after it came up")
+        assert not lb.admin("/readyz")["degraded"]
+        seeded = etcd.call("/v3/kv/range", {"key": _b64(PREFIX + "backends/solo")})
+        assert seeded.get("count") == "1", seeded
+        assert await worker_for(lb, "late") == "solo"
+    finally:
+        lb.stop()
+        w.stop()
+        etcd.stop()
