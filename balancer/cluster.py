@@ -7,7 +7,9 @@ path (sessions, scraped signals, health) stays local to each instance. Keys (val
 ``P seed``
     written once, with the first backends, by the first instance that finds the prefix empty
     (a transaction on ``create_revision == 0``, so instances starting together do not fight);
-    once it exists the file's backends are ignored and etcd is the source of truth.
+    once it exists the file's backends are ignored and etcd is the source of truth. Should it
+    vanish (an etcd restored empty), the first instance to notice writes back the backends and
+    states it last knew (:func:`reseed_txn`) rather than letting every instance drop them.
 ``P backends/{id}``
     ``{"pool", "id", "url", "weight", "metrics_url"}``: membership and static weight. ``spawn``
     and ``args`` are never shared (each instance would start its own copy of the worker); an
@@ -61,6 +63,7 @@ __all__ = [
     "plan",
     "prefix_end",
     "put_op",
+    "reseed_txn",
     "seed_txn",
     "unb64",
 ]
@@ -399,7 +402,7 @@ def plan(
 # -- etcd v3 JSON gateway bodies -------------------------------------------------------------
 
 
-def put_op(key: str, value: str, lease: int = 0) -> dict[str, Any]:
+def put_op(key: str, value: str | bytes, lease: int = 0) -> dict[str, Any]:
     body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if lease:
         body["lease"] = str(lease)
@@ -431,4 +434,18 @@ def seed_txn(prefix: str, config: Config, by: str, at: float) -> dict[str, Any]:
         for b in pool.backends:
             ops.append(put_op(p + BACKENDS + b.id, BackendRecord(pool.name, b).encode()))
             ops.append(put_op(p + STATE + b.id, StateRecord(ACTIVE, by=by, at=at).encode()))
+    return {"compare": [compare_created(p + SEED)], "success": ops, "failure": []}
+
+
+def reseed_txn(snap: Snapshot, by: str, at: float) -> dict[str, Any]:
+    """Put back what an instance last knew (backends and states) if the prefix has no seed.
+
+    For an etcd restored empty: rather than every instance dropping its backends, the first
+    to notice rebuilds the shared state from its copy; the others then follow it.
+    """
+    p = snap.prefix
+    ops = [put_op(p + SEED, json.dumps({"by": by, "at": at, "restored": True}))]
+    for rel, (raw, _) in sorted(snap.kv.items()):
+        if rel.startswith((BACKENDS, STATE)):
+            ops.append(put_op(p + rel, raw))
     return {"compare": [compare_created(p + SEED)], "success": ops, "failure": []}

@@ -203,3 +203,22 @@ def test_gateway_bodies() -> None:
         "request_delete_range": {"key": cl.b64("/d/"), "range_end": cl.b64(b"/d0")}
     }
     assert cl.compare_mod("/k", 12)["mod_revision"] == "12"
+
+
+def test_reseed_puts_back_backends_and_states_only() -> None:
+    drain = cl.StateRecord(cl.DRAINING, True, 30.0, "a-1", 1.0).encode()
+    snap = snapshot(
+        kv(P + "seed", {"by": "a-1"}),
+        kv(P + "backends/w1", backend("w1")),
+        kv(P + "state/w1", drain),
+        kv(P + "instances/a-1", {"admin": "http://a"}),
+        kv(P + "drain/w1/a-1", cl.DrainReport(cl.DRAINING).encode()),
+    )
+    txn = cl.reseed_txn(snap, "b-2", 2.0)
+    assert txn["compare"] == [cl.compare_created(P + "seed")]
+    puts = {
+        base64.b64decode(op["request_put"]["key"]).decode(): op["request_put"]["value"]
+        for op in txn["success"]
+    }
+    assert set(puts) == {P + "seed", P + "backends/w1", P + "state/w1"}  # no leased keys
+    assert base64.b64decode(puts[P + "state/w1"]).decode() == drain

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -177,6 +178,25 @@ async def test_three_instances_one_balancer(tmp_path: Path) -> None:
         agree = sum(1 for a, b, c in zip(*again, strict=True) if a == b == c)
         figures["agreement_after_restart"] = f"{agree}/200"
         assert agree == 200 and again[0] == table[0]  # the victim's keys came back to it
+
+        # 5. etcd comes back empty (its data lost): the first instance to notice writes back
+        # what it knew; nobody drops its backends.
+        etcd.stop()
+        shutil.rmtree(etcd.data_dir)
+        etcd.start()
+        t0 = time.monotonic()
+        await until(
+            lambda: all(lb.admin("/readyz")["cluster"]["connected"] for lb in lbs),
+            10,
+            "instances reconnect to the empty etcd",
+        )
+        figures["restored_after_data_loss_s"] = round(time.monotonic() - t0, 3)
+        restored = etcd.call("/v3/kv/range", {"key": _b64(PREFIX + "backends/"),
+                                              "range_end": _b64(PREFIX + "backends0")})  # fmt: skip
+        assert restored.get("count") == "3", restored
+        assert all(states(lbs, w.id) == ["active"] * 3 for w in workers)
+        after = await routes(lbs, keys[:30])
+        assert after[0] == after[1] == after[2] == table[0][:30]
     finally:
         print("\ncluster figures:", json.dumps(figures))
         for lb in lbs:

@@ -7,8 +7,9 @@ The key layout and the diff are in :mod:`balancer.cluster`. Here:
   the diff after each batch of events. A broken stream, a failed keepalive or a compaction
   (``compact_revision``: events were lost) ends the watch; the loop reconnects with backoff
   (0.1 s doubling to 2 s) and starts again from a full read, so an instance that was cut off
-  catches up with whatever changed meanwhile. The diff also runs every 0.2 s, which repairs a
-  local drain that something else undid.
+  catches up with whatever changed meanwhile. A store that comes back empty (its data lost) is
+  refilled from the instance's last known state (``reseed_txn``). The diff also runs every
+  0.2 s, which repairs a local drain that something else undid.
 - **Liveness**: the instance holds a lease (10 s TTL) kept alive every second; that keepalive is
   also the store's health check. ``instances/{instance}`` and its ``drain/{id}/{instance}``
   reports live under it, so a dead instance stops counting for "drained everywhere".
@@ -69,6 +70,7 @@ from balancer.cluster import (
     plan,
     prefix_end,
     put_op,
+    reseed_txn,
     seed_txn,
 )
 from balancer.config import BackendCfg, ClusterCfg
@@ -277,10 +279,14 @@ class Cluster:
         self._lost.set()
 
     async def _sync(self) -> None:
-        """Seed if nobody has, read the prefix whole, apply it."""
-        config = self.app.config
-        seed = not self.snap.seeded and any(p.backends for p in config.pools)
-        if seed and await self.etcd.txn(seed_txn(self.prefix, config, self.instance, time.time())):
+        """Seed if nobody has (or restore what we knew, if the store lost it), read, apply."""
+        config, now = self.app.config, time.time()
+        if self.snap.seeded:  # a no-op unless the seed is gone: etcd came back empty
+            if await self.etcd.txn(reseed_txn(self.snap, self.instance, now)):
+                log.warning("%s was empty: restored the state this instance knew", self.prefix)
+        elif any(p.backends for p in config.pools) and await self.etcd.txn(
+            seed_txn(self.prefix, config, self.instance, now)
+        ):
             log.info("seeded %s with the backends of %s", self.prefix, config.source)
         revision, kvs = await self.etcd.range(self.prefix)
         self.snap.reset(kvs, revision)
