@@ -221,3 +221,100 @@ def test_message_end_offsets_split_the_output_at_message_boundaries(
         rest = FrameScanner(masked=True)
         rest.feed(bytes(out[end:]))
         assert rest.error is None, "replay from a message end must start with a fresh message"
+
+
+# --- fast path of feed() against the general path ------------------------------------------
+
+
+def _general(sc: FrameScanner, chunk: bytes) -> bytes:
+    return sc._feed(chunk)  # the general path alone, every rule, no fast path
+
+
+def _state(sc: FrameScanner) -> tuple[object, ...]:
+    err = None if sc.error is None else (sc.error.code, sc.error.reason)
+    return (
+        sc.frames,
+        sc.messages,
+        sc.bytes,
+        sc.out_bytes,
+        sc.ends,
+        sc.close,
+        sc.closed,
+        err,
+        sc.pong_received,
+        sc.notable,
+        sc.at_frame_boundary,
+        sc.at_message_boundary,
+    )
+
+
+def _frame(op: int, payload: bytes, masked: bool, fin: bool = True) -> bytes:
+    return build_frame(op, payload, mask=masked, fin=fin)
+
+
+def stream_st(masked: bool) -> st.SearchStrategy[bytes]:
+    """Mostly small whole data frames (the fast path), mixed with everything else."""
+    small = st.tuples(st.sampled_from([OP_TEXT, OP_BINARY]), st.binary(max_size=140)).map(
+        lambda t: _frame(t[0], t[1], masked)
+    )
+    ext16 = st.integers(min_value=126, max_value=700).map(
+        lambda n: _frame(OP_TEXT, b"x" * n, masked)
+    )
+    other = st.one_of(
+        st.tuples(st.binary(max_size=20), st.binary(max_size=20)).map(
+            lambda t: _frame(OP_TEXT, t[0], masked, fin=False) + _frame(OP_CONT, t[1], masked)
+        ),
+        st.binary(max_size=125).map(lambda p: _frame(OP_PING, p, masked)),
+        st.binary(max_size=125).map(lambda p: _frame(OP_PONG, p, masked)),
+        st.just(_frame(OP_PONG, b"own!", masked)),
+        st.just(_frame(OP_CLOSE, close_payload(1000, "bye"), masked)),
+        st.just(_frame(OP_TEXT, b"wrong mask bit", not masked)),
+        st.just(bytes([0xC1, 0x80 if masked else 0])),  # RSV1 set
+        st.just(_frame(OP_CONT, b"stray", masked)),
+        st.just(_frame(0x3, b"", masked)),  # reserved opcode
+        st.binary(min_size=1, max_size=12),  # garbage
+    )
+    return st.lists(st.one_of(small, small, small, ext16, other), max_size=12).map(b"".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.booleans(), st.data())
+def test_fast_path_matches_general_path_over_any_chunking(
+    masked: bool, data: st.DataObject
+) -> None:
+    stream = data.draw(stream_st(masked))
+    chunks = data.draw(splits(len(stream)))
+    kw = {"masked": masked, "max_frame_size": 300, "max_message_size": 500}
+    fast, ref = FrameScanner(**kw), FrameScanner(**kw)  # type: ignore[arg-type]
+    for sc in (fast, ref):
+        sc.ends = []
+        sc.own_ping = b"own!"
+    pos = 0
+    for size in [*chunks, len(stream)]:
+        chunk = stream[pos : pos + size]
+        pos += len(chunk)
+        assert fast.feed(chunk) == _general(ref, chunk)
+        assert _state(fast) == _state(ref)
+
+
+def test_fast_path_whole_frames_and_limits() -> None:
+    for masked in (False, True):
+        frames = [_frame(op, p, masked) for op, p in ((1, b"tok"), (2, b"x" * 126), (1, b""))]
+        data = b"".join(frames)
+        sc = FrameScanner(masked=masked)
+        sc.ends = []
+        assert sc.feed(data) is data  # no copy
+        ends = [len(frames[0]), len(frames[0]) + len(frames[1]), len(data)]
+        assert (sc.frames, sc.messages, sc.ends, sc.out_bytes) == (3, 3, ends, len(data))
+        # One byte over a limit: the general path's 1009, after the frames before it.
+        big = _frame(OP_TEXT, b"y" * 101, masked)
+        sc = FrameScanner(masked=masked, max_frame_size=100)
+        assert sc.feed(frames[0] + big) == frames[0]
+        assert sc.error is not None and sc.error.code == 1009 and sc.messages == 1
+        sc = FrameScanner(masked=masked, max_message_size=100)
+        assert sc.feed(big) == b""
+        assert sc.error is not None and sc.error.code == 1009
+        # The wrong mask bit for the direction is still a 1002.
+        sc = FrameScanner(masked=masked)
+        assert sc.feed(frames[0] + _frame(OP_TEXT, b"t", not masked)) == frames[0]
+        assert sc.error is not None and sc.error.code == 1002

@@ -388,6 +388,8 @@ class ClientLeg(asyncio.Protocol):
 
     def __init__(self, session: Session) -> None:
         self.session = session
+        # The transport calls the session directly: one Python call per read, not two.
+        self.data_received = session.client_data  # type: ignore[method-assign]
 
     def data_received(self, data: bytes) -> None:
         self.session.client_data(data)
