@@ -212,8 +212,15 @@ async def test_cluster_wide_bounds_and_membership_through_any_instance(tmp_path:
     workers = [Worker(f"b{i}").start() for i in range(3)]
     cfg = cluster_config(etcd, workers[:2], weights={"scrape_interval": "0.2s"})
     a, b = Wslb(cfg, tmp_path), Wslb(cfg, tmp_path)
+    # A third instance serves another pool only: it runs none of these backends, and must not
+    # hold up "drained on every instance" below.
+    other = cluster_config(etcd, [])
+    other["pools"][0]["name"] = "other"
+    c = Wslb(other, tmp_path)
     try:
-        await asyncio.gather(asyncio.to_thread(a.start), asyncio.to_thread(b.start))
+        await asyncio.gather(*(asyncio.to_thread(lb.start) for lb in (a, b, c)))
+        await until(lambda: len(a.admin("/readyz")["cluster"]["instances"]) == 3, 5, "3 live")
+        assert c.admin("/backends") == []
         # Sessions held through A count in B's bounds (scraped worker totals minus B's own).
         held = [await connect(f"{a.url}/ws?session=held-{i}") for i in range(10)]
         for ws in held:
@@ -247,7 +254,7 @@ async def test_cluster_wide_bounds_and_membership_through_any_instance(tmp_path:
         print(f"after ctl returned, the other instance had the add in {add_s:.3f}s, "
               f"the remove in {remove_s:.3f}s")  # fmt: skip
     finally:
-        for lb in (a, b):
+        for lb in (a, b, c):
             if lb.proc is not None:
                 lb.stop()
         for w in workers:

@@ -472,14 +472,21 @@ class Cluster:
         local: dict[str, Backend] = {
             b.id: b for pool in self.app.pools for b in pool.backends.values()
         }
+        shared = self.snap.backends()
         for bid in list(self._reported):
-            if bid not in local:
+            if bid not in local and bid not in shared:
                 await self.etcd.delete(f"{self.prefix}{DRAIN}{bid}/{self.instance}")
                 self._reported.pop(bid, None)
-        for bid, b in local.items():
+        for bid in sorted(local.keys() | shared.keys()):
+            b = local.get(bid)
             state = self.snap.state(bid)
             want: DrainReport | None = None
-            if state.state != ACTIVE and bid in self.by_cluster and b.admin_state != ACTIVE:
+            if b is None:
+                # Not run here (its pool is not in this instance's config): nothing to drain,
+                # so this instance must not hold up "drained everywhere".
+                if state.state != ACTIVE:
+                    want = DrainReport(DRAINED)
+            elif state.state != ACTIVE and bid in self.by_cluster and b.admin_state != ACTIVE:
                 progress = self.app.drainer.progress.get(bid)
                 want = DrainReport(
                     DRAINED if b.admin_state == DRAINED else DRAINING,
