@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
+import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -742,6 +743,16 @@ TARGETS["wslb"] = Wslb
 # -- measurement -------------------------------------------------------------------------------
 
 
+def system_seconds(pids: Sequence[int]) -> float:
+    """System (kernel) CPU seconds of the processes and their descendants."""
+    total = 0.0
+    for pid in pids:
+        for p in tree(pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.cpu_times().system
+    return total
+
+
 def percentile(hist: dict[int, int], q: float) -> float:
     n = sum(hist.values())
     if not n:
@@ -759,6 +770,7 @@ class Window:
     seconds: float
     frames: int  # data frames both ways, as the clients counted them
     proxy_cpu_s: float
+    proxy_sys_s: float  # of which in the kernel (stime)
     workers_cpu_s: float
     clients_cpu_s: float
     rss_mb: float
@@ -784,6 +796,10 @@ class Window:
     @property
     def us_per_frame(self) -> float:
         return self.proxy_cpu_s * 1e6 / self.frames if self.frames else math.nan
+
+    @property
+    def sys_us_per_frame(self) -> float:
+        return self.proxy_sys_s * 1e6 / self.frames if self.frames else math.nan
 
 
 @dataclass
@@ -847,6 +863,7 @@ class Load:
         self.client.send("snap")
         snap = json.loads(self.client.readline(30))
         cpu = {role: cpu_seconds(p) for role, p in self.pids.items()}
+        cpu["proxy_sys"] = system_seconds(self.pids["proxy"])
         return time.monotonic(), snap, cpu
 
     def close(self) -> None:
@@ -882,6 +899,7 @@ def measure(
             seconds=t1 - t0,
             frames=frames,
             proxy_cpu_s=c1["proxy"] - c0["proxy"],
+            proxy_sys_s=c1["proxy_sys"] - c0["proxy_sys"],
             workers_cpu_s=c1["workers"] - c0["workers"],
             clients_cpu_s=c1["clients"] - c0["clients"],
             rss_mb=rss_bytes(proxy_pids) / 2**20,
@@ -1044,7 +1062,7 @@ def run_hold(
         load = Load(
             procs,
             "hold",
-            [proxy.addresses(_host_ports(backends))],
+            [proxy.addresses(_host_ports(backends)), Direct().addresses(_host_ports(backends))],
             {"proxy": proxy.pids(), "workers": worker_pids},
             args.sources,
         )
@@ -1056,6 +1074,7 @@ def run_hold(
             )
         t = time.monotonic()
         phase.opened = load.open(n, args.hold_rate)["open"]
+        load.open(500, args.hold_rate, 1)  # direct control group: the load generator's share
         load.go()
         log(f"  {phase.opened} sessions open in {time.monotonic() - t:.1f}s")
         if phase.opened < n:
@@ -1162,6 +1181,7 @@ def rows(results: dict[str, Result]) -> list[tuple[str, dict[str, float]]]:
 
     return [
         ("cpu us/frame, stream", col(lambda r: ph(r, "stream", "us_per_frame"))),
+        ("  of which kernel (stime)", col(lambda r: ph(r, "stream", "sys_us_per_frame"))),
         ("cpu us/frame, saturation", col(lambda r: ph(r, "saturate", "us_per_frame"))),
         ("frames/s, saturation", col(lambda r: ph(r, "saturate", "fps"))),
         ("frames per proxy CPU-second, saturation", col(lambda r: per_core(r))),
@@ -1292,7 +1312,8 @@ def print_report(
             f"cpu {100 * statistics.median(x.proxy_cpu_s / x.seconds for x in w):.0f}%, "
             f"{ph.med('us_per_frame'):.2f} us/frame, rss {ph.med('rss_mb'):.0f} MB "
             f"({kb:.1f} KB/session), latency p50/p99 {ph.med('lat_p50_us'):.0f}/"
-            f"{ph.med('lat_p99_us'):.0f} us"
+            f"{ph.med('lat_p99_us'):.0f} us (500 direct sessions at the same time: "
+            f"{ph.med('ctl_p50_us'):.0f}/{ph.med('ctl_p99_us'):.0f} us)"
         )
         for x in ph.warnings:
             print(f"  hold: WARNING: {x}")
