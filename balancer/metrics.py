@@ -127,6 +127,7 @@ class BackendView:
     scrape_age: float | None = None
     ejected_for: float = 0.0
     ejections: int = 0
+    held: int = 0  # places held for keys between sessions (counted in bounds; balancer.pool)
 
 
 class BalancerCollector(Collector):

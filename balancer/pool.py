@@ -11,6 +11,23 @@ key past its first ready backend, the placement is remembered (a bounded LRU tab
 HAProxy stick table) and reused while that backend is ready and under its bound *and* the key's
 first ready backend is still the same one. If readiness changed instead (a worker went down and
 came back), the ring decides again, so keys return to a worker when it returns.
+
+Held places: when a session ends, its key keeps its place on the backend for ``hold_s`` seconds
+(``HOLD_S``): the worker still holds the conversation's KV cache, and chat clients that open a
+connection per turn (as HTTP-style clients do) come back after a think time. A held place counts
+in the backend's counted load (``Backend.counted``) and in the pool's total, as a live session
+does, until the key returns (its session takes the place back: the count does not grow) or the
+hold expires. So the bounded-load rule counts conversations rather than open sockets, and a
+returning key is not pushed off its worker because it was between turns. The rule, exactly: a
+placement never takes a backend's counted load above ``ring.load_bound`` of the pool's counted
+total after it, with the backends' *effective* weights at that moment. A key taking back its held
+place (on the backend it was last placed on, its ring order unchanged) adds nothing to either, so
+it fits wherever the backend is within its bound counting the key's place already: as SPEC
+section 5 has it, affinity holds while the worker is under its bound. It moves only when that
+backend's bound fell below its count meanwhile (effective weights moved, sessions ended
+elsewhere); ``weights.denoise`` and the smoothing keep scrape noise out of the weights so that
+this is rare. Holds are per balancer process (other processes see only live sessions, through
+``remote_sessions``).
 """
 
 from __future__ import annotations
@@ -25,13 +42,15 @@ from urllib.parse import urlsplit
 
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
-from balancer.weights import Signals, effective_weight
+from balancer.weights import Signals, denoise, effective_weight
 
 __all__ = ["Backend", "Pool", "SharedLoad", "Upstream"]
 
 # How long a key's last placement is remembered after its session ends: longer than a worker
 # keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
 AFFINITY_TTL = 600.0
+# How long a key keeps its place (counted in its backend's load) after its session ends.
+HOLD_S = 30.0
 
 ACTIVE = "active"
 DRAINING = "draining"
@@ -78,6 +97,7 @@ class Backend:
         "factor",
         "factor_at",
         "healthy",
+        "held",
         "id",
         "probe_fails",
         "probe_oks",
@@ -107,6 +127,7 @@ class Backend:
         # Sessions that other balancer processes or instances hold on it (``workers: N``'s
         # shared board, or cluster mode's scraped counts); bounds and least_conn see both.
         self.remote_sessions = 0
+        self.held = 0  # keys whose session ended here less than ``hold_s`` ago (Pool docstring)
         self.sessions_total = 0
         self.connect_failures = 0  # total, for metrics
         self.consecutive_failures = 0  # connect/handshake failures since the last success
@@ -126,6 +147,12 @@ class Backend:
     def load(self) -> int:
         """Live sessions on the backend from every balancer process that shares it."""
         return self.sessions + self.remote_sessions
+
+    @property
+    def counted(self) -> int:
+        """What the bounded-load rule counts: ``load`` plus the places this process holds for
+        keys between sessions (see the module docstring)."""
+        return self.load + self.held
 
     @property
     def ready(self) -> bool:
@@ -187,7 +214,14 @@ class SharedLoad(Protocol):
 class Pool:
     """The backends of one pool and the selection policy over them."""
 
-    def __init__(self, cfg: PoolCfg, *, affinity_size: int = 100_000, seed: int | None = None):
+    def __init__(
+        self,
+        cfg: PoolCfg,
+        *,
+        affinity_size: int = 100_000,
+        seed: int | None = None,
+        hold_s: float = HOLD_S,
+    ):
         self.cfg = cfg
         self.name = cfg.name
         self.balance = cfg.balance
@@ -197,6 +231,9 @@ class Pool:
         # key -> (backend placed on, the key's first ready backend on the ring then, loop time)
         self._affinity: OrderedDict[str, tuple[str, str | None, float]] = OrderedDict()
         self._affinity_size = affinity_size
+        # key -> (backend holding its place, loop time the hold ends), in expiry order
+        self._held: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
+        self.hold_s = hold_s
         self._rr_current: dict[str, float] = {}
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
@@ -236,7 +273,15 @@ class Pool:
     # -- selection -------------------------------------------------------------------------
 
     def refresh(self, now: float) -> None:
-        """Bring time-dependent state up to ``now``: ejections that ended, effective weights."""
+        """Bring time-dependent state up to ``now``: ejections that ended, held places that
+        expired, effective weights."""
+        held = self._held
+        while held:
+            key, (hb, until) = next(iter(held.items()))
+            if until > now:
+                break
+            del held[key]
+            hb.held -= 1
         w = self.cfg.weights
         shared = self.shared
         for b in self.backends.values():
@@ -254,6 +299,11 @@ class Pool:
                 b.factor += (raw - b.factor) * (1.0 - math.exp((b.factor_at - now) / w.smoothing))
             b.factor_at = now
             b.effective_weight = b.weight * b.factor
+        # Shares among the ready backends with fresh signals, without the scrape noise.
+        fresh = {b.id: b.factor for b in self.backends.values() if b.ready and not b.stale}
+        for bid, f in denoise(fresh, w.coefficients.noise_band).items():
+            b = self.backends[bid]
+            b.effective_weight = b.weight * f
 
     def select(self, key: str, exclude: Iterable[str] = (), now: float = 0.0) -> Backend | None:
         """Pick the backend for a new session with this key, or None if no backend is ready.
@@ -275,14 +325,17 @@ class Pool:
         return self._random.choices(ready, weights=[b.effective_weight for b in ready])[0]
 
     def _select_consistent(self, key: str, ready: list[Backend]) -> Backend:
-        total_after = sum(b.load for b in ready) + 1
-        weight_sum = sum(b.effective_weight for b in ready)
         by_id = {b.id: b for b in ready}
+        # A key that holds a place on a ready backend is already counted there: placing it
+        # anywhere adds nothing to the total, and taking its own place back adds nothing there.
+        hold = self._held.get(key)
+        holder = hold[0] if hold is not None and by_id.get(hold[0].id) is hold[0] else None
+        total_after = sum(b.counted for b in ready) + (0 if holder is not None else 1)
+        weight_sum = sum(b.effective_weight for b in ready)
 
         def fits(b: Backend) -> bool:
-            return b.load + 1 <= load_bound(
-                total_after, self.factor, b.effective_weight, weight_sum
-            )
+            after = b.counted if b is holder else b.counted + 1
+            return after <= load_bound(total_after, self.factor, b.effective_weight, weight_sum)
 
         walk = [b for bid in self.ring.walk(key) if (b := by_id.get(bid)) is not None]
         first = walk[0].id if walk else None
@@ -295,7 +348,7 @@ class Pool:
             if fits(b):
                 return b
         # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
-        return min(ready, key=lambda b: (b.load / b.effective_weight, b.id))
+        return min(ready, key=lambda b: (b.counted / b.effective_weight, b.id))
 
     def _select_round_robin(self, ready: list[Backend]) -> Backend:
         """Smooth weighted round robin, as nginx does it."""
@@ -314,7 +367,9 @@ class Pool:
     # -- accounting ------------------------------------------------------------------------
 
     def attach(self, key: str, backend: Backend, now: float = 0.0) -> None:
-        """Count a session placed on ``backend`` and remember the key's worker."""
+        """Count a session placed on ``backend`` and remember the key's worker; a place the key
+        held (wherever) is taken back."""
+        self._release(key)
         backend.sessions += 1
         backend.sessions_total += 1
         backend.consecutive_failures = 0
@@ -371,8 +426,15 @@ class Pool:
         """A connect and handshake worked: the failure streak ends."""
         backend.consecutive_failures = 0
 
+    def _release(self, key: str) -> None:
+        """Give back the place the key holds, if any."""
+        hold = self._held.pop(key, None)
+        if hold is not None:
+            hold[0].held -= 1
+
     def detach(self, backend: Backend, key: str | None = None, now: float = 0.0) -> None:
-        """Count a session gone from ``backend``; its key's placement counts from now."""
+        """Count a session gone from ``backend``; its key's placement counts from now, and the
+        key holds its place there for ``hold_s`` (module docstring)."""
         backend.sessions -= 1
         if self.shared is not None:
             self.shared.publish(backend.id, backend.sessions)
@@ -383,6 +445,10 @@ class Pool:
                 self._affinity.move_to_end(key)
             if self.shared is not None:
                 self.shared.touch(key, backend.id)
+            if self.hold_s > 0 and self.backends.get(backend.id) is backend:
+                self._release(key)
+                self._held[key] = (backend, now + self.hold_s)
+                backend.held += 1
 
     def _remembered(self, key: str) -> tuple[str, str | None, float] | None:
         """The key's last placement: from the board under ``workers: N`` (the process that

@@ -5,9 +5,10 @@ readiness (health, drain) and load never touch it. A backend that is not ready i
 the walk, not removed, so its keys come back to it when it returns (DESIGN.md, pingora's
 ``select_with``). The bound follows Mirrokni, Thorup and Zadimoghaddam (SODA 2018), as in
 HAProxy's and Envoy's ``hash_balance_factor``: a backend accepts a new session only while its load
-after the placement stays within ``ceil(c * (L + 1) * w / W)``, where ``L`` is the live sessions
-on the ready backends and ``w / W`` its share of their weight. With ``c > 1`` the bounds sum to
-more than ``L + 1``, so some ready backend always accepts.
+after the placement stays within ``ceil(c * (L + 1) * w / W)``, where ``L`` is the load on the
+ready backends and ``w / W`` its share of their (effective) weight. The pool counts as load the
+live sessions and the places held for keys between sessions (``balancer.pool``). With ``c > 1``
+the bounds sum to more than ``L + 1``, so some ready backend always accepts.
 """
 
 from __future__ import annotations

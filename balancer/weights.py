@@ -15,6 +15,14 @@ fewer new ones. A scrape older than ``stale_after`` is ignored: the backend fall
 static weight, i.e. plain connection-count weighting, and is reported stale. The pool smooths
 each backend's load factor (``effective / static``) exponentially over ``weights.smoothing``
 seconds, so one noisy scrape (a burst of queued prefills) does not move keys between workers.
+
+The signals are partly the pool's own doing: a worker given more sessions decodes more streams
+and holds more KV, so its factor drops, its share and bound with it, and sessions of identical
+workers are pushed around by sampling noise. ``denoise`` therefore measures each backend's
+smoothed factor against the median of the pool's and shrinks the ratio towards 1 by
+``noise_band`` (in log terms, a soft threshold): identical workers within +/-15% of each other get
+the same factor, a hot worker at 0.57 of the median keeps 0.66 of it. Only shares matter to the
+bounded-load rule, so the level (all workers busier) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ __all__ = [
     "SIGNALS",
     "Coefficients",
     "Signals",
+    "denoise",
     "effective_weight",
     "parse_signals",
     "resolve_mapping",
@@ -64,6 +73,9 @@ class Coefficients:
     kv_cache: float = 0.5
     queue: float = 0.25
     min_factor: float = 0.05
+    noise_band: float = 0.15
+    """Relative differences between backends' load factors up to this much are scrape noise
+    (``denoise``). Not in balancer.yaml yet: the default applies."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +125,32 @@ def parse_signals(text: str, mapping: Mapping[str, tuple[str, ...]], at: float) 
                 found[signal] = max(sum(samples), 0.0)
             break
     return Signals(at=at, **found)
+
+
+def denoise(factors: Mapping[str, float], band: float) -> dict[str, float]:
+    """Load factors with relative differences up to ``band`` removed (see the module docstring).
+
+    Each factor's ratio to the median factor is shrunk towards 1 by ``1 + band`` (multiplied or
+    divided, never crossing 1); a ratio within ``[1 / (1 + band), 1 + band]`` becomes 1.
+    """
+    if band <= 0 or len(factors) < 2:
+        return dict(factors)
+    ordered = sorted(factors.values())
+    n = len(ordered)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    if median <= 0:
+        return dict(factors)
+    out = {}
+    for key, f in factors.items():
+        ratio = f / median
+        if ratio > 1.0 + band:
+            ratio /= 1.0 + band
+        elif ratio * (1.0 + band) < 1.0:
+            ratio *= 1.0 + band
+        else:
+            ratio = 1.0
+        out[key] = median * ratio
+    return out
 
 
 def effective_weight(

@@ -8,6 +8,7 @@ from balancer.weights import (
     PRESETS,
     Coefficients,
     Signals,
+    denoise,
     effective_weight,
     parse_signals,
     resolve_mapping,
@@ -158,3 +159,37 @@ def test_load_factor_is_smoothed_over_time_but_starts_from_the_first_scrape() ->
     assert b.effective_weight == pytest.approx(1.0, abs=0.01)
     pool.refresh(100.0)  # stale: straight back to the static weight
     assert b.stale and b.effective_weight == 1.0
+
+
+def test_denoise_equalises_noise_and_shrinks_real_differences_by_the_band() -> None:
+    assert denoise({"a": 0.50, "b": 0.55, "c": 0.47, "d": 0.52}, 0.15) == {
+        k: pytest.approx(0.51)
+        for k in "abcd"  # median of the four; all within +/-15%
+    }
+    out = denoise({"a": 0.50, "b": 0.50, "c": 0.50, "hot": 0.25}, 0.15)
+    assert out["a"] == out["b"] == out["c"] == pytest.approx(0.50)
+    assert out["hot"] == pytest.approx(0.25 * 1.15)  # half the median: still well below it
+    assert denoise({"a": 1.0, "b": 2.0}, 0.15)["b"] == pytest.approx(1.5 / 1.15 * 2.0 / 1.5)
+    assert denoise({"a": 0.3}, 0.15) == {"a": 0.3}
+    assert denoise({"a": 0.3, "b": 0.6}, 0.0) == {"a": 0.3, "b": 0.6}
+
+
+def test_identical_workers_with_noisy_signals_get_equal_weights() -> None:
+    """Scrape noise (here +/-10% of GPU utilisation) must not set identical workers' shares
+    apart, or returning keys are pushed off their worker by a bound that moved."""
+    pool = make_pool(n=4)
+    for b, util in zip(pool.backends.values(), (0.8, 0.7, 0.9, 0.75), strict=True):
+        b.signals = Signals(at=10.0, gpu_util=util)
+    pool.refresh(10.0)
+    weights = {b.effective_weight for b in pool.backends.values()}
+    assert len(weights) == 1
+    hot = pool.backends["w3"]
+    utils = {b.id: b.signals.gpu_util if b.signals else 0.0 for b in pool.backends.values()}
+    for t in range(11, 60):  # hot for longer than the smoothing: factor 0.5 / 3
+        for b in pool.backends.values():
+            hot_now = b is hot
+            b.signals = Signals(
+                at=float(t), gpu_util=1.0 if hot_now else utils[b.id], waiting=8 if hot_now else 0
+            )
+        pool.refresh(float(t))
+    assert hot.effective_weight < 0.5 * pool.backends["w0"].effective_weight

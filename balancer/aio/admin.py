@@ -146,6 +146,7 @@ class Admin:
             "weight": v.weight,
             "effective_weight": round(v.effective_weight, 4),
             "sessions": v.sessions,
+            "held": v.held,
             "sessions_total": v.sessions_total,
             "signals": v.signals,
             "signals_age": None if v.scrape_age is None else round(v.scrape_age, 3),

@@ -467,6 +467,7 @@ class Balancer:
                     scrape_age=now - sig.at if sig is not None else None,
                     ejected_for=max(0.0, b.ejected_until - now) if b.ejected else 0.0,
                     ejections=b.ejections,
+                    held=b.held,
                 )
 
     def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:
