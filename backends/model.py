@@ -257,10 +257,15 @@ class ModelStats:
     decoding: int
     prefilling: int
     queue_depth: int
-    """Streams in prefill plus streams decoding beyond ``max_batch``."""
+    """Streams decoding beyond ``max_batch`` (vLLM's ``num_requests_waiting``: requests the
+    batch has no room for; a prefill is running work, not waiting)."""
     kv_used_tokens: int
+    """Tokens in the KV cache, idle sessions' cached prefixes included."""
     kv_capacity_tokens: int
     kv_cache_usage: float
+    """Context tokens of the answers in progress (prefill or decode) over the capacity, at most
+    1: the blocks running requests hold, as vLLM's ``kv_cache_usage_perc`` counts them (cached
+    prefixes of idle sessions are evictable, so free for new work)."""
     gpu_utilization: float
     kv_hit_tokens_total: int
     prefill_tokens_total: int
@@ -655,6 +660,10 @@ class Model:
         """Streams decoding now."""
         return self._decoding
 
+    def running_context_tokens(self) -> int:
+        """Context tokens of the sessions with an answer in progress (prefill or decode)."""
+        return sum(len(h.state.context) for h in self._sessions.values() if h.running)
+
     def gpu_utilization(self) -> float:
         """Simulated utilisation: decode streams over ``max_batch``, at least the background."""
         busy = min(1.0, self._decoding / self.config.max_batch)
@@ -670,10 +679,10 @@ class Model:
             held_sessions=len(self._sessions),
             decoding=self._decoding,
             prefilling=self._prefilling,
-            queue_depth=self._prefilling + max(0, self._decoding - self.config.max_batch),
+            queue_depth=max(0, self._decoding - self.config.max_batch),
             kv_used_tokens=self.kv.used,
             kv_capacity_tokens=cap,
-            kv_cache_usage=self.kv.used / cap if cap else 0.0,
+            kv_cache_usage=min(1.0, self.running_context_tokens() / cap) if cap else 0.0,
             gpu_utilization=self.gpu_utilization(),
             kv_hit_tokens_total=self.kv_hit_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,

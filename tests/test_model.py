@@ -145,9 +145,9 @@ def test_cancel_during_prefill_caches_nothing_new() -> None:
     model = Model(ModelConfig())
     model.attach("s", 0.0)
     turn = model.start_turn("s", text("x y"), 10, 0.0)
-    assert model.stats().queue_depth == 1
+    assert model.stats().prefilling == 1
     assert model.finish(turn).tokens == 0
-    assert model.stats().queue_depth == 0
+    assert model.stats().prefilling == 0
     assert model.kv.cached("s") == 0
 
 
@@ -209,7 +209,7 @@ def test_model_eviction_lowers_later_hits() -> None:
     run_turn(model, "a", text("1 2 3 4"), 2)  # a caches 6
     run_turn(model, "b", text("5 6 7 8"), 2)  # b caches 6 -> a cut to 4
     assert model.kv.cached("a") == 4
-    assert model.stats().kv_cache_usage == pytest.approx(1.0)
+    assert model.stats().kv_used_tokens == 10
     result = run_turn(model, "a", text("9"), 0)
     assert result.cached_tokens == 4
 
@@ -464,3 +464,25 @@ def test_thaw_refuses_connected_and_replaces_disconnected_copy() -> None:
     # Never resumed: it goes after the ttl like any disconnected session.
     assert model.stats(12.0).held_sessions == 0
     assert model.kv.cached("s") == 0
+
+
+def test_signals_count_running_work_as_vllm_does() -> None:
+    """kv_cache_usage: the contexts of answers in progress (idle sessions' cached prefixes are
+    evictable, so free); queue_depth: streams beyond the batch (a prefill is running work)."""
+    model = Model(ModelConfig(kv_capacity_tokens=100, max_batch=1))
+    for sid in ("idle", "a", "b"):
+        model.attach(sid, 0.0)
+    run_turn(model, "idle", text("1 2 3 4 5 6 7 8"), 2)  # 10 tokens cached, nothing running
+    stats = model.stats()
+    assert (stats.kv_used_tokens, stats.kv_cache_usage, stats.queue_depth) == (10, 0.0, 0)
+    turn_a = model.start_turn("a", text("x y z"), 5, 0.0)  # prefilling: running, not waiting
+    stats = model.stats()
+    assert stats.kv_cache_usage == pytest.approx(0.03)
+    assert stats.queue_depth == 0
+    model.begin_decode(turn_a)
+    model.begin_decode(model.start_turn("b", text("p q"), 5, 0.0))  # over a batch of 1
+    stats = model.stats()
+    assert stats.kv_cache_usage == pytest.approx(0.05)
+    assert stats.queue_depth == 1
+    model.finish(turn_a)
+    assert model.stats().kv_cache_usage == pytest.approx(0.02)
