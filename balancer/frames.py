@@ -237,26 +237,55 @@ class FrameScanner:
         limit = self.max_frame_size
         if self.max_message_size < limit:
             limit = self.max_message_size
+        if limit < 125:  # a 7-bit length could exceed it: let _scan check every frame
+            return self._scan(data, pos)
         ends = self.ends
         count = 0
-        while pos + 2 <= n:
-            b0 = data[pos]
-            if b0 != 0x81 and b0 != 0x82:
-                break
-            length = data[pos + 1] ^ mbit  # 128 and more: the mask bit is wrong
-            if length < 126:
-                end = pos + hlen + length
-            elif length == 126 and pos + 4 <= n:
-                length = (data[pos + 2] << 8) | data[pos + 3]
-                end = pos + hlen + 2 + length
-            else:
-                break
-            if length > limit or end > n:
-                break
-            count += 1
-            if ends is not None:
+        if ends is None:
+            # The hot loop (worker to client). A header cut short by the end of the chunk
+            # raises IndexError with ``pos`` still at its frame, which _scan then holds back.
+            try:
+                while pos < n:
+                    b0 = data[pos]
+                    if b0 != 0x81 and b0 != 0x82:
+                        break
+                    length = data[pos + 1] ^ mbit  # 128 and more: the mask bit is wrong
+                    if length < 126:
+                        end = pos + hlen + length
+                    elif length == 126:
+                        length = (data[pos + 2] << 8) | data[pos + 3]
+                        if length > limit:
+                            break
+                        end = pos + hlen + 2 + length
+                    else:
+                        break
+                    if end > n:
+                        break
+                    count += 1
+                    pos = end
+            except IndexError:
+                pass
+        else:
+            # The same walk, recording where each message ends (client frames, migration on).
+            while pos + 2 <= n:
+                b0 = data[pos]
+                if b0 != 0x81 and b0 != 0x82:
+                    break
+                length = data[pos + 1] ^ mbit
+                if length < 126:
+                    end = pos + hlen + length
+                elif length == 126 and pos + 4 <= n:
+                    length = (data[pos + 2] << 8) | data[pos + 3]
+                    if length > limit:
+                        break
+                    end = pos + hlen + 2 + length
+                else:
+                    break
+                if end > n:
+                    break
+                count += 1
                 ends.append(self.out_bytes + end)
-            pos = end
+                pos = end
         if count:
             self.frames += count
             self.messages += count

@@ -257,16 +257,21 @@ def stream_st(masked: bool) -> st.SearchStrategy[bytes]:
     small = st.tuples(st.sampled_from([OP_TEXT, OP_BINARY]), st.binary(max_size=140)).map(
         lambda t: _frame(t[0], t[1], masked)
     )
-    ext16 = st.integers(min_value=126, max_value=700).map(
+    ext16 = st.sampled_from([126, 300, 301, 499, 500, 501, 700, 65535]).map(
         lambda n: _frame(OP_TEXT, b"x" * n, masked)
     )
-    other = st.one_of(
+    valid = st.one_of(
+        small,
+        small,
+        ext16,
         st.tuples(st.binary(max_size=20), st.binary(max_size=20)).map(
             lambda t: _frame(OP_TEXT, t[0], masked, fin=False) + _frame(OP_CONT, t[1], masked)
         ),
         st.binary(max_size=125).map(lambda p: _frame(OP_PING, p, masked)),
         st.binary(max_size=125).map(lambda p: _frame(OP_PONG, p, masked)),
         st.just(_frame(OP_PONG, b"own!", masked)),
+    )
+    last = st.one_of(  # ends the stream for the scanner; what follows must be dropped
         st.just(_frame(OP_CLOSE, close_payload(1000, "bye"), masked)),
         st.just(_frame(OP_TEXT, b"wrong mask bit", not masked)),
         st.just(bytes([0xC1, 0x80 if masked else 0])),  # RSV1 set
@@ -274,20 +279,22 @@ def stream_st(masked: bool) -> st.SearchStrategy[bytes]:
         st.just(_frame(0x3, b"", masked)),  # reserved opcode
         st.binary(min_size=1, max_size=12),  # garbage
     )
-    return st.lists(st.one_of(small, small, small, ext16, other), max_size=12).map(b"".join)
+    return st.tuples(
+        st.lists(valid, max_size=12), st.lists(last, max_size=1), st.lists(small, max_size=2)
+    ).map(lambda t: b"".join(t[0] + t[1] + t[2]))
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.booleans(), st.data())
+@settings(max_examples=600, deadline=None)
+@given(st.booleans(), st.booleans(), st.sampled_from([100, 300, 1 << 20]), st.data())
 def test_fast_path_matches_general_path_over_any_chunking(
-    masked: bool, data: st.DataObject
+    masked: bool, with_ends: bool, limit: int, data: st.DataObject
 ) -> None:
     stream = data.draw(stream_st(masked))
     chunks = data.draw(splits(len(stream)))
-    kw = {"masked": masked, "max_frame_size": 300, "max_message_size": 500}
+    kw = {"masked": masked, "max_frame_size": limit, "max_message_size": limit + 200}
     fast, ref = FrameScanner(**kw), FrameScanner(**kw)  # type: ignore[arg-type]
     for sc in (fast, ref):
-        sc.ends = []
+        sc.ends = [] if with_ends else None
         sc.own_ping = b"own!"
     pos = 0
     for size in [*chunks, len(stream)]:
@@ -307,14 +314,20 @@ def test_fast_path_whole_frames_and_limits() -> None:
         ends = [len(frames[0]), len(frames[0]) + len(frames[1]), len(data)]
         assert (sc.frames, sc.messages, sc.ends, sc.out_bytes) == (3, 3, ends, len(data))
         # One byte over a limit: the general path's 1009, after the frames before it.
-        big = _frame(OP_TEXT, b"y" * 101, masked)
-        sc = FrameScanner(masked=masked, max_frame_size=100)
-        assert sc.feed(frames[0] + big) == frames[0]
-        assert sc.error is not None and sc.error.code == 1009 and sc.messages == 1
+        for size, limit in ((101, 100), (301, 300)):
+            big = _frame(OP_TEXT, b"y" * size, masked)
+            for ends in (None, []):
+                sc = FrameScanner(masked=masked, max_frame_size=limit)
+                sc.ends = ends
+                assert sc.feed(frames[0] + big) == frames[0]
+                assert sc.error is not None and sc.error.code == 1009 and sc.messages == 1
         sc = FrameScanner(masked=masked, max_message_size=100)
         assert sc.feed(big) == b""
         assert sc.error is not None and sc.error.code == 1009
         # The wrong mask bit for the direction is still a 1002.
-        sc = FrameScanner(masked=masked)
-        assert sc.feed(frames[0] + _frame(OP_TEXT, b"t", not masked)) == frames[0]
-        assert sc.error is not None and sc.error.code == 1002
+        for ends in (None, []):
+            sc = FrameScanner(masked=masked)
+            sc.ends = ends
+            wrong = _frame(OP_TEXT, b"t", not masked)
+            assert sc.feed(frames[0] + wrong + frames[0] * 4) == frames[0]
+            assert sc.error is not None and sc.error.code == 1002
