@@ -273,6 +273,14 @@ async def _worker(spec: dict[str, Any]) -> None:
 # -- raw client (its own process): opens sessions on command, counts frames and latency --------
 
 
+def upgrade_request(host: str, port: int, target: str) -> bytes:
+    return (
+        f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {KEY.decode()}\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+
+
 class ClientStats:
     def __init__(self) -> None:
         self.recv = 0  # data frames received
@@ -446,11 +454,7 @@ async def _client(spec: dict[str, Any]) -> None:
         targets, st = groups[group], stats[group]
         host, port, path = targets[i % len(targets)]
         src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
-        request = (
-            f"GET {path}?session=bench-{spec['prefix']}-{i} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {KEY.decode()}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        ).encode()
+        request = upgrade_request(host, port, f"{path}?session=bench-{spec['prefix']}-{i}")
         async with sem:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
@@ -510,11 +514,7 @@ def ws_probe(host: str, port: int, path: str, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         try:
             with socket.create_connection((host, port), 2) as s:
-                s.sendall(
-                    f"GET {path}?session=probe HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
-                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {KEY.decode()}\r\n"
-                    "Sec-WebSocket-Version: 13\r\n\r\n".encode()
-                )
+                s.sendall(upgrade_request(host, port, f"{path}?session=probe"))
                 head = s.recv(4096)
                 if head.startswith(b"HTTP/1.1 101"):
                     return
