@@ -149,7 +149,10 @@ def _serving(lb: Wslb) -> dict[int, psutil.Process]:
     assert lb.proc is not None
     out = {}
     for p in psutil.Process(lb.proc.pid).children():
-        cmd = p.cmdline()
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:  # a killed one not reaped yet (zombie), or gone
+            continue
         if "balancer.aio.multi" in cmd:
             out[int(cmd[cmd.index("--index") + 1])] = p
     return out
