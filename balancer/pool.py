@@ -26,8 +26,10 @@ it fits wherever the backend is within its bound counting the key's place alread
 section 5 has it, affinity holds while the worker is under its bound. It moves only when that
 backend's bound fell below its count meanwhile (effective weights moved, sessions ended
 elsewhere); ``weights.denoise`` and the smoothing keep scrape noise out of the weights so that
-this is rare. Holds are per balancer process (other processes see only live sessions, through
-``remote_sessions``).
+this is rare. Under ``workers: N`` each process keeps its own holds and publishes its live
+sessions plus held places on the board, so every process's bounds count them
+(``remote_sessions``); a key that returns through another process than the one holding its place
+is counted twice until that hold expires, which errs on the side of a tighter bound.
 """
 
 from __future__ import annotations
@@ -192,7 +194,9 @@ class Backend:
 class SharedLoad(Protocol):
     """Where the processes of one balancer publish their per-backend session counts."""
 
-    def publish(self, backend_id: str, sessions: int) -> None: ...
+    def publish(self, backend_id: str, sessions: int) -> None:
+        """Set what this process counts on the backend (live sessions and held places)."""
+        ...
 
     def remote(self, backend_id: str) -> int:
         """Sessions the *other* processes hold on the backend."""
@@ -282,6 +286,7 @@ class Pool:
                 break
             del held[key]
             hb.held -= 1
+            self._publish(hb)
         w = self.cfg.weights
         shared = self.shared
         for b in self.backends.values():
@@ -373,8 +378,7 @@ class Pool:
         backend.sessions += 1
         backend.sessions_total += 1
         backend.consecutive_failures = 0
-        if self.shared is not None:
-            self.shared.publish(backend.id, backend.sessions)
+        self._publish(backend)
         aff = self._affinity
         first = next(
             (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
@@ -431,13 +435,12 @@ class Pool:
         hold = self._held.pop(key, None)
         if hold is not None:
             hold[0].held -= 1
+            self._publish(hold[0])
 
     def detach(self, backend: Backend, key: str | None = None, now: float = 0.0) -> None:
         """Count a session gone from ``backend``; its key's placement counts from now, and the
         key holds its place there for ``hold_s`` (module docstring)."""
         backend.sessions -= 1
-        if self.shared is not None:
-            self.shared.publish(backend.id, backend.sessions)
         if key is not None:
             entry = self._affinity.get(key)
             if entry is not None and entry[0] == backend.id:
@@ -449,6 +452,13 @@ class Pool:
                 self._release(key)
                 self._held[key] = (backend, now + self.hold_s)
                 backend.held += 1
+        self._publish(backend)
+
+    def _publish(self, backend: Backend) -> None:
+        """Tell the other processes of ``workers: N`` what this one counts on the backend:
+        its live sessions and the places it holds."""
+        if self.shared is not None:
+            self.shared.publish(backend.id, backend.sessions + backend.held)
 
     def _remembered(self, key: str) -> tuple[str, str | None, float] | None:
         """The key's last placement: from the board under ``workers: N`` (the process that

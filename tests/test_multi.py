@@ -358,3 +358,23 @@ async def test_a_worker_that_drains_itself_is_drained_in_every_process(tmp_path:
             await ws.close()
     finally:
         lb.stop()
+
+
+def test_held_places_count_in_every_process(tmp_path: Path) -> None:
+    path = str(tmp_path / "board")
+    cfg = PoolCfg(
+        name="chat",
+        backends=tuple(BackendCfg(id=f"h{i}", url=f"ws://127.0.0.1:{9000 + i}/") for i in range(2)),
+    )
+    sup = Board(path, 2, None, create=True)
+    a, b = Pool(cfg, hold_s=30.0), Pool(cfg, hold_s=30.0)
+    a.shared, b.shared = Board(path, 2, 0), Board(path, 2, 1)
+    a.attach("k", a.backends["h0"], 1.0)
+    a.detach(a.backends["h0"], "k", 2.0)  # k's conversation keeps its place on h0 ...
+    b.refresh(3.0)
+    assert b.backends["h0"].remote_sessions == 1  # ... which the other process counts
+    a.refresh(40.0)  # the hold expired
+    b.refresh(40.0)
+    assert b.backends["h0"].remote_sessions == 0
+    for h in (a.shared, b.shared, sup):
+        h.close()
