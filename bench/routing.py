@@ -22,7 +22,8 @@ KV cache, through wslb, once per balancing mode and once more with one worker ho
 
 Measured in the client: TTFT (prompt sent -> first token) for first and follow-up turns apart,
 cached tokens per turn (``done.cached_tokens``), the worker of every turn, tokens, failures.
-wslb's admin API is polled every ``--poll-s`` for live sessions and effective weights per worker.
+wslb's admin API is polled every ``--poll-s`` for live sessions, held places and effective
+weights per worker (the bounded-load check uses what wslb counts: live + held).
 Prints one table per run, writes ``docs/routing.md`` (tables, command, machine, parameters,
 definitions; text after an ``<!-- analysis -->`` line of an existing file is kept) and a plot
 ``docs/routing.png`` (if matplotlib is importable).
@@ -68,7 +69,9 @@ from websockets.asyncio.client import ClientConnection, connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import load_bound  # noqa: E402
+from balancer.weights import Coefficients  # noqa: E402
 from tests.procs import free_port, stop, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
@@ -136,6 +139,7 @@ class LbParams:
     factor: float
     scrape_s: float
     poll_s: float
+    smoothing_s: float | None = None  # weights.smoothing; None: the balancer's default
 
 
 # -- the session plan --------------------------------------------------------------------------
@@ -213,6 +217,7 @@ class Poll:
     sessions: dict[str, int]
     weights: dict[str, float]
     kv: dict[str, float]
+    held: dict[str, int] = field(default_factory=dict)  # places held between sessions
 
 
 class SessionError(Exception):
@@ -300,6 +305,11 @@ class Fleet:
                         "scrape_interval": f"{lbp.scrape_s:g}s",
                         "metrics": "reference",
                         "coefficients": mode.coefficients,
+                        **(
+                            {"smoothing": f"{lbp.smoothing_s:g}s"}
+                            if lbp.smoothing_s is not None
+                            else {}
+                        ),
                     },
                     "backends": [
                         {"id": w, "url": f"ws://127.0.0.1:{p}/ws"} for w, p, _ in self.workers
@@ -502,6 +512,7 @@ async def poll_admin(lb: Lb, period: float, out: list[Poll], t0: float) -> None:
                         {b["id"]: int(b["sessions"]) for b in data},
                         {b["id"]: float(b["effective_weight"]) for b in data},
                         {b["id"]: float(b["signals"].get("kv_cache_usage") or 0.0) for b in data},
+                        {b["id"]: int(b.get("held") or 0) for b in data},
                     )
                 )
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
@@ -616,8 +627,12 @@ def analyse(
         mean = total / len(p.sessions)
         imbalance.append(max(p.sessions.values()) / mean)
         any_over = False
-        for b, n in p.sessions.items():
-            bound = load_bound(total, factor, p.weights[b], wsum)
+        # The rule's count (balancer.pool): live sessions plus places held between sessions,
+        # shares from the effective weights the balancer reports at this poll.
+        counted = {b: n + p.held.get(b, 0) for b, n in p.sessions.items()}
+        counted_total = sum(counted.values())
+        for b, n in counted.items():
+            bound = load_bound(counted_total, factor, p.weights[b], wsum)
             ratios.append(n / bound if bound else math.inf)
             any_over |= n > bound
         over += any_over
@@ -749,7 +764,7 @@ def targets(results: list[Result], runs: list[str], factor: float) -> list[str]:
         ok = la.bound_ratio_max <= 1.0
         out.append(
             f"- {run}: no worker above c x its share (c = {factor:g}, admin polls): "
-            f"{'MET' if ok else 'MISSED'} (max live sessions / bound = "
+            f"{'MET' if ok else 'MISSED'} (max counted load / bound = "
             f"{la.bound_ratio_max:.2f}, above in {la.bound_over_polls:.1%} of polls)"
         )
     return out
@@ -819,6 +834,12 @@ def write_doc(
         f"--prefill-ms-per-token {wp.prefill_ms_per_token:g} --kv-capacity-tokens "
         f"{wp.kv_capacity_tokens} --max-batch {wp.max_batch} --session-ttl {wp.session_ttl:g}`",
         f"- wslb: `hash_balance_factor: {lb.factor:g}`, `scrape_interval: {lb.scrape_s:g}s`, "
+        + (
+            f"`smoothing: {lb.smoothing_s:g}s`, "
+            if lb.smoothing_s is not None
+            else "`smoothing` its default, "
+        )
+        + f"held places {HOLD_S:g} s, noise band {Coefficients().noise_band:g}, "
         f"load-aware coefficients `{LOAD_AWARE}`, static `{STATIC}`; `least_conn` and "
         f"`round_robin` use the {baseline} weights; admin polled every {lb.poll_s:g} s",
         "",
@@ -856,12 +877,17 @@ def write_doc(
         "worker over the loaded polls (total live >= half its peak). **imbalance** = mean "
         "over loaded polls of (most loaded worker / mean).",
         "- **max sessions / bound**: the highest ratio, over loaded polls and workers, of "
-        "live sessions to `ceil(c x total live x effective weight / sum of effective "
-        "weights)` (the bounded-load rule), and in brackets the share of polls where some "
-        "worker was above it. The rule applies when a session is placed; a worker can end "
-        "up above it afterwards when other workers' sessions end or its weight drops, so "
-        "this is observed, not asserted. For `least_conn` and `round_robin` it is the same "
-        "ratio, for comparison.",
+        "the worker's counted load to `ceil(c x total counted load x effective weight / sum "
+        "of effective weights)`, and in brackets the share of polls where some worker was "
+        "above it. This is the bounded-load rule as wslb applies it (`balancer/pool.py`): "
+        "the counted load is live sessions plus the places held for keys between sessions "
+        "(`held` in `GET /backends`; 30 s after a session ends, so a reconnect-per-turn "
+        "conversation keeps its place while its client thinks), and the weights are the "
+        "effective weights wslb reports at that poll. wslb enforces the rule when it places "
+        "a session; a worker can end up above it afterwards when sessions end elsewhere or "
+        "its weight drops (wslb does not move live sessions for that), so this is observed "
+        "at every poll, a stricter test than the rule. For `least_conn` and `round_robin` "
+        "it is the same ratio, for comparison (with their own `held` counts).",
         "- **weight spread**: median over loaded polls of the largest / smallest effective "
         "weight (1.00 with static weights; identical workers should stay near 1).",
         "- **CPU cores ours / others**: cores used during the run by this script, its workers "
@@ -900,7 +926,7 @@ def plot(path: Path, results: list[Result], runs: list[str]) -> bool:
             100 * r.follow_missed / max(1, r.follow_turns)
         ),
         "KV hit rate / ideal": lambda r: r.hit / r.ideal,
-        "max live sessions / bound": lambda r: r.bound_ratio_max,
+        "max counted load / bound": lambda r: r.bound_ratio_max,
     }
     for ax, (title, f) in zip(axes, get.items(), strict=True):
         for i, m in enumerate(modes):
@@ -972,13 +998,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--workers", type=int, default=4)
     a("--tokens-per-s", type=float, default=40.0)
     a("--prefill-ms-per-token", type=float, default=1.0)
-    a("--kv-capacity-tokens", type=int, default=24_000)
+    a("--kv-capacity-tokens", type=int, default=32_000)
     a("--max-batch", type=int, default=16)
     a("--session-ttl", type=float, default=300.0)
     a("--hot-background-util", type=float, default=0.6)
     a("--factor", type=float, default=1.25, help="hash_balance_factor c")
     a("--scrape-s", type=float, default=0.5, help="wslb weights.scrape_interval")
     a("--poll-s", type=float, default=0.25, help="admin poll period")
+    a("--smoothing-s", type=float, default=20.0, help="wslb weights.smoothing (0: none)")
     a("--baseline-weights", choices=["load-aware", "static"], default="load-aware")
     a(
         "--modes",
@@ -1034,7 +1061,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         session_ttl=args.session_ttl,
         hot_background_util=args.hot_background_util,
     )
-    lbp = LbParams(factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s)
+    lbp = LbParams(
+        factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s, smoothing_s=args.smoothing_s
+    )
     baseline = LOAD_AWARE if args.baseline_weights == "load-aware" else STATIC
     all_modes = {
         "consistent-load-aware": Mode("consistent-load-aware", "consistent", LOAD_AWARE),
@@ -1066,6 +1095,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _exit_on_signal)
     results: list[Result] = []
     polls_of: dict[tuple[str, str], list[Poll]] = {}
+    moves_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
     started = time.monotonic()
     tmpdir = tempfile.mkdtemp(prefix="wslb-routing-")
     try:
@@ -1086,6 +1116,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 res.cpu_ours, res.cpu_other = ours, other
                 results.append(res)
                 polls_of[(run, mode.name)] = polls
+                moves_of[(run, mode.name)] = [
+                    {
+                        "sid": r.sid,
+                        "turn": b.index,
+                        "from": a.worker,
+                        "to": b.worker,
+                        "at": b.sent_at,
+                    }
+                    for r in records
+                    for a, b in zip(r.turns, r.turns[1:], strict=False)
+                    if a.worker != b.worker
+                ]
                 print(
                     f"[{run}] {mode.name}: {duration:.1f}s, hit {res.hit:.1%}/{res.ideal:.1%}, "
                     f"follow-up p99 {ms(res.ttft_follow_p99)} ms, failed {res.failed}; "
@@ -1115,7 +1157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.png}")
     if args.json is not None:
         raw = [
-            {**asdict(r), "polls": [asdict(p) for p in polls_of[(r.run, r.mode)]]} for r in results
+            {
+                **asdict(r),
+                "polls": [asdict(p) for p in polls_of[(r.run, r.mode)]],
+                "moves": moves_of[(r.run, r.mode)],
+            }
+            for r in results
         ]
         args.json.write_text(json.dumps(raw))
     return 0
