@@ -357,7 +357,7 @@ class WeightsCfg:
     metrics: str | tuple[tuple[str, str], ...] = "reference"
     stale_after: float = 5.0
     coefficients: Coefficients = Coefficients()  # noqa: RUF009 (frozen, shared safely)
-    smoothing: float = 5.0
+    smoothing: float = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +417,7 @@ class PoolCfg:
     drain: DrainCfg = DrainCfg()
     backends: tuple[BackendCfg, ...] = ()
     upstream_tls: UpstreamTls | None = None
+    affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -1155,6 +1156,7 @@ class _Builder:
             drain=self.drain(self.section(item, "drain", p), (*p, "drain")),
             backends=self.backends(item, p),
             upstream_tls=self.upstream_tls(item, p),
+            affinity_hold=self.duration(item, "affinity_hold", p, 30.0),
         )
 
     def upstream_tls(self, item: dict[object, object], path: _Path) -> UpstreamTls | None:
@@ -1220,6 +1222,7 @@ class _Builder:
             kv_cache=self.number(c, "kv_cache", cp, dc.kv_cache),
             queue=self.number(c, "queue", cp, dc.queue),
             min_factor=self.number(c, "min_factor", cp, dc.min_factor),
+            noise_band=self.number(c, "noise_band", cp, dc.noise_band),
         )
         smoothing = self.duration(w, "smoothing", p, d.smoothing)
         return WeightsCfg(scrape, metrics, stale, coef, smoothing)

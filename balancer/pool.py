@@ -13,23 +13,24 @@ first ready backend is still the same one. If readiness changed instead (a worke
 came back), the ring decides again, so keys return to a worker when it returns.
 
 Held places: when a session ends, its key keeps its place on the backend for ``hold_s`` seconds
-(``HOLD_S``): the worker still holds the conversation's KV cache, and chat clients that open a
-connection per turn (as HTTP-style clients do) come back after a think time. A held place counts
-in the backend's counted load (``Backend.counted``) and in the pool's total, as a live session
-does, until the key returns (its session takes the place back: the count does not grow) or the
-hold expires. So the bounded-load rule counts conversations rather than open sockets, and a
-returning key is not pushed off its worker because it was between turns. The rule, exactly: a
-placement never takes a backend's counted load above ``ring.load_bound`` of the pool's counted
-total after it, with the backends' *effective* weights at that moment. A key taking back its held
-place (on the backend it was last placed on, its ring order unchanged) adds nothing to either, so
-it fits wherever the backend is within its bound counting the key's place already: as SPEC
-section 5 has it, affinity holds while the worker is under its bound. It moves only when that
-backend's bound fell below its count meanwhile (effective weights moved, sessions ended
-elsewhere); ``weights.denoise`` and the smoothing keep scrape noise out of the weights so that
-this is rare. Under ``workers: N`` each process keeps its own holds and publishes its live
-sessions plus held places on the board, so every process's bounds count them
-(``remote_sessions``); a key that returns through another process than the one holding its place
-is counted twice until that hold expires, which errs on the side of a tighter bound.
+(the pool's ``affinity_hold``, 30 s by default): the worker still holds the conversation's KV
+cache, and chat clients that open a connection per turn (as HTTP-style clients do) come back
+after a think time. A held place counts in the backend's counted load (``Backend.counted``) and
+in the pool's total, as a live session does, until the key returns (its session takes the place
+back: the count does not grow) or the hold expires. So the bounded-load rule counts
+conversations rather than open sockets, and a returning key is not pushed off its worker because
+it was between turns. The rule, exactly: a placement never takes a backend's counted load above
+``ring.load_bound`` of the pool's counted total after it, with the backends' *effective* weights
+at that moment. A key taking back its held place (on the backend it was last placed on, its ring
+order unchanged) adds nothing to either, so it fits wherever the backend is within its bound
+counting the key's place already: as SPEC section 5 has it, affinity holds while the worker is
+under its bound. It moves only when that backend's bound fell below its count meanwhile
+(effective weights moved, sessions ended elsewhere); ``weights.denoise`` and the smoothing keep
+scrape noise out of the weights so that this is rare. Under ``workers: N`` each process keeps
+its own holds and publishes its live sessions plus held places on the board, so every process's
+bounds count them (``remote_sessions``); a key that returns through another process than the one
+holding its place is counted twice until that hold expires, which errs on the side of a tighter
+bound.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ __all__ = ["Backend", "Pool", "SharedLoad", "Upstream"]
 # keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
 AFFINITY_TTL = 600.0
 # How long a key keeps its place (counted in its backend's load) after its session ends.
-HOLD_S = 30.0
+HOLD_S = PoolCfg("").affinity_hold
 
 ACTIVE = "active"
 DRAINING = "draining"
@@ -224,7 +225,7 @@ class Pool:
         *,
         affinity_size: int = 100_000,
         seed: int | None = None,
-        hold_s: float = HOLD_S,
+        hold_s: float | None = None,
     ):
         self.cfg = cfg
         self.name = cfg.name
@@ -237,7 +238,7 @@ class Pool:
         self._affinity_size = affinity_size
         # key -> (backend holding its place, loop time the hold ends), in expiry order
         self._held: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
-        self.hold_s = hold_s
+        self.hold_s = cfg.affinity_hold if hold_s is None else hold_s
         self._rr_current: dict[str, float] = {}
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).

@@ -75,7 +75,7 @@ class Coefficients:
     min_factor: float = 0.05
     noise_band: float = 0.15
     """Relative differences between backends' load factors up to this much are scrape noise
-    (``denoise``). Not in balancer.yaml yet: the default applies."""
+    (``denoise``)."""
 
 
 @dataclass(frozen=True, slots=True)

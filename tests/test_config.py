@@ -258,6 +258,7 @@ def test_schema_defaults_match_dataclasses() -> None:
     assert checked == 32
     assert schema["properties"]["workers"]["default"] == c.Config().workers
     assert pool["hash_balance_factor"]["default"] == c.PoolCfg("p").hash_balance_factor
+    assert c.parse_duration(pool["affinity_hold"]["default"]) == c.PoolCfg("p").affinity_hold
     assert pool["session_key"]["default"] == [str(k) for k in c.DEFAULT_SESSION_KEY]
 
 
