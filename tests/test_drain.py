@@ -208,16 +208,15 @@ def _post_status(lb: Wslb, path: str, body: Any) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
-async def test_spawned_worker_that_drained_itself_is_undrained_when_back(tmp_path: Path) -> None:
-    import psutil
-
+def self_draining_pair(prefix: str) -> tuple[dict[str, Any], list[int]]:
+    """Config of two spawned workers that drain themselves on SIGTERM, probed every 0.1 s."""
     from tests.procs import free_port
 
     ports = [free_port(), free_port()]
     cfg = pool_config(
         [
             {
-                "id": f"sp{i}",
+                "id": f"{prefix}{i}",
                 "url": f"ws://127.0.0.1:{p}/ws",
                 "spawn": "reference",
                 "args": ["--drain-grace", "0.5"],
@@ -227,12 +226,36 @@ async def test_spawned_worker_that_drained_itself_is_undrained_when_back(tmp_pat
         health={"interval": "0.1s", "timeout": "0.5s", "rise": 1},
     )
     cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
+    return cfg, ports
+
+
+def spawned_worker(lb: Wslb, port: int) -> Any:
+    """The psutil process of the worker wslb spawned on ``port``."""
+    import psutil
+
+    assert lb.proc is not None
+    return next(p for p in psutil.Process(lb.proc.pid).children() if str(port) in p.cmdline())
+
+
+async def states_until_back(lb: Wslb, bid: str, timeout: float = 20) -> list[str]:
+    """The backend's states, each once, until it has been drained and is active again."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = lb.admin(f"/backends/{bid}")["state"]
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if "drained" in seen and state == "active":
+            break
+        await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_spawned_worker_that_drained_itself_is_undrained_when_back(tmp_path: Path) -> None:
+    cfg, ports = self_draining_pair("sp")
     lb = Wslb(cfg, tmp_path).start()
     try:
-        assert lb.proc is not None
-        victim = next(
-            p for p in psutil.Process(lb.proc.pid).children() if str(ports[0]) in p.cmdline()
-        )
+        victim = spawned_worker(lb, ports[0])
         # A live session keeps the worker draining (not exiting) until wslb has moved it.
         ws, i = None, 0
         while ws is None and i < 100:
@@ -244,15 +267,7 @@ async def test_spawned_worker_that_drained_itself_is_undrained_when_back(tmp_pat
             i += 1
         assert ws is not None
         victim.terminate()  # the worker drains itself, exits, and wslb restarts it
-        seen: list[str] = []
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            state = lb.admin("/backends/sp0")["state"]
-            if not seen or seen[-1] != state:
-                seen.append(state)
-            if "drained" in seen and state == "active":
-                break
-            await asyncio.sleep(0.05)
+        seen = await states_until_back(lb, "sp0")
         assert "drained" in seen and seen[-1] == "active", seen
         await ws.send(json.dumps({"type": "prompt", "text": "still", "max_tokens": 2}))
         assert json.loads(await ws.recv())["type"] == "token"  # the moved session lives on

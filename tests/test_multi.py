@@ -18,7 +18,13 @@ from balancer.board import Board
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
 from tests.procs import Worker, Wslb, pool_config
-from tests.test_drain import chat_session, wait_state
+from tests.test_drain import (
+    chat_session,
+    self_draining_pair,
+    spawned_worker,
+    states_until_back,
+    wait_state,
+)
 from tests.wsraw import RawClient
 
 # -- the board -----------------------------------------------------------------------------
@@ -310,23 +316,8 @@ async def test_a_drain_reaches_every_process_and_survives_a_restart(tmp_path: Pa
 
 
 async def test_a_worker_that_drains_itself_is_drained_in_every_process(tmp_path: Path) -> None:
-    from tests.procs import free_port
-
-    ports = [free_port(), free_port()]
-    cfg = pool_config(
-        [
-            {
-                "id": f"sd{i}",
-                "url": f"ws://127.0.0.1:{p}/ws",
-                "spawn": "reference",
-                "args": ["--drain-grace", "0.5"],
-            }
-            for i, p in enumerate(ports)
-        ],
-        health={"interval": "0.1s", "timeout": "0.5s", "rise": 1},
-    )
+    cfg, ports = self_draining_pair("sd")
     cfg["workers"] = 2
-    cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
     lb = Wslb(cfg, tmp_path).start()
     try:
         # Sessions on sd0 in both serving processes (all kept open: the bound spreads them).
@@ -336,20 +327,8 @@ async def test_a_worker_that_drains_itself_is_drained_in_every_process(tmp_path:
             await kept[-1].recv()
         on_sd0 = lb.admin("/sessions?backend=sd0")
         assert {s["process"] for s in on_sd0} == {0, 1}, on_sd0
-        assert lb.proc is not None
-        victim = next(
-            p for p in psutil.Process(lb.proc.pid).children() if str(ports[0]) in p.cmdline()
-        )
-        victim.terminate()  # the worker reports "draining", exits, and is restarted
-        seen: list[str] = []
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            state = lb.admin("/backends/sd0")["state"]
-            if not seen or seen[-1] != state:
-                seen.append(state)
-            if "drained" in seen and state == "active":
-                break
-            await asyncio.sleep(0.05)
+        spawned_worker(lb, ports[0]).terminate()  # reports "draining", exits, is restarted
+        seen = await states_until_back(lb, "sd0")
         assert "drained" in seen and seen[-1] == "active", seen
         for ws in kept:  # every moved session lives on
             await ws.send(json.dumps({"type": "prompt", "text": "still", "max_tokens": 2}))
