@@ -1248,16 +1248,27 @@ def plot(results: dict[str, Result], multi: dict[str, float], path: Path) -> Non
     labels = [k for k in ("nginx", "haproxy", "wslb") if k in results]
     colors = {"direct": "#999999", "nginx": "#009639", "haproxy": "#1f6fb2", "wslb": "#d95f02"}
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    panels = [
-        ("cpu us/frame, stream", "CPU us per frame, stream"),
-        ("cpu us/frame, saturation", "CPU us per frame, saturation"),
-        ("idle KB/session", "idle KB per session"),
-        ("added latency p50 us", "added latency p50 (us)"),
-        ("added latency p99 us", "added latency p99 (us)"),
+    panels = [  # metric, title, per-window points (phase, attribute)
+        ("cpu us/frame, stream", "CPU us per frame, stream", ("stream", "us_per_frame")),
+        ("cpu us/frame, saturation", "CPU us per frame, saturation", ("saturate", "us_per_frame")),
+        ("idle KB/session", "idle KB per session (3 steps)", None),
+        ("added latency p50 us", "added latency p50 (us)", ("stream", "add_p50_us")),
+        ("added latency p99 us", "added latency p99 (us), log", ("stream", "add_p99_us")),
     ]
-    for ax, (metric, title) in zip(axes.flat, panels, strict=False):
+    for ax, (metric, title, points) in zip(axes.flat, panels, strict=False):
         vals = [r[metric].get(k, math.nan) for k in labels]
         ax.bar(labels, vals, color=[colors[k] for k in labels])
+        for i, k in enumerate(labels):  # every window (or idle step) as a dot: the spread
+            res = results[k]
+            if points is None:
+                ys = res.idle_steps_kb
+            elif points[0] in res.phases:
+                ys = [getattr(w, points[1]) for w in res.phases[points[0]].windows]
+            else:
+                ys = []
+            ax.plot([i] * len(ys), ys, "k.", alpha=0.6)
+        if "p99" in metric:
+            ax.set_yscale("log")
         for i, v in enumerate(vals):
             if not math.isnan(v):
                 text = f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
@@ -1266,7 +1277,7 @@ def plot(results: dict[str, Result], multi: dict[str, float], path: Path) -> Non
     ax = axes.flat[5]
     names = list(multi)
     ax.bar(names, [multi[n] / 1000 for n in names], color=[colors[n.split()[0]] for n in names])
-    ax.set_title("saturation kframes/s (x2: 2 processes/threads)")
+    ax.set_title("saturation kframes/s (x2: 2 processes or threads)")
     ax.tick_params(axis="x", labelrotation=30)
     fig.suptitle("WebSocket proxies in front of the same token-streaming workers (loopback)")
     fig.tight_layout()
@@ -1347,6 +1358,29 @@ def print_report(
 # -- main ----------------------------------------------------------------------------------------
 
 
+def _result(d: dict[str, Any]) -> Result:
+    phases = {
+        k: Phase(**(p | {"windows": [Window(**w) for w in p["windows"]]}))
+        for k, p in d["phases"].items()
+    }
+    return Result(**(d | {"phases": phases}))
+
+
+def replay(path: Path, args: argparse.Namespace) -> int:
+    """The table, targets and plot of an earlier run, from its ``--json`` file."""
+    d = json.loads(path.read_text())
+    results = {k: _result(v) for k, v in d["results"].items()}
+    print(f"from {path}: {' '.join(d['command'])}")
+    print(f"wslb: {d['machine'].get('wslb', '?')}\n")
+    print(table(results))
+    print()
+    for line in targets_report(results):
+        print(f"target {line}")
+    if args.plot:
+        plot(results, d["multi_fps"], Path(args.plot))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="direct / nginx / HAProxy / wslb side by side: CPU per frame, frames/s, "
@@ -1373,6 +1407,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every window as JSON here")
     p.add_argument("--logs", default=None, help="keep the processes' logs and configs here")
     p.add_argument(
+        "--from-json", default=None, help="no run: print the table (and --plot) of a --json file"
+    )
+    p.add_argument(
         "--wslb-src",
         default=str(ROOT),
         help="run wslb from this source tree (e.g. a `git worktree` of a commit)",
@@ -1392,6 +1429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.sessions, args.duration, args.sat_duration = 200, 3.0, 2.0
         args.warmup, args.idle_step, args.idle_base = 1.0, 300, 50
         args.hold = min(args.hold, 2000)
+    if args.from_json:
+        return replay(Path(args.from_json), args)
     signal.signal(signal.SIGTERM, _sigterm)
     WSLB_SRC[0] = Path(args.wslb_src).resolve()
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
