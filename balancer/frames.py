@@ -217,8 +217,8 @@ class FrameScanner:
         # rest of the chunk, go through ``_scan``, which applies every rule; it is what ``_scan``
         # would have done with these frames, so ``feed`` and ``_feed`` (the general path alone)
         # agree on the output and on every counter, however the stream is chunked.
-        if self._held or self.closed:
-            return self._feed(data)
+        if self.closed:
+            return b""
         n = len(data)
         self.bytes += n
         pos = 0
@@ -226,6 +226,10 @@ class FrameScanner:
             pos = self._finish_frame(n)
             if pos < 0:
                 return data
+        elif self._held:  # a header or control frame cut short: it starts the stream here
+            data = self._held + data
+            self._held = b""
+            n = len(data)
         if self._in_message:
             return self._scan(data, pos)
         if self.masked:
