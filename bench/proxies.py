@@ -1019,6 +1019,12 @@ class Bench:
         load = Load(run.procs, tag, groups, self.pids(run), args.sources)
         rate = args.rate if stream else 0.0
         opened = load.open(sessions, rate)["open"]
+        for _ in range(3):  # refused (wslb 503s while its health checks recover): again
+            if opened >= sessions:
+                break
+            phase.warnings.append(f"{sessions - opened} of {sessions} sessions refused; retried")
+            time.sleep(3.0)
+            opened = load.open(sessions - opened, rate)["open"]
         if opened < sessions:
             phase.warnings.append(f"only {opened} of {sessions} sessions connected")
         phase.opened = min(phase.opened, opened)
