@@ -780,6 +780,7 @@ class Window:
     ctl_n: int = 0  # the direct control group, measured at the same time
     ctl_p50_us: float = math.nan
     ctl_p99_us: float = math.nan
+    machine_s: float = math.nan  # CPU s the whole machine was busy (other agents' too)
 
     @property
     def add_p50_us(self) -> float:
@@ -864,6 +865,8 @@ class Load:
         snap = json.loads(self.client.readline(30))
         cpu = {role: cpu_seconds(p) for role, p in self.pids.items()}
         cpu["proxy_sys"] = system_seconds(self.pids["proxy"])
+        t = psutil.cpu_times()
+        cpu["machine"] = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
         return time.monotonic(), snap, cpu
 
     def close(self) -> None:
@@ -900,6 +903,7 @@ def measure(
             frames=frames,
             proxy_cpu_s=c1["proxy"] - c0["proxy"],
             proxy_sys_s=c1["proxy_sys"] - c0["proxy_sys"],
+            machine_s=c1["machine"] - c0["machine"],
             workers_cpu_s=c1["workers"] - c0["workers"],
             clients_cpu_s=c1["clients"] - c0["clients"],
             rss_mb=rss_bytes(proxy_pids) / 2**20,
@@ -1345,11 +1349,16 @@ def print_report(
             cpu = statistics.median(w.proxy_cpu_s / w.seconds for w in ph.windows) * 100
             wk = statistics.median(w.workers_cpu_s / w.seconds for w in ph.windows) * 100
             cl = statistics.median(w.clients_cpu_s / w.seconds for w in ph.windows) * 100
+            others = statistics.median(
+                (w.machine_s - w.proxy_cpu_s - w.workers_cpu_s - w.clients_cpu_s) / w.seconds
+                for w in ph.windows
+            )
             n = sum(w.lat_n for w in ph.windows)
             print(
                 f"  {k} {name}: {ph.opened} sessions, {ph.processes} process(es), us/frame "
                 f"[{_f(lo, '.2f')}-{_f(hi, '.2f')}], frames/s [{flo:,.0f}-{fhi:,.0f}], "
-                f"cpu proxy {cpu:.0f}% workers {wk:.0f}% clients {cl:.0f}%, rss "
+                f"cpu proxy {cpu:.0f}% workers {wk:.0f}% clients {cl:.0f}% "
+                f"other processes {100 * others:.0f}%, rss "
                 f"{ph.med('rss_mb'):.1f} MB" + (f", {n:,} latency samples" if n else "")
             )
             for x in dict.fromkeys(ph.warnings):
