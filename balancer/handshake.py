@@ -148,6 +148,15 @@ class ClientRequest:
                 return v
         return None
 
+    def for_resume(self) -> ClientRequest:
+        """What a live session keeps to open another worker leg (migration): the headers
+        ``upstream_request`` forwards or reads, in a plain list (h11's header objects are
+        several times larger, and a live session keeps this for its whole life)."""
+        keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k == b"x-forwarded-for"]
+        return ClientRequest(
+            self.target, self.path, self.query, keep, b"", self.subprotocols, self.host
+        )
+
 
 def _tokens(value: bytes) -> list[str]:
     return [t.strip().lower() for t in value.decode("latin-1").split(",") if t.strip()]

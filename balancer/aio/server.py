@@ -413,6 +413,46 @@ class ClientLeg(asyncio.Protocol):
 class Session(asyncio.Protocol):
     """A live proxied WebSocket; the protocol object of its worker leg. See the module doc."""
 
+    # Slots, not a dict: a few hundred bytes per idle session (docs/benchmarks.md).
+    __slots__ = (
+        "_awaiting_pong",
+        "_last_active",
+        "_last_msgs",
+        "app",
+        "backend",
+        "client_close_sent",
+        "client_gone",
+        "clog",
+        "clog_base",
+        "closing",
+        "cs",
+        "ct",
+        "finished",
+        "holding",
+        "leg_start_msg",
+        "migrating",
+        "migrations",
+        "paused_since",
+        "pauses",
+        "peer",
+        "pending_client_close",
+        "pool",
+        "prior_bytes",
+        "prior_frames",
+        "prior_messages",
+        "replay_limit",
+        "req",
+        "secure",
+        "sid",
+        "since",
+        "started_wall",
+        "timer",
+        "worker_close_sent",
+        "worker_gone",
+        "ws",
+        "wt",
+    )
+
     def __init__(
         self,
         app: Balancer,
@@ -447,7 +487,7 @@ class Session(asyncio.Protocol):
         )
         for t in (ct, wt):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
-        self.req = req
+        self.req = req.for_resume()
         self.secure = secure
         # Migration: a bounded log of the client bytes sent on the current worker leg and where
         # each client message ends in it, to replay what the old worker had not processed.
