@@ -190,3 +190,44 @@ async def test_repeated_connect_failures_eject_and_ejection_grows(
         assert 'wslb_backend_ejections_total{backend="dead"} 2.0' in lb.admin("/metrics")
     finally:
         lb.stop()
+
+
+async def test_a_probe_that_times_out_while_wslb_lags_counts_neither_way() -> None:
+    """Health probes share the relay's loop: a saturated wslb must not mark workers down."""
+    import aiohttp
+
+    from balancer.aio.health import HealthChecker
+    from balancer.aio.loops import LagMeter
+    from balancer.config import BackendCfg, HealthCfg, PoolCfg
+    from balancer.pool import Pool
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)  # accepts, never answers
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = PoolCfg(
+        name="p",
+        health=HealthCfg(timeout=0.3),
+        backends=(BackendCfg(id="w", url=f"ws://127.0.0.1:{port}/ws"),),
+    )
+    pool = Pool(cfg)
+    lag = LagMeter(asyncio.get_running_loop())
+    lag.start()
+    async with aiohttp.ClientSession() as http:
+        checker = HealthChecker(http, lambda b, ok, d: None, lag)
+        backend = pool.backends["w"]
+        assert await checker.check(pool, backend) == (False, False)  # a real timeout
+
+        async def busy() -> None:
+            await asyncio.sleep(0.05)
+            time.sleep(0.4)  # noqa: ASYNC251 (wslb saturated: the loop runs nothing else)
+
+        hog = asyncio.ensure_future(busy())
+        assert await checker.check(pool, backend) is None  # inconclusive, not a failure
+        await hog
+        assert checker.inconclusive == 1
+    lag.stop()
+    server.close()
+    await server.wait_closed()

@@ -24,6 +24,7 @@ from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster
 from balancer.aio.drain import Drainer
 from balancer.aio.health import HealthChecker
+from balancer.aio.loops import LagMeter
 from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
@@ -93,6 +94,7 @@ class Balancer:
         self.handoff_http: aiohttp.ClientSession | None = None
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
+        self.lag: LagMeter | None = None
         self.drainer = Drainer(self)
         self.auth = Authenticator(config.auth)
         self._listener_tls: list[tuple[ssl.SSLContext, str, str]] = []
@@ -125,7 +127,9 @@ class Balancer:
         )
         if self.link is None:  # a serving process of workers: N follows the board instead
             self.scraper = Scraper(self.http, self._scrape_failed)
-            self.health = HealthChecker(self.http, self._probe_result)
+            self.lag = LagMeter(self.loop)
+            self.lag.start()
+            self.health = HealthChecker(self.http, self._probe_result, self.lag)
         else:
             self._spawn_background(self._follow_board())
         for pool in self.pools:
@@ -256,6 +260,8 @@ class Balancer:
             self.board.close()
 
     async def stop_monitors(self) -> None:
+        if self.lag is not None:
+            self.lag.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         if self.scraper is not None:
