@@ -201,9 +201,12 @@ async def test_a_probe_that_times_out_while_wslb_lags_counts_neither_way() -> No
     from balancer.config import BackendCfg, HealthCfg, PoolCfg
     from balancer.pool import Pool
 
+    done = asyncio.Event()
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)  # accepts, never answers
+        await done.wait()  # accepts, never answers
         writer.close()
+        await writer.wait_closed()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -229,5 +232,7 @@ async def test_a_probe_that_times_out_while_wslb_lags_counts_neither_way() -> No
         await hog
         assert checker.inconclusive == 1
     lag.stop()
+    done.set()
+    await asyncio.sleep(0.05)  # the handlers close their connections
     server.close()
     await server.wait_closed()
