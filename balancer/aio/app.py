@@ -28,6 +28,7 @@ from balancer.aio.loops import LagMeter
 from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
+from balancer.aio.wheel import TimerWheel
 from balancer.auth import Authenticator
 from balancer.board import Board
 from balancer.config import BackendCfg, Config, ConfigError, Listener
@@ -69,6 +70,7 @@ class Balancer:
         self.config_path = config_path
         self.link = link
         self.loop = asyncio.get_running_loop()
+        self.wheel = TimerWheel(self.loop)  # the sessions' timers (heartbeat, idle, close)
         self.stats = Stats()
         self.pools = [Pool(p) for p in config.pools]
         self.board: Board | None = None

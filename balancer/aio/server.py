@@ -21,7 +21,10 @@ Close rules of a session (RFC 6455 7.1; wslb stands between two close handshakes
 Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
 aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
 scanners recognise in the pong, so endpoints' own pings and pongs pass through untouched; no pong
-within ``ping_timeout`` ends the session with 1011. The same timer enforces the idle timeout.
+within ``ping_timeout`` ends the session with 1011. The same timer enforces the idle timeout. The
+timers of all sessions share the balancer's ``TimerWheel`` (``app.wheel``, ``wheel.py``): a
+session is an entry in a bucket, not a loop timer of its own, and fires up to 1/16 of its delay
+late (at most 1 s).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from balancer.handshake import (
 
 if TYPE_CHECKING:
     from balancer.aio.app import Balancer
+    from balancer.aio.wheel import Bucket
     from balancer.pool import Backend, Pool
 
 __all__ = ["ClientConnection", "Session", "open_upstream"]
@@ -386,13 +390,14 @@ class UpstreamHandshake(asyncio.Protocol):
 class ClientLeg(asyncio.Protocol):
     """The client leg of a live session: hands everything to the session."""
 
+    # Slots, not a dict. ``data_received`` is a slot holding the session's bound ``client_data``
+    # (the transport calls the session directly: one Python call per read, not two); uvloop keeps
+    # the same bound method, so it costs nothing more.
+    __slots__ = ("data_received", "session")
+
     def __init__(self, session: Session) -> None:
         self.session = session
-        # The transport calls the session directly: one Python call per read, not two.
         self.data_received = session.client_data  # type: ignore[method-assign]
-
-    def data_received(self, data: bytes) -> None:
-        self.session.client_data(data)
 
     def eof_received(self) -> bool | None:
         return None  # close our side too; connection_lost follows
@@ -512,7 +517,7 @@ class Session(asyncio.Protocol):
         self.pending_client_close: tuple[int, str] | None = None
         self.closing = False
         self.finished = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Bucket | None = None  # the app.wheel bucket this session is due in
         self._awaiting_pong = False
         self.paused_since = 0.0  # loop time backpressure paused a leg; 0 when flowing
         self._last_msgs = 0
@@ -772,9 +777,7 @@ class Session(asyncio.Protocol):
             self.wt.close()
         if self.client_gone and self.worker_gone and not self.finished:
             self.finished = True
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
+            self.app.wheel.cancel(self)
             self.pool.detach(self.backend, self.sid, self.app.loop.time())
             self.app.session_finished(self)
 
@@ -796,14 +799,13 @@ class Session(asyncio.Protocol):
         return min(timers) if timers else 0.0
 
     def _schedule_tick(self, delay: float) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         if delay > 0:
-            self.timer = self.app.loop.call_later(delay, self._tick)
+            self.app.wheel.schedule(self, delay)
+        else:
+            self.app.wheel.cancel(self)
 
     def _tick(self) -> None:
-        self.timer = None
+        """Called by the wheel (which has cleared ``self.timer``)."""
         if self.finished:
             return
         if self.closing:
