@@ -153,9 +153,8 @@ class ClientRequest:
         ``upstream_request`` forwards or reads, in a plain list (h11's header objects are
         several times larger, and a live session keeps this for its whole life)."""
         keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k == b"x-forwarded-for"]
-        return ClientRequest(
-            self.target, self.path, self.query, keep, b"", self.subprotocols, self.host
-        )
+        # Routing is done: the path is not needed again (the query goes to the worker).
+        return ClientRequest("", "", self.query, keep, b"", self.subprotocols, self.host)
 
 
 def _tokens(value: bytes) -> list[str]:

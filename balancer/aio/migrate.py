@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from balancer.aio.server import Session, open_upstream
+from balancer.aio.server import PAUSES_KEPT, Session, open_upstream
 from balancer.handshake import UpstreamReject
 from balancer.pool import Backend
 
@@ -106,7 +106,7 @@ async def migrate(app: Balancer, s: Session, to: str | None = None) -> Migration
     app.stats.migrations[result.reason if not result.ok else "migrated"] += 1
     if result.pause is not None:
         app.stats.migration_pause.observe(result.pause)
-        s.pauses.append(result.pause)
+        s.pauses = (*s.pauses[-(PAUSES_KEPT - 1) :], result.pause)
     return result
 
 

@@ -61,6 +61,7 @@ __all__ = ["ClientConnection", "Session", "open_upstream"]
 # Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
 # so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
 REPLAY_LIMIT = 256 * 1024
+PAUSES_KEPT = 20  # migration pauses a session remembers (GET /sessions)
 # After a client's framing violation, the worker gets this long to send what it was answering
 # before wslb closes its leg (the client gets its close code after that).
 VIOLATION_GRACE = 0.05
@@ -497,7 +498,8 @@ class Session(asyncio.Protocol):
         # Migration: a bounded log of the client bytes sent on the current worker leg and where
         # each client message ends in it, to replay what the old worker had not processed.
         self.migrations = 0
-        self.pauses: list[float] = []  # seconds, one per migration
+        # Seconds, one per migration, the last PAUSES_KEPT (a tuple: the empty one is shared).
+        self.pauses: tuple[float, ...] = ()
         self.migrating = False
         self.holding = False
         self.replay_limit = REPLAY_LIMIT if pool.cfg.drain.migrate else 0
@@ -876,5 +878,5 @@ class Session(asyncio.Protocol):
                 "worker_to_client": self.prior_frames + self.ws.frames,
             },
             "migrations": self.migrations,
-            "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses[-20:]],
+            "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses],
         }
