@@ -203,16 +203,19 @@ class Admin:
             raise web.HTTPNotFound(reason=f"no backend {request.match_info['id']!r}")
         return found
 
-    async def add_backend(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+    def _new_backend(self, body: dict[str, Any]) -> tuple[Pool, BackendCfg]:
+        """The pool (``pool`` in the body, else the first) and config of a backend to add."""
         pool_name = body.pop("pool", None)
         pool = self.app.pools[0] if pool_name is None else self.app.pool(str(pool_name))
         if pool is None:
-            return _error(404, f"no pool {pool_name!r}")
+            raise web.HTTPNotFound(reason=f"no pool {pool_name!r}")
         try:
-            cfg = parse_backend(body)
+            return pool, parse_backend(body)
         except ConfigError as exc:
-            return _error(400, "; ".join(exc.errors))
+            raise web.HTTPBadRequest(reason="; ".join(exc.errors)) from None
+
+    async def add_backend(self, request: web.Request) -> web.Response:
+        pool, cfg = self._new_backend(await self._body(request))
         if self.app.cluster is not None:
             return await self._cluster_add(pool, cfg)
         if self.app.find_backend(cfg.id) is not None:

@@ -48,9 +48,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from balancer.aio.admin import Admin, _error
 from balancer.aio.app import Balancer, ProcessLink
-from balancer.aio.spawn import BACKOFF_MAX, BACKOFF_MIN, STABLE_AFTER, _die_with_parent
+from balancer.aio.spawn import Backoff, _die_with_parent
 from balancer.board import Board
-from balancer.config import Config, ConfigError, Listener, parse_backend
+from balancer.config import Config, ConfigError, Listener
 from balancer.config import load as load_config
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend
 
@@ -148,7 +148,7 @@ class ServingProcess:
 
     async def supervise(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff = BACKOFF_MIN
+        backoff = Backoff()
         self.http = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=self.socket), base_url="http://wslb"
         )
@@ -174,13 +174,11 @@ class ServingProcess:
             if self.sup.closing:
                 return
             self.restarts += 1
-            if loop.time() - started > STABLE_AFTER:
-                backoff = BACKOFF_MIN
+            delay = backoff.next(loop.time() - started)
             log.warning(
-                "serving process %d exited with %s; restarting in %.1fs", self.index, code, backoff
+                "serving process %d exited with %s; restarting in %.1fs", self.index, code, delay
             )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            await asyncio.sleep(delay)
 
     async def _answers(self) -> bool:
         try:
@@ -415,12 +413,15 @@ class FanoutAdmin(Admin):
     async def backends(self, request: web.Request) -> web.Response:
         return web.json_response(await self._merged_backends())
 
-    async def backend(self, request: web.Request) -> web.Response:
-        bid = request.match_info["id"]
+    async def _merged(self, bid: str) -> dict[str, Any]:
+        """One backend's merged view (404 if the supervisor does not know it)."""
         for b in await self._merged_backends():
             if b["id"] == bid:
-                return web.json_response(b)
-        return _error(404, f"no backend {bid!r}")
+                return b
+        raise web.HTTPNotFound(reason=f"no backend {bid!r}")
+
+    async def backend(self, request: web.Request) -> web.Response:
+        return web.json_response(await self._merged(request.match_info["id"]))
 
     async def sessions(self, request: web.Request) -> web.Response:
         out: list[Any] = []
@@ -459,14 +460,7 @@ class FanoutAdmin(Admin):
 
     async def add_backend(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        pool_name = body.get("pool")
-        pool = self.app.pools[0] if pool_name is None else self.app.pool(str(pool_name))
-        if pool is None:
-            return _error(404, f"no pool {pool_name!r}")
-        try:
-            cfg = parse_backend({k: v for k, v in body.items() if k != "pool"})
-        except ConfigError as exc:
-            return _error(400, "; ".join(exc.errors))
+        pool, cfg = self._new_backend(dict(body))  # the serving processes get the body as is
         if self.app.find_backend(cfg.id) is not None:
             return _error(409, f"backend {cfg.id!r} exists")
         b = self.app.add_backend(pool, cfg)
@@ -477,7 +471,7 @@ class FanoutAdmin(Admin):
 
     async def delete_backend(self, request: web.Request) -> web.Response:
         pool, b = self._find(request)
-        merged = next(m for m in await self._merged_backends() if m["id"] == b.id)
+        merged = await self._merged(b.id)
         if merged["state"] != DRAINED or merged["sessions"]:
             return _error(409, f"backend {b.id!r} is {merged['state']}; drain it first")
         answers = await self.app.fan_out("DELETE", f"/backends/{b.id}")
@@ -497,7 +491,7 @@ class FanoutAdmin(Admin):
         self.app.self_drained.discard(b.id)
         if b.admin_state == ACTIVE:  # the supervisor's mirror (for probes and replay)
             self.app.drainer.start(pool, b, False, math.inf)
-        merged = next(m for m in await self._merged_backends() if m["id"] == b.id)
+        merged = await self._merged(b.id)
         return web.json_response(merged, status=200 if merged["state"] == DRAINED else 202)
 
     async def undrain(self, request: web.Request) -> web.Response:
@@ -508,8 +502,7 @@ class FanoutAdmin(Admin):
         if failed is not None:
             return failed
         await self.app.drainer.undrain(b)
-        merged = next(m for m in await self._merged_backends() if m["id"] == b.id)
-        return web.json_response(merged)
+        return web.json_response(await self._merged(b.id))
 
     async def debug_stats(self, request: web.Request) -> web.Response:
         own = await super().debug_stats(request)

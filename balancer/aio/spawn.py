@@ -17,13 +17,28 @@ from collections.abc import Callable
 
 from balancer.pool import Backend
 
-__all__ = ["Spawner"]
+__all__ = ["Backoff", "Spawner"]
 
 log = logging.getLogger("wslb.spawn")
 
 BACKOFF_MIN = 0.5
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0
+
+
+class Backoff:
+    """Restart delays of a supervised process: 0.5 s doubling to 30 s, reset once it had stayed
+    up for 30 s."""
+
+    def __init__(self) -> None:
+        self.delay = BACKOFF_MIN
+
+    def next(self, ran_for: float) -> float:
+        """The delay before restarting a process that ran for ``ran_for`` seconds."""
+        if ran_for > STABLE_AFTER:
+            self.delay = BACKOFF_MIN
+        delay, self.delay = self.delay, min(self.delay * 2, BACKOFF_MAX)
+        return delay
 
 
 def _die_with_parent() -> None:
@@ -73,7 +88,7 @@ class Spawner:
 
     async def _supervise(self, backend: Backend) -> None:
         loop = asyncio.get_running_loop()
-        backoff = BACKOFF_MIN
+        backoff = Backoff()
         while True:
             started = loop.time()
             proc = await asyncio.create_subprocess_exec(
@@ -92,11 +107,9 @@ class Spawner:
             if self._stopping:
                 return
             self.restarts[backend.id] = self.restarts.get(backend.id, 0) + 1
-            if loop.time() - started > STABLE_AFTER:
-                backoff = BACKOFF_MIN
-            log.warning("worker %s exited with %s; restarting in %.1fs", backend.id, code, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            delay = backoff.next(loop.time() - started)
+            log.warning("worker %s exited with %s; restarting in %.1fs", backend.id, code, delay)
+            await asyncio.sleep(delay)
 
     @staticmethod
     async def _accepts(backend: Backend) -> bool:
