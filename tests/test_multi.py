@@ -230,7 +230,18 @@ async def test_reconnects_find_their_worker_from_either_process(tmp_path: Path) 
             for key, worker in first.items():
                 assert await _hello(lb.url, key) == worker
         # max_connections is the balancer's, not each process's.
-        held = [await connect(f"{lb.url}/ws?session=cap-{i}") for i in range(6)]
+        # The kernel's SO_REUSEPORT hash puts all six on one process one time in 32; then
+        # the cap would be tested within a process only, so close them and draw again.
+        for _ in range(10):
+            held = [await connect(f"{lb.url}/ws?session=cap-{i}") for i in range(6)]
+            if len({s["process"] for s in lb.admin("/sessions")}) == 2:
+                break
+            for ws in held:
+                await ws.close()
+            for _ in range(100):  # the closes reach both processes' counts
+                if not lb.admin("/sessions"):
+                    break
+                await asyncio.sleep(0.05)
         assert len({s["process"] for s in lb.admin("/sessions")}) == 2
         for _ in range(4):  # whichever process the kernel picks
             extra = await RawClient.connect(lb.port)
@@ -280,9 +291,12 @@ async def test_a_drain_reaches_every_process_and_survives_a_restart(tmp_path: Pa
         clients = [asyncio.ensure_future(chat_session(lb.url, f"mp-{i}", 2)) for i in range(24)]
         await asyncio.sleep(0.6)  # everyone is mid-answer
         live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
-        victim = max(live, key=lambda k: live[k])
-        holders = {s["process"] for s in lb.admin(f"/sessions?backend={victim}")}
-        assert holders == {0, 1}, holders  # the drain has sessions to move in both processes
+        holders = {b: {s["process"] for s in lb.admin(f"/sessions?backend={b}")} for b in live}
+        # The drain must have sessions to move in both processes. The kernel's SO_REUSEPORT
+        # hash may put all of one worker's ~8 in one process (1 in 128), hardly all three's.
+        both = [b for b in live if holders[b] == {0, 1}]
+        assert both, holders
+        victim = max(both, key=lambda k: live[k])
         lb.admin_post(f"/backends/{victim}/drain", {"migrate": True, "timeout": "20s"})
         view = await wait_state(lb, victim, "drained")
         assert view["sessions"] == 0
