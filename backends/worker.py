@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import logging
@@ -75,7 +76,12 @@ from typing import Any, Literal
 
 from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from backends.gpu import NvmlGpu, open_gpu
@@ -121,7 +127,11 @@ METRIC_NAMES = (
     "wslb_worker_connections_total",
     "wslb_worker_handoffs_total",
     "wslb_worker_kv_transfer_tokens_total",
+    "wslb_worker_inter_token_latency_seconds_sum",  # a histogram: also _count and _bucket
+    "wslb_worker_inter_token_latency_seconds_count",
 )
+# vLLM's inter-token latency buckets, cut at 10 s (a token slower than that is a stall).
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
 
 
@@ -394,6 +404,8 @@ class _Connection:
         deadline = loop.time()
         if due_now:
             deadline -= model.token_delay()  # the first token is due immediately
+        itl = self.worker.itl
+        last = None  # when this stream's previous token went out: the gaps, as vLLM times them
         burst = 0
         while turn.remaining > 0 and not self.stopped():
             delay = model.token_delay()
@@ -414,7 +426,39 @@ class _Connection:
                     if self.stopped():
                         break
             token = model.emit(turn)
+            now = loop.time()
+            if last is not None:
+                itl.observe(now - last)
+            last = now
             await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
+
+
+class Histogram:
+    """A lock-free histogram for one event loop (prometheus-client's takes a lock per
+    observation, and this one is observed once per token)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out
 
 
 class _WorkerCollector(Collector):
@@ -474,6 +518,13 @@ class _WorkerCollector(Collector):
             "KV cache tokens copied in from another worker by a thaw",
             value=stats.kv_transfer_tokens_total,
         )
+        itl = worker.itl
+        yield HistogramMetricFamily(
+            "wslb_worker_inter_token_latency_seconds",
+            "Time between a stream's successive tokens (vLLM: inter-token latency, TPOT)",
+            buckets=itl.cumulative(),
+            sum_value=itl.sum,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,6 +545,7 @@ class Worker:
         self.worker_id = config.worker_id or f"worker-{config.port}"
         self.connections_total = 0
         self.handoffs = {"freeze": 0, "thaw": 0}
+        self.itl = Histogram(ITL_BUCKETS)
         self.draining = False
         self.port = config.port
         self.registry = CollectorRegistry()

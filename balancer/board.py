@@ -36,14 +36,15 @@ from dataclasses import dataclass
 
 __all__ = ["MAX_BACKENDS", "Board", "BoardInfo"]
 
-MAGIC = b"WSLBBRD1"
+MAGIC = b"WSLBBRD2"
 MAX_BACKENDS = 1024
 ID_BYTES = 128
 _HEADER = struct.Struct("<8sII")
 _HEADER_SIZE = 64
-# seq, healthy, draining, gpu_util, kv_cache_usage, running, waiting, scraped_at (monotonic)
-_INFO = struct.Struct("<Q7d")
-_INFO_SIZE = 64
+# seq, healthy, draining, gpu_util, kv_cache_usage, running, waiting, tpot,
+# scraped_at (monotonic)
+_INFO = struct.Struct("<Q8d")
+_INFO_SIZE = 128
 AFFINITY_ENTRIES = 1 << 16
 # key hash, backend slot + 1, first slot + 1 (0: none), time (CLOCK_MONOTONIC), key hash again
 _AFF = struct.Struct("<QHH4xdQ")
@@ -61,6 +62,7 @@ class BoardInfo:
     kv_cache_usage: float | None
     running: float | None
     waiting: float | None
+    tpot: float | None
     scraped_at: float | None
 
 
@@ -213,13 +215,15 @@ class Board:
         *,
         healthy: bool,
         draining: bool,
-        signals: tuple[float | None, float | None, float | None, float | None] | None,
+        signals: tuple[float | None, ...] | None,
         scraped_at: float | None,
     ) -> None:
         at = self._info_at + self.slot(backend_id) * _INFO_SIZE
         seq = struct.unpack_from("<Q", self._mm, at)[0]
         struct.pack_into("<Q", self._mm, at, seq + 1)  # odd: a write is in progress
-        values = [_NAN if v is None else v for v in (signals or (None, None, None, None))]
+        """``signals``: gpu_util, kv_cache_usage, running, waiting, tpot (None: never scraped)."""
+        values = [_NAN if v is None else v for v in (signals or (None,) * 5)]
+        assert len(values) == 5
         _INFO.pack_into(
             self._mm,
             at,
@@ -235,7 +239,7 @@ class Board:
         """The supervisor's latest view of the backend, or None before its first write."""
         at = self._info_at + self.slot(backend_id) * _INFO_SIZE
         for _ in range(100):
-            seq, healthy, draining, gpu, kv, running, waiting, scraped = _INFO.unpack_from(
+            seq, healthy, draining, gpu, kv, running, waiting, tpot, scraped = _INFO.unpack_from(
                 self._mm, at
             )
             if seq % 2:
@@ -252,6 +256,7 @@ class Board:
                 _opt(kv),
                 _opt(running),
                 _opt(waiting),
+                _opt(tpot),
                 _opt(scraped),
             )
         return None

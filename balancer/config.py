@@ -350,7 +350,7 @@ class DrainCfg:
 class WeightsCfg:
     """Live-weight scraping. ``metrics`` is a preset name or ``((signal, metric), ...)``.
 
-    Signals: ``gpu_util``, ``kv_cache_usage``, ``running``, ``waiting``.
+    Signals: ``gpu_util``, ``kv_cache_usage``, ``running``, ``waiting``, ``tpot``.
     """
 
     scrape_interval: float = 1.0
@@ -1221,6 +1221,7 @@ class _Builder:
             gpu=self.number(c, "gpu", cp, dc.gpu),
             kv_cache=self.number(c, "kv_cache", cp, dc.kv_cache),
             queue=self.number(c, "queue", cp, dc.queue),
+            tpot=self.number(c, "tpot", cp, dc.tpot),
             min_factor=self.number(c, "min_factor", cp, dc.min_factor),
             noise_band=self.number(c, "noise_band", cp, dc.noise_band),
         )

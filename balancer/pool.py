@@ -26,11 +26,15 @@ order unchanged) adds nothing to either, so it fits wherever the backend is with
 counting the key's place already: as SPEC section 5 has it, affinity holds while the worker is
 under its bound. It moves only when that backend's bound fell below its count meanwhile
 (effective weights moved, sessions ended elsewhere); ``weights.denoise`` and the smoothing keep
-scrape noise out of the weights so that this is rare. Under ``workers: N`` each process keeps
-its own holds and publishes its live sessions plus held places on the board, so every process's
-bounds count them (``remote_sessions``); a key that returns through another process than the one
-holding its place is counted twice until that hold expires, which errs on the side of a tighter
-bound.
+scrape noise out of the weights so that this is rare. A held place is a reservation, not a
+session: when its backend's counted load is above its bound (the same bound, of the current
+total), places held there are given up, the longest-quiet conversations first, until it is
+within the bound again or holds none; live sessions are never moved for the bound.
+
+Under ``workers: N`` each process keeps its own holds and publishes its live sessions plus
+held places on the board, so every process's bounds count them (``remote_sessions``); a key that
+returns through another process than the one holding its place is counted twice until that hold
+expires, which errs on the side of a tighter bound.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from urllib.parse import urlsplit
 
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
-from balancer.weights import Signals, denoise, effective_weight
+from balancer.weights import Signals, denoise, effective_weight, median, speed
 
 __all__ = ["Backend", "Pool", "SharedLoad", "Upstream"]
 
@@ -99,6 +103,7 @@ class Backend:
         "ejections",
         "factor",
         "factor_at",
+        "headroom",
         "healthy",
         "held",
         "id",
@@ -139,8 +144,9 @@ class Backend:
         self.returned_at = 0.0
         self.signals: Signals | None = None
         self.stale = True
-        self.factor = 1.0  # smoothed load factor: effective_weight = weight x factor
+        self.headroom = 1.0  # smoothed load signals' factor, at factor_at
         self.factor_at = 0.0
+        self.factor = 1.0  # headroom x speed: effective_weight = weight x factor
 
     @property
     def ejected(self) -> bool:
@@ -290,6 +296,14 @@ class Pool:
             self._publish(hb)
         w = self.cfg.weights
         shared = self.shared
+        mid_tpot = median(
+            b.signals.tpot
+            for b in self.backends.values()
+            if b.ready
+            and b.signals is not None
+            and b.signals.tpot
+            and now - b.signals.at <= w.stale_after
+        )
         for b in self.backends.values():
             if shared is not None:
                 b.remote_sessions = shared.remote(b.id)
@@ -299,17 +313,54 @@ class Pool:
             was_stale = b.stale
             raw, b.stale = effective_weight(1.0, b.signals, now, w.stale_after, w.coefficients)
             if b.stale or was_stale or w.smoothing <= 0:  # no history to smooth against
-                b.factor = raw
+                b.headroom = raw
             elif now > b.factor_at:
                 # Exponential smoothing in time, however often this runs.
-                b.factor += (raw - b.factor) * (1.0 - math.exp((b.factor_at - now) / w.smoothing))
+                b.headroom += (raw - b.headroom) * (
+                    1.0 - math.exp((b.factor_at - now) / w.smoothing)
+                )
             b.factor_at = now
+            b.factor = b.headroom
+            if not b.stale and b.signals is not None:  # tpot is a decayed mean already
+                slower = speed(b.signals.tpot, mid_tpot, w.coefficients)
+                b.factor = max(w.coefficients.min_factor, b.headroom * slower)
             b.effective_weight = b.weight * b.factor
         # Shares among the ready backends with fresh signals, without the scrape noise.
         fresh = {b.id: b.factor for b in self.backends.values() if b.ready and not b.stale}
         for bid, f in denoise(fresh, w.coefficients.noise_band).items():
             b = self.backends[bid]
             b.effective_weight = b.weight * f
+        if held and self.balance == "consistent":
+            self._trim_holds()
+
+    def _trim_holds(self) -> None:
+        """Give up held places on backends above their bound (module docstring), oldest first.
+
+        Giving one up lowers the total, and so every bound a little: repeat until nothing is
+        over or the backends that are hold no places.
+        """
+        ready = [b for b in self.backends.values() if b.ready]
+        weight_sum = sum(b.effective_weight for b in ready)
+        total = sum(b.counted for b in ready)
+
+        def over(b: Backend) -> bool:
+            return b.counted > load_bound(total, self.factor, b.effective_weight, weight_sum)
+
+        in_pool = set(ready)
+        held = self._held
+        for _ in range(len(held)):
+            if not any(b.held and over(b) for b in ready):
+                return
+            trimmed = False
+            for key, (hb, _until) in list(held.items()):  # in expiry order: the oldest first
+                if hb in in_pool and over(hb):
+                    del held[key]
+                    hb.held -= 1
+                    total -= 1
+                    self._publish(hb)
+                    trimmed = True
+            if not trimmed:
+                return
 
     def select(self, key: str, exclude: Iterable[str] = (), now: float = 0.0) -> Backend | None:
         """Pick the backend for a new session with this key, or None if no backend is ready.

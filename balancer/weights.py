@@ -1,14 +1,24 @@
 """Scraped load signals and the effective weight they give a backend.
 
 A worker publishes how busy it is (GPU utilisation, KV-cache usage, requests running and
-waiting) in Prometheus text. wslb maps those metrics to four signals through a preset or an
-explicit mapping, and turns them into an effective weight:
+waiting) and how fast it decodes (the inter-token latency histogram) in Prometheus text. wslb
+maps those metrics to five signals through a preset or an explicit mapping, and turns them into
+an effective weight:
 
     headroom  = (1 - a * gpu_util) * (1 - b * kv_cache_usage) / (1 + q * waiting)
-    effective = static_weight * clamp(headroom, min_factor, 1)
+    speed     = min(1, median_tpot / tpot) ** t
+    effective = static_weight * clamp(smoothed(headroom) * speed, min_factor, 1)
 
-with ``a``, ``b``, ``q`` and ``min_factor`` from ``weights.coefficients``. Missing signals count
-as 0 (no penalty). The bounded-load rule (``ring.load_bound``) then gives each backend at most
+with ``a``, ``b``, ``q``, ``t`` and ``min_factor`` from ``weights.coefficients``. Missing
+signals count as 0 (no penalty). ``tpot`` is the worker's mean time per output token (its
+inter-token latency histogram's sum and count, differenced between scrapes), and
+``median_tpot`` the median of the pool's fresh backends: a worker that decodes slower than its
+peers (a GPU shared with something else, a smaller card, throttling) loses weight from its first
+answers, before its streams pile up and its other signals show it. ``tpot`` is averaged over
+tokens with exponentially decaying weights (time constant ``weights.smoothing``), so it needs no
+smoothing of its own: the first tokens give the worker's speed as it is, not a value that creeps
+there from "no penalty" while the worker fills up. A worker that decodes nothing keeps its last
+figure. The bounded-load rule (``ring.load_bound``) then gives each backend at most
 ``c x`` its *effective* share of the live sessions, so wslb's own session counts and the workers'
 reported load act together: a hot worker keeps its existing keys while it has room and takes
 fewer new ones. A scrape older than ``stale_after`` is ignored: the backend falls back to its
@@ -27,8 +37,9 @@ bounded-load rule, so the level (all workers busier) passes through unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,11 +50,13 @@ __all__ = [
     "Signals",
     "denoise",
     "effective_weight",
+    "median",
     "parse_signals",
     "resolve_mapping",
+    "speed",
 ]
 
-SIGNALS = ("gpu_util", "kv_cache_usage", "running", "waiting")
+SIGNALS = ("gpu_util", "kv_cache_usage", "running", "waiting", "tpot")
 
 # signal -> candidate metric names, first present wins (vLLM renamed its KV-cache gauge).
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -52,17 +65,22 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
         "kv_cache_usage": ("wslb_worker_kv_cache_usage",),
         "running": ("wslb_worker_active_sessions",),
         "waiting": ("wslb_worker_queue_depth",),
+        "tpot": ("wslb_worker_inter_token_latency_seconds",),
     },
     "vllm": {
         "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         "running": ("vllm:num_requests_running",),
         "waiting": ("vllm:num_requests_waiting",),
+        # Renamed in vLLM 0.10 (V1); the old name stayed as a deprecated alias for a while.
+        "tpot": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     },
     "dcgm": {"gpu_util": ("DCGM_FI_DEV_GPU_UTIL",)},
 }
 
 # Fractions are averaged over label sets (several GPUs, several models); counts are summed.
 _FRACTIONS = frozenset({"gpu_util", "kv_cache_usage"})
+# Histograms: the mapped name is the family; its _sum and _count are read (summed over labels).
+_HISTOGRAMS = frozenset({"tpot"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +90,8 @@ class Coefficients:
     gpu: float = 0.5
     kv_cache: float = 0.5
     queue: float = 0.25
+    tpot: float = 1.0
+    """Exponent of ``median_tpot / tpot`` for a backend slower than the pool's median."""
     min_factor: float = 0.05
     noise_band: float = 0.15
     """Relative differences between backends' load factors up to this much are scrape noise
@@ -80,16 +100,48 @@ class Coefficients:
 
 @dataclass(frozen=True, slots=True)
 class Signals:
-    """One scrape of one backend; ``at`` is the loop time it completed."""
+    """One scrape of one backend; ``at`` is the loop time it completed.
+
+    ``tpot_sum`` and ``tpot_count`` are the histogram's running totals as scraped; ``tpot`` is
+    the decayed mean that ``since`` works out from the previous scrape, ``tpot_wsum`` and
+    ``tpot_wcount`` its decayed totals.
+    """
 
     at: float
     gpu_util: float | None = None
     kv_cache_usage: float | None = None
     running: float | None = None
     waiting: float | None = None
+    tpot: float | None = None
+    tpot_sum: float | None = None
+    tpot_count: float | None = None
+    tpot_wsum: float = 0.0
+    tpot_wcount: float = 0.0
 
     def as_dict(self) -> dict[str, float | None]:
         return {s: getattr(self, s) for s in SIGNALS}
+
+    def since(self, prev: Signals | None, tau: float) -> Signals:
+        """This scrape with ``tpot``: the mean time per token, each token weighted by
+        ``exp(-age / tau)`` (``tau`` 0: the tokens since ``prev`` only).
+
+        No tokens since ``prev``: the previous figure stands. A first scrape gives none (its
+        totals may hold hours of history); a counter that went back (the worker restarted)
+        starts over.
+        """
+        if self.tpot_count is None or self.tpot_sum is None:
+            return self
+        if prev is None or prev.tpot_count is None or prev.tpot_sum is None:
+            return self
+        dn = self.tpot_count - prev.tpot_count
+        if dn < 0:
+            return self
+        decay = math.exp(-max(0.0, self.at - prev.at) / tau) if tau > 0 else 0.0
+        wsum = prev.tpot_wsum * decay + max(0.0, self.tpot_sum - prev.tpot_sum)
+        wcount = prev.tpot_wcount * decay + dn
+        if dn == 0 or wcount <= 0:
+            return replace(self, tpot=prev.tpot, tpot_wsum=wsum, tpot_wcount=wcount)
+        return replace(self, tpot=wsum / wcount, tpot_wsum=wsum, tpot_wcount=wcount)
 
 
 def resolve_mapping(
@@ -113,6 +165,13 @@ def parse_signals(text: str, mapping: Mapping[str, tuple[str, ...]], at: float) 
     found: dict[str, float] = {}
     for signal, names in mapping.items():
         for name in names:
+            if signal in _HISTOGRAMS:
+                sums, counts = values.get(f"{name}_sum"), values.get(f"{name}_count")
+                if not sums or not counts:
+                    continue
+                found[f"{signal}_sum"] = max(sum(sums), 0.0)
+                found[f"{signal}_count"] = max(sum(counts), 0.0)
+                break
             samples = values.get(name)
             if not samples:
                 continue
@@ -135,28 +194,35 @@ def denoise(factors: Mapping[str, float], band: float) -> dict[str, float]:
     """
     if band <= 0 or len(factors) < 2:
         return dict(factors)
-    ordered = sorted(factors.values())
-    n = len(ordered)
-    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-    if median <= 0:
+    mid = median(factors.values())
+    if mid is None or mid <= 0:
         return dict(factors)
     out = {}
     for key, f in factors.items():
-        ratio = f / median
+        ratio = f / mid
         if ratio > 1.0 + band:
             ratio /= 1.0 + band
         elif ratio * (1.0 + band) < 1.0:
             ratio *= 1.0 + band
         else:
             ratio = 1.0
-        out[key] = median * ratio
+        out[key] = mid * ratio
     return out
+
+
+def median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        return None
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 def effective_weight(
     static: float, signals: Signals | None, now: float, stale_after: float, coef: Coefficients
 ) -> tuple[float, bool]:
-    """The backend's weight for load bounds, and whether its scrape is stale (or missing)."""
+    """The backend's weight for load bounds from its load signals (``speed`` aside), and
+    whether its scrape is stale (or missing)."""
     if signals is None or now - signals.at > stale_after:
         return static, True
     headroom = (
@@ -165,3 +231,10 @@ def effective_weight(
         / (1.0 + coef.queue * (signals.waiting or 0.0))
     )
     return static * min(1.0, max(coef.min_factor, headroom)), False
+
+
+def speed(tpot: float | None, median_tpot: float | None, coef: Coefficients) -> float:
+    """The factor for decoding slower than the pool's median ``tpot`` (1: not slower)."""
+    if coef.tpot <= 0 or not tpot or not median_tpot or tpot <= median_tpot:
+        return 1.0
+    return float((median_tpot / tpot) ** coef.tpot)

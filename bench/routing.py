@@ -29,8 +29,9 @@ definitions; text after an ``<!-- analysis -->`` line of an existing file is kep
 ``docs/routing.png`` (if matplotlib is importable).
 
 The machine may be shared: each run records the CPU cores this benchmark and everything else
-used meanwhile (``--wait-idle-s`` waits for the others to go quiet first). ``--modes`` also takes
-weight variants (``NAME=BALANCE:GPU,KV_CACHE,QUEUE``), ``--code`` runs another checkout's wslb.
+used meanwhile (``--wait-idle-s`` waits for the others to go quiet first). ``--modes`` also
+takes weight variants (``NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT]``), ``--code`` runs another
+checkout's wslb.
 
 Not a test: ``pytest`` only collects ``tests/``. ``python bench/routing.py --help``;
 ``--quick`` for a version of about two minutes.
@@ -75,8 +76,8 @@ from balancer.weights import Coefficients  # noqa: E402
 from tests.procs import free_port, stop, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
-LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "min_factor": 0.05}
-STATIC = {"gpu": 0.0, "kv_cache": 0.0, "queue": 0.0, "min_factor": 0.05}
+LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "tpot": 1.0, "min_factor": 0.05}
+STATIC = {"gpu": 0.0, "kv_cache": 0.0, "queue": 0.0, "tpot": 0.0, "min_factor": 0.05}
 
 
 # -- parameters ------------------------------------------------------------------------------
@@ -884,9 +885,10 @@ def write_doc(
         "(`held` in `GET /backends`; 30 s after a session ends, so a reconnect-per-turn "
         "conversation keeps its place while its client thinks), and the weights are the "
         "effective weights wslb reports at that poll. wslb enforces the rule when it places "
-        "a session; a worker can end up above it afterwards when sessions end elsewhere or "
-        "its weight drops (wslb does not move live sessions for that), so this is observed "
-        "at every poll, a stricter test than the rule. For `least_conn` and `round_robin` "
+        "a session, and gives up held places (longest-quiet first) on a worker that is above "
+        "it; live sessions alone can leave a worker above it afterwards, when sessions end "
+        "elsewhere or its weight drops (wslb does not move live sessions for that), so this is "
+        "observed at every poll, a stricter test than the rule. For `least_conn` and `round_robin` "
         "it is the same ratio, for comparison (with their own `held` counts).",
         "- **weight spread**: median over loaded polls of the largest / smallest effective "
         "weight (1.00 with static weights; identical workers should stay near 1).",
@@ -962,7 +964,8 @@ def pair(s: str) -> tuple[int, int]:
 
 
 def parse_mode(spec: str, known: dict[str, Mode]) -> Mode:
-    """A known mode name, or ``NAME=BALANCE:GPU,KV_CACHE,QUEUE`` (a weights variant)."""
+    """A known mode name, or ``NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT]`` (a weights variant;
+    TPOT defaults to 0)."""
     if "=" not in spec:
         if spec not in known:
             raise ValueError(f"unknown mode {spec!r} (one of {', '.join(known)}, or NAME=...)")
@@ -972,10 +975,13 @@ def parse_mode(spec: str, known: dict[str, Mode]) -> Mode:
     if balance not in ("consistent", "least_conn", "round_robin", "random"):
         raise ValueError(f"unknown balance {balance!r}")
     values = [float(v) for v in coef.split(",")] if coef else [0.0, 0.0, 0.0]
-    if len(values) != 3:
-        raise ValueError(f"{spec!r}: expected GPU,KV_CACHE,QUEUE")
-    gpu, kv, queue = values
-    return Mode(name, balance, {"gpu": gpu, "kv_cache": kv, "queue": queue, "min_factor": 0.05})
+    if len(values) == 3:
+        values.append(0.0)
+    if len(values) != 4:
+        raise ValueError(f"{spec!r}: expected GPU,KV_CACHE,QUEUE[,TPOT]")
+    gpu, kv, queue, tpot = values
+    coefficients = {"gpu": gpu, "kv_cache": kv, "queue": queue, "tpot": tpot, "min_factor": 0.05}
+    return Mode(name, balance, coefficients)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1010,8 +1016,8 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--modes",
         default="consistent-load-aware;consistent-static;least_conn;round_robin",
-        help="';'-separated: the four names, or NAME=BALANCE:GPU,KV_CACHE,QUEUE for a variant "
-        "(e.g. 'consistent-gpu=consistent:0.5,0,0')",
+        help="';'-separated: the four names, or NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT] for a "
+        "variant (e.g. 'consistent-gpu=consistent:0.5,0,0')",
     )
     a("--runs", default="even,hetero")
     a("--doc", type=Path, default=ROOT / "docs" / "routing.md", help="'-' for none")

@@ -17,6 +17,7 @@ from balancer.config import (
     WeightsCfg,
 )
 from balancer.pool import Pool
+from balancer.weights import Signals
 
 
 def make_pool(
@@ -204,6 +205,36 @@ def test_held_places_expire_and_attaching_elsewhere_releases_them() -> None:
     assert (a.held, a.counted, b.counted) == (0, 0, 1)
     pool.detach(b, None, now=22.0)  # a migration's old leg: no hold
     assert b.held == 0
+
+
+def test_held_places_yield_when_their_worker_goes_above_its_bound() -> None:
+    """A held place is a reservation: when the worker's weight falls below what it counts,
+    its places go, the longest-quiet first, down to the bound. Live sessions stay."""
+    pool = make_pool(n=2, c=1.25)
+    hot, cool = pool.backends["w0"], pool.backends["w1"]
+    for i in range(6):
+        pool.attach(f"a{i}", hot, now=0.0)
+        pool.attach(f"b{i}", cool, now=0.0)
+    for i in range(4):
+        pool.detach(hot, f"a{i}", now=1.0 + i)  # a0 quiet longest
+    for i in range(3):
+        pool.detach(cool, f"b{i}", now=1.0 + i)
+    pool.refresh(5.0)
+    assert (hot.sessions, hot.held, cool.sessions, cool.held) == (2, 4, 3, 3)  # within bounds
+    hot.signals = Signals(at=6.0, gpu_util=1.0, kv_cache_usage=1.0)
+    cool.signals = Signals(at=6.0)
+    pool.refresh(6.0)
+    total = hot.counted + cool.counted
+    weights = hot.effective_weight + cool.effective_weight
+    bound = math.ceil(1.25 * total * hot.effective_weight / weights - 1e-9)
+    assert hot.sessions == 2 and hot.held == 2 and hot.counted == bound  # two places gone
+    assert cool.held == 3  # a worker within its bound keeps its places
+    # The places given up were a0 and a1: a2 still takes its own place back.
+    before = hot.counted
+    pool.attach("a2", hot, now=7.0)
+    assert hot.counted == before
+    pool.attach("a0", hot, now=7.0)
+    assert hot.counted == before + 1
 
 
 @pytest.mark.parametrize("c", [1.1, 1.25])

@@ -89,6 +89,64 @@ async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Pat
             w.stop()
 
 
+async def test_a_slow_decoder_gets_fewer_sessions_from_its_inter_token_latency(
+    tmp_path: Path,
+) -> None:
+    """Every other signal off: the worker that decodes 4x slower is seen by its scraped
+    inter-token latency alone, and takes a small share of the next sessions."""
+    args = ["--max-batch", "64", "--prefill-ms-per-token", "0"]
+    slow = Worker("slow", ["--tokens-per-s", "25", *args]).start()
+    fast = [Worker(f"fast{i}", ["--tokens-per-s", "100", *args]).start() for i in range(2)]
+    cfg = pool_config(
+        [{"id": w.id, "url": w.url} for w in [slow, *fast]],
+        hash_balance_factor=1.25,
+        weights={
+            "scrape_interval": "0.2s",
+            "smoothing": "0s",
+            "coefficients": {"gpu": 0, "kv_cache": 0, "queue": 0, "tpot": 1.0},
+        },
+    )
+    cfg["timeouts"] = FAST
+    lb = Wslb(cfg, tmp_path).start()
+    conns: list[ClientConnection] = []
+    try:
+        await wait_for(
+            lambda: all(not b["signals_stale"] for b in lb.admin("/backends")),
+            what="first scrapes",
+        )
+        warm, where = await open_sessions(lb.url, "warm", 9)
+        assert set(where) == {"slow", "fast0", "fast1"}, where  # equal weights: each has some
+        for ws in warm:
+            await ws.send(json.dumps({"type": "prompt", "text": "go", "max_tokens": 6}))
+        for ws in warm:
+            while json.loads(await ws.recv())["type"] != "done":
+                pass
+            await ws.close()
+
+        def views() -> dict[str, Any]:
+            return {b["id"]: b for b in lb.admin("/backends")}
+
+        await wait_for(
+            lambda: all(v["signals"]["tpot"] for v in views().values()), what="tpot scraped"
+        )
+        v = views()
+        assert 0.035 < v["slow"]["signals"]["tpot"] < 0.08, v["slow"]["signals"]
+        assert all(0.009 < v[f]["signals"]["tpot"] < 0.03 for f in ("fast0", "fast1")), v
+        # 1/4 of the median speed, less the 15% noise band.
+        assert v["slow"]["effective_weight"] < 0.4 * v["fast0"]["effective_weight"], v
+        assert v["fast0"]["effective_weight"] == v["fast1"]["effective_weight"] == 1.0
+        conns, where = await open_sessions(lb.url, "next", 60)
+        assert where["slow"] < 0.5 * min(where["fast0"], where["fast1"]), where
+        metrics = lb.admin("/metrics")
+        assert 'wslb_backend_signal{backend="slow",pool="chat",signal="tpot"}' in metrics
+    finally:
+        for ws in conns:
+            await ws.close()
+        lb.stop()
+        for w in [slow, *fast]:
+            w.stop()
+
+
 class Toggle:
     """A websockets worker whose /healthz answers 200 or 503 on demand."""
 

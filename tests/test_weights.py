@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from balancer.weights import (
@@ -12,6 +14,7 @@ from balancer.weights import (
     effective_weight,
     parse_signals,
     resolve_mapping,
+    speed,
 )
 from tests.test_pool import make_pool, place
 
@@ -27,12 +30,67 @@ wslb_worker_active_sessions 12
 wslb_worker_queue_depth 2
 # TYPE wslb_worker_kv_hit_tokens counter
 wslb_worker_kv_hit_tokens_total 100
+# TYPE wslb_worker_inter_token_latency_seconds histogram
+wslb_worker_inter_token_latency_seconds_bucket{le="0.025"} 30.0
+wslb_worker_inter_token_latency_seconds_bucket{le="+Inf"} 40.0
+wslb_worker_inter_token_latency_seconds_count 40.0
+wslb_worker_inter_token_latency_seconds_sum 1.0
 """
+
+
+def itl(total: float, count: float, name: str = "wslb_worker_inter_token_latency_seconds") -> str:
+    return f"# TYPE {name} histogram\n{name}_sum {total}\n{name}_count {count}\n"
 
 
 def test_reference_preset() -> None:
     s = parse_signals(REFERENCE, PRESETS["reference"], at=5.0)
     assert (s.gpu_util, s.kv_cache_usage, s.running, s.waiting, s.at) == (0.8, 0.5, 12, 2, 5.0)
+    assert (s.tpot_sum, s.tpot_count, s.tpot) == (1.0, 40.0, None)  # one scrape: no window
+
+
+def test_tpot_is_the_mean_time_per_token_since_the_previous_scrape() -> None:
+    ref = PRESETS["reference"]
+    first = parse_signals(itl(1.0, 40), ref, 1.0).since(None, 0.0)
+    assert first.tpot is None  # the totals may hold hours of history
+    second = parse_signals(itl(4.0, 100), ref, 2.0).since(first, 0.0)
+    assert second.tpot == pytest.approx(3.0 / 60)  # not the lifetime mean 0.04
+    assert second.as_dict()["tpot"] == second.tpot
+    idle = parse_signals(itl(4.0, 100), ref, 3.0).since(second, 0.0)
+    assert idle.tpot == second.tpot  # nothing decoded since: the last figure stands
+    restarted = parse_signals(itl(0.5, 10), ref, 4.0).since(idle, 0.0)
+    assert restarted.tpot is None  # the counter went back: start over
+    again = parse_signals(itl(0.8, 20), ref, 5.0).since(restarted, 0.0)
+    assert again.tpot == pytest.approx(0.03)
+    # No histogram at all (a worker that does not export it): no signal, no penalty.
+    plain = parse_signals("wslb_worker_queue_depth 1\n", ref, 6.0).since(second, 0.0)
+    assert plain.tpot is None
+
+
+def test_tpot_weighs_tokens_by_their_age_and_starts_from_the_first_ones() -> None:
+    ref = PRESETS["reference"]
+    tau = 10.0
+    s = parse_signals(itl(0.0, 0), ref, 0.0).since(None, tau)
+    s = parse_signals(itl(5.0, 100), ref, 1.0).since(s, tau)
+    assert s.tpot == pytest.approx(0.05)  # the first tokens alone: no prior to creep from
+    s = parse_signals(itl(6.0, 200), ref, 11.0).since(s, tau)  # 100 faster tokens, 10 s later
+    old = math.exp(-1.0)
+    assert s.tpot == pytest.approx((5.0 * old + 1.0) / (100 * old + 100))
+    before = s.tpot
+    for t in range(12, 100):  # idle: both totals decay alike, the figure stands
+        s = parse_signals(itl(6.0, 200), ref, float(t)).since(s, tau)
+    assert s.tpot == pytest.approx(before)
+    s = parse_signals(itl(7.0, 300), ref, 100.0).since(s, tau)
+    assert s.tpot == pytest.approx(0.01, rel=0.01)  # the old tokens have faded
+    # Labelled series (several models behind one endpoint) are summed before dividing.
+    labelled = (
+        'x_seconds_sum{model="a"} 1.0\nx_seconds_count{model="a"} 10\n'
+        'x_seconds_sum{model="b"} 3.0\nx_seconds_count{model="b"} 10\n'
+    )
+    one = parse_signals(labelled, resolve_mapping((("tpot", "x_seconds"),)), 0.0)
+    assert (one.tpot_sum, one.tpot_count) == (4.0, 20.0)
+
+
+OLD_TPOT = "vllm:time_per_output_token_seconds"
 
 
 def test_vllm_preset_prefers_new_name_and_falls_back_to_old() -> None:
@@ -41,6 +99,10 @@ def test_vllm_preset_prefers_new_name_and_falls_back_to_old() -> None:
     old = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.75\n'
     old += 'vllm:num_requests_waiting{model_name="m"} 4\n'
     assert parse_signals(new, PRESETS["vllm"], 0).kv_cache_usage == 0.25
+    both = itl(2.0, 10, OLD_TPOT) + itl(1.0, 10, "vllm:inter_token_latency_seconds")
+    assert parse_signals(both, PRESETS["vllm"], 0).tpot_sum == 1.0  # vLLM 0.10's name first
+    legacy = parse_signals(itl(2.0, 10, OLD_TPOT), PRESETS["vllm"], 0)
+    assert legacy.tpot_sum == 2.0
     s = parse_signals(old, PRESETS["vllm"], 0)
     assert (s.kv_cache_usage, s.waiting, s.running) == (0.75, 4, None)
 
@@ -72,6 +134,43 @@ def test_effective_weight_formula_and_staleness() -> None:
     assert effective_weight(2.0, None, 0.0, 5.0, c) == (2.0, True)
     floor = Coefficients(gpu=1.0, kv_cache=1.0, queue=0.0, min_factor=0.1)
     assert effective_weight(1.0, busy, 10.0, 5.0, floor)[0] == pytest.approx(0.1)
+    # Decode speed: only slower than the pool's median costs weight, by the ratio ^ tpot.
+    assert speed(0.05, 0.02, c) == pytest.approx(0.4)
+    assert speed(0.05, 0.08, c) == 1.0
+    assert speed(0.05, None, c) == speed(None, 0.02, c) == 1.0  # no peers, or no figure
+    assert speed(0.05, 0.02, Coefficients(tpot=0.5)) == pytest.approx(0.4**0.5)
+    assert speed(0.05, 0.02, Coefficients(tpot=0.0)) == 1.0
+
+
+def test_a_slow_decoder_loses_weight_before_its_streams_pile_up() -> None:
+    """Same load signals everywhere, one worker decodes 2.5x slower: its share of new sessions
+    falls at once (relative to the median of the fresh backends, so a pool that is slow as a
+    whole keeps equal shares), and a stale or missing figure does not count."""
+    pool = make_pool(n=4, c=1.25)  # smoothing 20 s
+    slow = pool.backends["w3"]
+    for b in pool.backends.values():  # before the first tokens: no figure yet
+        b.signals = Signals(at=9.0, gpu_util=0.3)
+    pool.refresh(9.0)
+    assert slow.effective_weight == pytest.approx(0.85)
+    for b in pool.backends.values():  # a second later, not 20 s of smoothing later
+        b.signals = Signals(at=10.0, gpu_util=0.3, tpot=0.05 if b is slow else 0.02)
+    pool.refresh(10.0)
+    assert slow.effective_weight == pytest.approx(0.85 * 0.4 * 1.15)  # band: 0.4 -> 0.46
+    assert [pool.backends[f"w{i}"].effective_weight for i in range(3)] == [pytest.approx(0.85)] * 3
+    counts = {b: 0 for b in pool.backends}
+    for i in range(400):
+        b = pool.select(f"k{i}", now=10.0)
+        assert b is not None
+        pool.attach(f"k{i}", b, 10.0)
+        counts[b.id] += 1
+    share = slow.effective_weight / sum(b.effective_weight for b in pool.backends.values())
+    assert counts["w3"] <= math.ceil(1.25 * 400 * share) < 0.7 * 100, counts  # its ring: 1/4
+    # Everyone equally slow: equal weights again.
+    even = make_pool(n=4)
+    for b in even.backends.values():
+        b.signals = Signals(at=10.0, tpot=0.2)
+    even.refresh(10.0)
+    assert {b.effective_weight for b in even.backends.values()} == {1.0}
 
 
 def test_hot_worker_takes_fewer_new_sessions_and_keeps_ring_and_affinity() -> None:

@@ -218,6 +218,37 @@ async def test_metrics_names_and_counters(worker: WorkerProc) -> None:
     assert after["wslb_worker_kv_cache_usage"] == 0.0
 
 
+async def test_inter_token_latency_histogram_follows_the_decode_speed() -> None:
+    """The histogram wslb's ``tpot`` signal reads: one observation per gap between a stream's
+    tokens (none before its first), at the speed the worker decodes."""
+    w = start_worker("--tokens-per-s", "50", "--prefill-ms-per-token", "0", "--simulate-gpu")
+    try:
+        name = "wslb_worker_inter_token_latency_seconds"
+        before = await metrics(w)
+        assert before[f"{name}_count"] == 0.0 and before[f"{name}_sum"] == 0.0
+        sid = new_sid()
+        async with await open_chat(w, sid) as ws:
+            await recv(ws)
+            await ask(ws, sid, 11, text="x")
+            await ask(ws, sid, 1, text="y")  # a one-token answer has no gap
+        after = await metrics(w)
+        assert after[f"{name}_count"] == 10.0
+        assert 0.018 < after[f"{name}_sum"] / 10 < 0.06  # 1/50 s, plus a loaded machine's lag
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(w.http + "/metrics") as resp,
+        ):
+            family = next(
+                f for f in text_string_to_metric_families(await resp.text()) if f.name == name
+            )
+        buckets = [(s.labels["le"], s.value) for s in family.samples if s.name.endswith("_bucket")]
+        assert buckets[-1] == ("+Inf", 10.0)
+        assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
+        assert dict(buckets)["0.01"] == 0.0  # no gap shorter than a token's 20 ms
+    finally:
+        w.stop()
+
+
 # -- chat protocol ----------------------------------------------------------------------------
 
 

@@ -190,6 +190,7 @@ class Balancer:
                             kv_cache_usage=info.kv_cache_usage,
                             running=info.running,
                             waiting=info.waiting,
+                            tpot=info.tpot,
                         )
                     )
             await asyncio.sleep(BOARD_FOLLOW)

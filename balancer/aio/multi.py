@@ -278,7 +278,13 @@ class Supervisor(Balancer):
                         draining=b.id in self.self_drained,
                         signals=None
                         if sig is None
-                        else (sig.gpu_util, sig.kv_cache_usage, sig.running, sig.waiting),
+                        else (
+                            sig.gpu_util,
+                            sig.kv_cache_usage,
+                            sig.running,
+                            sig.waiting,
+                            sig.tpot,
+                        ),
                         scraped_at=None if sig is None else mono - (now - sig.at),
                     )
             await asyncio.sleep(PUBLISH_EVERY)

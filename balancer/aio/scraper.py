@@ -56,7 +56,8 @@ class Scraper:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()
-            backend.signals = parse_signals(text, resolve_mapping(cfg.metrics), loop.time())
+            signals = parse_signals(text, resolve_mapping(cfg.metrics), loop.time())
+            backend.signals = signals.since(backend.signals, cfg.smoothing)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             log.debug("scrape of %s failed: %s", backend.id, exc)
             self._on_failure(backend)
