@@ -28,14 +28,21 @@ Rules of the state machine (each direction of a session has its own scanner):
 
 ``notable`` is set whenever a close, an error or a consumed pong occurs, so the relay tests one
 attribute per chunk instead of three.
+
+``feed``'s fast loop over whole small data frames runs in C (``balancer/_scan.c``, built at
+install when a compiler is there; ``ACCELERATED`` says whether it was). At saturation a read
+holds hundreds of frames, and the loop in Python cost ~0.1 us per frame, most of wslb's CPU per
+frame there. The Python loop stays as the fallback; ``WSLB_PURE_PYTHON=1`` forces it.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 
 __all__ = [
+    "ACCELERATED",
     "OP_BINARY",
     "OP_CLOSE",
     "OP_CONT",
@@ -60,6 +67,20 @@ CLOSE_NO_STATUS = 1005
 
 _U16 = struct.Struct("!H")
 _U64 = struct.Struct("!Q")
+
+
+def _load_skip_frames() -> Callable[[bytes, int, int, int, int], tuple[int, int]] | None:
+    if os.environ.get("WSLB_PURE_PYTHON"):
+        return None
+    try:
+        from balancer._scan import skip_frames
+    except ImportError:  # not built (no C compiler at install): the Python loop
+        return None
+    return skip_frames
+
+
+_skip_frames = _load_skip_frames()
+ACCELERATED = _skip_frames is not None
 
 
 class ProtocolError(Exception):
@@ -245,7 +266,10 @@ class FrameScanner:
             return self._scan(data, pos)
         ends = self.ends
         count = 0
-        if ends is None:
+        skip = _skip_frames
+        if ends is None and skip is not None:
+            pos, count = skip(data, pos, mbit, hlen, limit)  # the loop below, in C
+        elif ends is None:
             # The hot loop (worker to client). A header cut short by the end of the chunk
             # raises IndexError with ``pos`` still at its frame, which _scan then holds back.
             try:

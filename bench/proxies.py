@@ -733,7 +733,22 @@ def source_state(src: Path) -> str:
     head = _cmd_out(["git", "-C", str(src), "log", "-1", "--format=%h %s"])[:80]
     dirty = _cmd_out(["git", "-C", str(src), "status", "--porcelain", "--", "balancer"])
     n = len([ln for ln in dirty.splitlines() if ln.strip()])
-    return f"{src} at {head}" + (f" + uncommitted changes in {n} balancer/ file(s)" if n else "")
+    loop = _cmd_out(
+        [
+            "env",
+            "-C",
+            str(src),
+            sys.executable,
+            "-c",
+            "import balancer.frames as f; "
+            "print('C' if f.ACCELERATED else 'Python (balancer._scan not built there)')",
+        ]
+    )
+    return (
+        f"{src} at {head}"
+        + (f" + uncommitted changes in {n} balancer/ file(s)" if n else "")
+        + f"; frame scanner's fast loop: {loop.strip() or 'unknown'}"
+    )
 
 
 TARGETS: dict[str, type[Proxy]] = {"direct": Direct, "nginx": Nginx, "haproxy": Haproxy}

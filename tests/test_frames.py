@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import struct
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from balancer import frames
 from balancer.frames import (
     OP_BINARY,
     OP_CLOSE,
@@ -284,24 +288,103 @@ def stream_st(masked: bool) -> st.SearchStrategy[bytes]:
     ).map(lambda t: b"".join(t[0] + t[1] + t[2]))
 
 
-@settings(max_examples=600, deadline=None)
-@given(st.booleans(), st.booleans(), st.sampled_from([100, 300, 1 << 20]), st.data())
-def test_fast_path_matches_general_path_over_any_chunking(
-    masked: bool, with_ends: bool, limit: int, data: st.DataObject
-) -> None:
-    stream = data.draw(stream_st(masked))
-    chunks = data.draw(splits(len(stream)))
-    kw = {"masked": masked, "max_frame_size": limit, "max_message_size": limit + 200}
-    fast, ref = FrameScanner(**kw), FrameScanner(**kw)  # type: ignore[arg-type]
-    for sc in (fast, ref):
-        sc.ends = [] if with_ends else None
-        sc.own_ping = b"own!"
-    pos = 0
-    for size in [*chunks, len(stream)]:
-        chunk = stream[pos : pos + size]
-        pos += len(chunk)
-        assert fast.feed(chunk) == _general(ref, chunk)
-        assert _state(fast) == _state(ref)
+@contextlib.contextmanager
+def fast_loop(in_c: bool) -> Iterator[None]:
+    """Run ``feed``'s fast loop in C (``balancer._scan``) or in Python, for the block."""
+    saved = frames._skip_frames
+    if in_c and saved is None:
+        pytest.skip("balancer._scan is not built here (no C compiler at install)")
+    frames._skip_frames = saved if in_c else None
+    try:
+        yield
+    finally:
+        frames._skip_frames = saved
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
+def test_fast_path_matches_general_path_over_any_chunking(in_c: bool) -> None:
+    @settings(max_examples=600, deadline=None)
+    @given(st.booleans(), st.booleans(), st.sampled_from([100, 300, 1 << 20]), st.data())
+    def check(masked: bool, with_ends: bool, limit: int, data: st.DataObject) -> None:
+        stream = data.draw(stream_st(masked))
+        chunks = data.draw(splits(len(stream)))
+        kw = {"masked": masked, "max_frame_size": limit, "max_message_size": limit + 200}
+        fast, ref = FrameScanner(**kw), FrameScanner(**kw)  # type: ignore[arg-type]
+        for sc in (fast, ref):
+            sc.ends = [] if with_ends else None
+            sc.own_ping = b"own!"
+        pos = 0
+        for size in [*chunks, len(stream)]:
+            chunk = stream[pos : pos + size]
+            pos += len(chunk)
+            assert fast.feed(chunk) == _general(ref, chunk)
+            assert _state(fast) == _state(ref)
+
+    with fast_loop(in_c):
+        check()
+
+
+def test_the_c_loop_is_built_where_a_compiler_is() -> None:
+    """The install builds ``balancer._scan`` when it can; where it did not, wslb still runs (the
+    Python loop), at about 3x the CPU per frame at saturation (docs/benchmarks.md)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the install falls back to the Python loop")
+    if os.environ.get("WSLB_PURE_PYTHON"):
+        pytest.skip("WSLB_PURE_PYTHON is set")
+    assert frames.ACCELERATED, "balancer._scan did not build: reinstall (pip install -e .)"
+
+
+def test_c_and_python_loops_agree_at_every_length_boundary() -> None:
+    """Deterministic companion of the hypothesis test: frame sizes at each length-encoding and
+    limit boundary, every cut near a frame edge, both loops against each other."""
+    if frames._skip_frames is None:
+        pytest.skip("balancer._scan is not built here")
+    sizes = (0, 1, 124, 125, 126, 127, 299, 300, 301, 65535)
+    for masked in (False, True):
+        tok = _frame(OP_TEXT, b"t", masked)
+        for size in sizes:
+            mid = _frame(OP_BINARY, b"x" * size, masked)
+            stream = tok + mid + tok
+            edges = (0, len(tok), len(tok) + len(mid), len(stream))
+            cuts = sorted({c for e in edges for c in range(e - 4, e + 5) if 0 <= c <= len(stream)})
+            for limit in (125, 126, 300, 65535):
+                for cut in cuts:
+                    results = []
+                    for in_c in (True, False):
+                        with fast_loop(in_c):
+                            sc = FrameScanner(
+                                masked=masked, max_frame_size=limit, max_message_size=limit
+                            )
+                            out = sc.feed(stream[:cut]) + sc.feed(stream[cut:])
+                            results.append((out, _state(sc)))
+                    assert results[0] == results[1], (masked, size, limit, cut)
+
+
+def test_c_loop_arguments_and_buffers() -> None:
+    if frames._skip_frames is None:
+        pytest.skip("balancer._scan is not built here")
+    from balancer._scan import skip_frames
+
+    tok = _frame(OP_TEXT, b"tok", True)
+    data = tok * 3 + tok[:4]  # three whole frames and one cut short
+    for buf in (data, bytearray(data), memoryview(data)):
+        assert skip_frames(buf, 0, 0x80, 6, 1 << 20) == (3 * len(tok), 3)
+    assert skip_frames(data, len(tok), 0x80, 6, 1 << 20) == (3 * len(tok), 2)
+    assert skip_frames(data, 0, 0, 2, 1 << 20) == (0, 0)  # masked frames, unmasked expected
+    assert skip_frames(b"", 0, 0, 2, 125) == (0, 0)
+    assert skip_frames(b"\x81", 0, 0, 2, 125) == (0, 0)  # header cut short
+    big = _frame(OP_BINARY, b"x" * 300, False)
+    assert skip_frames(big, 0, 0, 2, 299) == (0, 0)  # over the limit: _scan's 1009
+    assert skip_frames(big, 0, 0, 2, 300) == (len(big), 1)  # at the limit: passed
+    assert skip_frames(big + big[:3], 0, 0, 2, 300) == (len(big), 1)
+    with pytest.raises(ValueError):
+        skip_frames(data, -1, 0x80, 6, 100)
+    with pytest.raises(ValueError):
+        skip_frames(data, 0, 0x40, 6, 100)
+    with pytest.raises(TypeError):
+        skip_frames("text", 0, 0x80, 6, 100)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        skip_frames(data, 0, 0x80)  # type: ignore[call-arg]
 
 
 def test_fast_path_whole_frames_and_limits() -> None:

@@ -1,0 +1,3 @@
+def skip_frames(
+    data: bytes | bytearray | memoryview, pos: int, mbit: int, hlen: int, limit: int
+) -> tuple[int, int]: ...
