@@ -41,10 +41,10 @@ MAX_BACKENDS = 1024
 ID_BYTES = 128
 _HEADER = struct.Struct("<8sII")
 _HEADER_SIZE = 64
-# seq, healthy, draining, gpu_util, kv_cache_usage, running, waiting, tpot,
-# scraped_at (monotonic)
-_INFO = struct.Struct("<Q8d")
-_INFO_SIZE = 128
+# seq, healthy, gpu_util, kv_cache_usage, running, waiting, tpot, scraped_at (monotonic)
+_INFO = struct.Struct("<Q7d")
+_INFO_SIZE = 64
+assert _INFO.size <= _INFO_SIZE
 AFFINITY_ENTRIES = 1 << 16
 # key hash, backend slot + 1, first slot + 1 (0: none), time (CLOCK_MONOTONIC), key hash again
 _AFF = struct.Struct("<QHH4xdQ")
@@ -57,7 +57,6 @@ class BoardInfo:
 
     seq: int
     healthy: bool
-    draining: bool
     gpu_util: float | None
     kv_cache_usage: float | None
     running: float | None
@@ -214,7 +213,6 @@ class Board:
         backend_id: str,
         *,
         healthy: bool,
-        draining: bool,
         signals: tuple[float | None, ...] | None,
         scraped_at: float | None,
     ) -> None:
@@ -229,7 +227,6 @@ class Board:
             at,
             seq + 1,
             float(healthy),
-            float(draining),
             *values,
             _NAN if scraped_at is None else scraped_at,
         )
@@ -239,9 +236,7 @@ class Board:
         """The supervisor's latest view of the backend, or None before its first write."""
         at = self._info_at + self.slot(backend_id) * _INFO_SIZE
         for _ in range(100):
-            seq, healthy, draining, gpu, kv, running, waiting, tpot, scraped = _INFO.unpack_from(
-                self._mm, at
-            )
+            seq, healthy, gpu, kv, running, waiting, tpot, scraped = _INFO.unpack_from(self._mm, at)
             if seq % 2:
                 continue  # a write is in progress: read again
             if struct.unpack_from("<Q", self._mm, at)[0] != seq:
@@ -251,7 +246,6 @@ class Board:
             return BoardInfo(
                 seq,
                 healthy > 0.5,
-                draining > 0.5,
                 _opt(gpu),
                 _opt(kv),
                 _opt(running),

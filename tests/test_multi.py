@@ -56,19 +56,12 @@ def test_board_info_round_trips_and_rejects_a_foreign_file(tmp_path: Path) -> No
     child = Board(path, 3, 2)
     try:
         assert child.read_info("w1") is None  # nothing known before the first write
-        sup.write_info(
-            "w1", healthy=False, draining=True, signals=(0.5, None, 3.0, 0.0, 0.03), scraped_at=12.5
-        )
+        sup.write_info("w1", healthy=False, signals=(0.5, None, 3.0, 0.0, 0.03), scraped_at=12.5)
         info = child.read_info("w1")
         assert info is not None and info.seq == 2
-        assert (info.healthy, info.draining, info.gpu_util, info.kv_cache_usage) == (
-            False,
-            True,
-            0.5,
-            None,
-        )
+        assert (info.healthy, info.gpu_util, info.kv_cache_usage) == (False, 0.5, None)
         assert (info.running, info.waiting, info.tpot, info.scraped_at) == (3.0, 0.0, 0.03, 12.5)
-        sup.write_info("w1", healthy=True, draining=False, signals=None, scraped_at=None)
+        sup.write_info("w1", healthy=True, signals=None, scraped_at=None)
         again = child.read_info("w1")
         assert again is not None and again.seq == 4 and again.healthy
         assert again.gpu_util is None and again.scraped_at is None

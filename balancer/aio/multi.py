@@ -268,14 +268,13 @@ class Supervisor(Balancer):
             for pool in self.pools:
                 for b in pool.backends.values():
                     sig = b.signals
-                    state = (b.healthy, b.id in self.self_drained, sig)
+                    state = (b.healthy, sig)
                     if written.get(b.id) == state:
                         continue
                     written[b.id] = state
                     self.shared_board.write_info(
                         b.id,
                         healthy=b.healthy,
-                        draining=b.id in self.self_drained,
                         signals=None
                         if sig is None
                         else (
