@@ -15,6 +15,7 @@ import pytest
 import yaml
 from websockets.asyncio.client import connect
 
+from balancer import frames
 from tests.procs import ROOT, Worker, Wslb, free_port, pool_config
 
 TOKEN = "s3cret-token"
@@ -98,6 +99,8 @@ def test_json_errors_and_openapi(lb: Wslb) -> None:
     assert status == 200 and spec["openapi"].startswith("3.")
     for path in ("/backends/{id}/drain", "/sessions/{sid}/migrate", "/reload", "/readyz"):
         assert path in spec["paths"]
+    status, stats = call(lb, "GET", "/debug/stats")
+    assert status == 200 and stats["scanner"] == ("c" if frames.ACCELERATED else "python")
 
 
 async def test_add_drain_undrain_delete(lb: Wslb, workers: list[Worker]) -> None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from balancer import frames
 from balancer.aio.cluster import EtcdError
 from balancer.aio.migrate import migrate
 from balancer.aio.openapi import OPENAPI
@@ -304,7 +305,9 @@ class Admin:
         return web.json_response(report)
 
     async def debug_stats(self, request: web.Request) -> web.Response:
-        """Process figures for soak tests: tasks, sessions, connections, RSS, open FDs."""
+        """Process figures for soak tests: tasks, sessions, connections, RSS, open FDs, and
+        which frame-scanner loop runs (``c``, or ``python`` where ``balancer._scan`` was not
+        built)."""
         proc = psutil.Process()
         return web.json_response(
             {
@@ -313,6 +316,7 @@ class Admin:
                 "connections": self.app.connections,
                 "rss": proc.memory_info().rss,
                 "fds": proc.num_fds(),
+                "scanner": "c" if frames.ACCELERATED else "python",
             }
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import ssl
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from balancer import frames
 from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster
 from balancer.aio.drain import Drainer
@@ -156,6 +158,13 @@ class Balancer:
             )
             self._servers.append(server)
             log.info("listening on %s:%d", lst.host, lst.port)
+        if os.environ.get("WSLB_PURE_PYTHON"):
+            log.warning("frame scanner: the Python loop (WSLB_PURE_PYTHON is set)")
+        elif not frames.ACCELERATED:
+            log.warning(
+                "frame scanner: the Python loop (balancer._scan is not built); reinstall with "
+                "a C compiler for ~3x less CPU per frame at saturation"
+            )
 
     def listeners(self) -> tuple[Listener, ...]:
         """The addresses this process accepts clients on."""
