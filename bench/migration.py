@@ -61,7 +61,6 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
-import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +68,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
+from bench.common import cpu_sample, cpu_window, pct  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 CONNECT_TIMEOUT = 30.0  # seconds to open every session
@@ -145,59 +145,7 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -
     raise TimeoutError(f"port {port} not listening after {timeout:g}s")
 
 
-def cpu_seconds(pid: int) -> float:
-    with contextlib.suppress(psutil.Error):
-        t = psutil.Process(pid).cpu_times()
-        return float(t.user + t.system)
-    return 0.0
-
-
-@dataclass
-class CpuSample:
-    """CPU seconds so far per role, and the machine's busy and total CPU seconds."""
-
-    at: float
-    roles: dict[str, float]
-    busy: float
-    total: float
-
-
-def cpu_sample(pids: dict[str, list[int]]) -> CpuSample:
-    sys_t = psutil.cpu_times()
-    idle = sys_t.idle + getattr(sys_t, "iowait", 0.0)
-    total = float(sum(sys_t))
-    return CpuSample(
-        time.monotonic(),
-        {role: sum(cpu_seconds(p) for p in ps) for role, ps in pids.items()},
-        total - idle,
-        total,
-    )
-
-
-def cpu_window(a: CpuSample, b: CpuSample) -> dict[str, float]:
-    """Per role: % of one core over the window; ``machine``: % of all cores busy."""
-    span = max(b.at - a.at, 1e-9)
-    out = {role: 100.0 * (b.roles[role] - a.roles[role]) / span for role in a.roles}
-    ours = sum(out.values())
-    out["machine"] = 100.0 * (b.busy - a.busy) / max(b.total - a.total, 1e-9)
-    # Everything else on the machine (other jobs), in % of one core.
-    out["others"] = max(0.0, out["machine"] * (os.cpu_count() or 1) - ours)
-    out["seconds"] = span
-    return out
-
-
 # -- statistics ------------------------------------------------------------------------------
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Percentile ``q`` in [0, 100], linear between closest ranks; NaN for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:

@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import load_bound  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
+from bench.common import pct  # noqa: E402
 from tests.procs import free_port, stop, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
@@ -540,17 +541,6 @@ async def drive(
 
 
 # -- analysis ----------------------------------------------------------------------------------
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Percentile with linear interpolation (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 @dataclass

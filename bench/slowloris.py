@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import random
-import re
 import resource
 import signal
 import socket
@@ -66,6 +65,11 @@ import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import cpu_seconds, log_problems, pct  # noqa: E402
+
 HOST = "127.0.0.1"
 HANDSHAKE_IO_TIMEOUT = 10.0
 # wslb's aiohttp client for scrapes and health checks keeps up to this many keep-alive
@@ -331,46 +335,7 @@ def metric(wslb: WslbProc, name: str, labels: str = "") -> int | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float:
-    with contextlib.suppress(psutil.Error):
-        t = psutil.Process(pid).cpu_times()
-        return float(t.user + t.system)
-    return 0.0
-
-
-_ADDR = re.compile(r"0x[0-9a-f]+|\b\d+\.\d+\.\d+\.\d+(:\d+)?\b|session \S+|pid \d+")
-
-
-def log_problems(text: str) -> Counter[str]:
-    """wslb's ERROR and WARNING lines, and the exception ending each traceback, counted by
-    message (addresses, session ids and pids folded so repeats count together)."""
-    out: Counter[str] = Counter()
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"\S+ \S+ (ERROR|WARNING|CRITICAL) (\S+): (.*)", line)
-        if m:
-            out[f"{m[1]} {m[2]}: {_ADDR.sub('_', m[3])[:120]}"] += 1
-        elif line.startswith("Traceback"):
-            j = i + 1
-            while j < len(lines) and lines[j].startswith((" ", "\t")):
-                j += 1
-            if j < len(lines):
-                out[f"  raised {_ADDR.sub('_', lines[j])[:160]}"] += 1
-    return out
-
-
 # -- statistics ------------------------------------------------------------------------------
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """Percentile ``q`` in [0, 100], linear between closest ranks; NaN for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 @dataclass

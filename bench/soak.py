@@ -67,13 +67,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
+from bench.common import log_problems  # noqa: E402
 from bench.slowloris import (  # noqa: E402
     HTTP_POOL_PER_WORKER,
     WslbProc,
     fd_diff,
     fd_table,
     fds_settled,
-    log_problems,
     machine,
     proc_stats,
     raise_nofile,

@@ -1,0 +1,42 @@
+"""bench/common.py: the helpers the benchmark scripts share (percentiles, wslb log summary)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.common import cpu_sample, cpu_window, log_problems, pct
+
+
+def test_pct_interpolates_between_ranks() -> None:
+    assert math.isnan(pct([], 50))
+    assert pct([7.0], 99) == 7.0
+    assert pct([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert pct(list(range(101)), 99) == 99.0
+    assert pct([1.0, 2.0], 0) == 1.0 and pct([1.0, 2.0], 100) == 2.0
+
+
+def test_log_problems_folds_addresses_and_counts_tracebacks() -> None:
+    text = "\n".join(
+        [
+            "2026-11-30 10:00:00,001 WARNING wslb.health: backend w1 at 127.0.0.1:9001 is down",
+            "2026-11-30 10:00:01,001 WARNING wslb.health: backend w1 at 127.0.0.1:9002 is down",
+            "2026-11-30 10:00:02,001 INFO wslb: listening",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in <module>',
+            "ValueError: session abc at 0x7f00",
+        ]
+    )
+    problems = log_problems(text)
+    assert problems["WARNING wslb.health: backend w1 at _ is down"] == 2
+    assert problems["  raised ValueError: _ at _"] == 1
+    assert sum(problems.values()) == 3
+
+
+def test_cpu_window_counts_this_process() -> None:
+    import os
+
+    a = cpu_sample({"me": [os.getpid()]})
+    sum(i * i for i in range(300_000))  # some CPU
+    b = cpu_sample({"me": [os.getpid()]})
+    w = cpu_window(a, b)
+    assert w["me"] >= 0 and w["seconds"] > 0 and 0 <= w["machine"] <= 100
