@@ -1,4 +1,5 @@
-"""Helpers the benchmark scripts share: percentiles, CPU accounting from /proc, wslb's log.
+"""Helpers the benchmark scripts share: ports and child processes, percentiles, CPU accounting
+from /proc, wslb's log.
 
 Benchmarks only (not imported by ``balancer``); each script puts the repository root on
 ``sys.path`` before importing this module as ``bench.common``.
@@ -7,9 +8,13 @@ Benchmarks only (not imported by ``balancer``); each script puts the repository 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import re
+import signal
+import socket
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -17,7 +22,41 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["CpuSample", "cpu_sample", "cpu_seconds", "cpu_window", "log_problems", "pct"]
+__all__ = [
+    "CpuSample",
+    "cpu_sample",
+    "cpu_seconds",
+    "cpu_window",
+    "die_with_parent",
+    "free_port",
+    "log_problems",
+    "pct",
+    "wait_port",
+]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """In a child (``preexec_fn``): SIGKILL if the script dies without cleaning up (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """Until ``port`` on 127.0.0.1 accepts a connection; raises if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -36,7 +36,6 @@ import argparse
 import array
 import asyncio
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import math
@@ -46,7 +45,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +66,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import cpu_sample, cpu_window, pct  # noqa: E402
+from bench.common import (  # noqa: E402
+    cpu_sample,
+    cpu_window,
+    die_with_parent,
+    free_port,
+    pct,
+    wait_port,
+)
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 CONNECT_TIMEOUT = 30.0  # seconds to open every session
@@ -78,18 +83,6 @@ LAG_TICK = 0.005  # the client's event-loop lag probe interval
 HASH_BALANCE_FACTOR = 1.5
 
 # -- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Procs:
@@ -108,7 +101,7 @@ class Procs:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
             )
         self.procs[name] = proc
@@ -132,17 +125,6 @@ class Procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         self.procs.clear()
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
 
 
 # -- statistics ------------------------------------------------------------------------------

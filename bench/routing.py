@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import math
@@ -73,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import load_bound  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
-from bench.common import pct  # noqa: E402
+from bench.common import die_with_parent, pct  # noqa: E402
 from tests.procs import free_port, stop, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
@@ -229,12 +228,6 @@ class SessionError(Exception):
 # -- processes ---------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Lb:
     """A running wslb: its ports."""
@@ -277,7 +270,7 @@ class Fleet:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
             )
         self.procs.append(proc)

@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import math
@@ -68,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_seconds, log_problems, pct  # noqa: E402
+from bench.common import cpu_seconds, die_with_parent, free_port, log_problems, pct  # noqa: E402
 
 HOST = "127.0.0.1"
 HANDSHAKE_IO_TIMEOUT = 10.0
@@ -77,18 +76,6 @@ HANDSHAKE_IO_TIMEOUT = 10.0
 HTTP_POOL_PER_WORKER = 4  # a normal client's handshake that takes longer counts as failed
 
 # -- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -176,7 +163,7 @@ class WslbProc:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
             )
         deadline = time.monotonic() + timeout
@@ -701,7 +688,7 @@ class AttackerProc:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._reader = asyncio.create_task(self._read())
 

@@ -30,14 +30,12 @@ import argparse
 import array
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
 import platform
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,22 +55,15 @@ import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import die_with_parent, free_port, wait_port  # noqa: E402
+
 GAP_BIN_S = 1e-4  # inter-token gaps are histogrammed in 0.1 ms bins
 
 
 # -- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In a child: SIGKILL if this script dies without cleaning up (Linux prctl)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Procs:
@@ -101,7 +92,7 @@ class Procs:
                 stdout=subprocess.PIPE if pipes else log,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
             )
         self._procs.append((proc, term_timeout))
@@ -142,17 +133,6 @@ class Procs:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:
