@@ -448,10 +448,6 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def cumulative(self) -> list[tuple[str, float]]:
         """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
         out, running = [], 0

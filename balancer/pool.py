@@ -336,8 +336,8 @@ class Pool:
     def _trim_holds(self) -> None:
         """Give up held places on backends above their bound (module docstring), oldest first.
 
-        Giving one up lowers the total, and so every bound a little: repeat until nothing is
-        over or the backends that are hold no places.
+        Giving one up lowers the total, and so every bound a little: repeat until no backend is
+        over, or those that are hold no places.
         """
         ready = [b for b in self.backends.values() if b.ready]
         weight_sum = sum(b.effective_weight for b in ready)
