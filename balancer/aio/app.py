@@ -26,7 +26,7 @@ from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster
 from balancer.aio.drain import Drainer
 from balancer.aio.health import HealthChecker
-from balancer.aio.loops import LagMeter
+from balancer.aio.loops import GcPacer, LagMeter
 from balancer.aio.scraper import Scraper
 from balancer.aio.server import ClientConnection, Session
 from balancer.aio.spawn import Spawner
@@ -99,6 +99,7 @@ class Balancer:
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
         self.lag: LagMeter | None = None
+        self.gc_pacer = GcPacer(self.loop)
         self.drainer = Drainer(self)
         self.auth = Authenticator(config.auth)
         self._listener_tls: list[tuple[ssl.SSLContext, str, str]] = []
@@ -158,6 +159,7 @@ class Balancer:
             )
             self._servers.append(server)
             log.info("listening on %s:%d", lst.host, lst.port)
+        self.gc_pacer.start()  # start-up's objects are all built: freeze them
         if os.environ.get("WSLB_PURE_PYTHON"):
             log.warning("frame scanner: the Python loop (WSLB_PURE_PYTHON is set)")
         elif not frames.ACCELERATED:
@@ -272,6 +274,7 @@ class Balancer:
             self.board.close()
 
     async def stop_monitors(self) -> None:
+        self.gc_pacer.stop()
         if self.lag is not None:
             self.lag.stop()
         if self.cluster is not None:
