@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 import uvloop
 
-from balancer.aio.wheel import Bucket, TimerWheel, granularity
+from balancer.aio.wheel import FIRE_CHUNK, Bucket, TimerWheel, granularity
 
 
 class FakeHandle:
@@ -40,6 +40,9 @@ class FakeLoop:
         h = FakeHandle(when, cb, args)
         heapq.heappush(self._heap, (when, next(self._seq), h))
         return h
+
+    def call_soon(self, cb: Callable[..., None], *args: Any) -> FakeHandle:
+        return self.call_at(self.now, cb, *args)
 
     def call_exception_handler(self, context: dict[str, Any]) -> None:
         self.errors.append(context)
@@ -228,6 +231,42 @@ def test_many_in_one_bucket(wheel: TimerWheel) -> None:
     assert order == objs  # in scheduling order, each once
     assert all(len(o.fired) == 1 and o.timer is None for o in objs)
     assert len(wheel) == 0 and wheel.buckets == 0
+
+
+def test_a_big_bucket_fires_in_chunks_with_the_loop_running_between(wheel: TimerWheel) -> None:
+    """Sessions opened together are due together: their ticks must not hold the loop for the
+    whole bucket (the relay's reads wait behind it)."""
+    seen: list[str] = []
+    objs = [Obj(i) for i in range(3 * FIRE_CHUNK + 5)]
+    late_victim = objs[-1]
+
+    def first_tick(o: Obj) -> None:
+        seen.append("tick 0")
+        LOOP.call_soon(lambda: seen.append("other callback"))  # e.g. a socket read
+        wheel.cancel(late_victim)  # not yet ticked, in a later chunk: it never fires
+
+    objs[0].on_tick = first_tick
+    for o in objs[1:]:
+        o.on_tick = lambda o: seen.append("tick")
+    for o in objs:
+        wheel.schedule(o, 20.0)
+    LOOP.advance(LOOP.now + 21)
+    # The other callback ran after the first chunk, long before the bucket's end.
+    assert seen.index("other callback") == FIRE_CHUNK
+    assert all(len(o.fired) == 1 for o in objs[:-1]) and late_victim.fired == []
+    assert seen.count("tick") + 1 == len(objs) - 1
+    assert len(wheel) == 0 and wheel.buckets == 0
+
+
+def test_len_counts_due_objects_until_they_tick(wheel: TimerWheel) -> None:
+    objs = [Obj(i) for i in range(2 * FIRE_CHUNK)]
+    counted: list[int] = []
+    objs[0].on_tick = lambda o: counted.append(len(wheel))
+    for o in objs:
+        wheel.schedule(o, 1.0)
+    LOOP.advance(LOOP.now + 2)
+    assert counted == [2 * FIRE_CHUNK - 1]  # the rest of the bucket is still to tick
+    assert len(wheel) == 0
 
 
 def test_a_failing_callback_does_not_stop_the_bucket(wheel: TimerWheel) -> None:
