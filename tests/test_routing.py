@@ -92,10 +92,11 @@ async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Pat
 async def test_a_slow_decoder_gets_fewer_sessions_from_its_inter_token_latency(
     tmp_path: Path,
 ) -> None:
-    """Every other signal off: the worker that decodes 4x slower is seen by its scraped
-    inter-token latency alone, and takes a small share of the next sessions."""
+    """Every other signal off: the worker that decodes 10x slower is seen by its scraped
+    inter-token latency alone, and takes a small share of the next sessions. (10x, so that a
+    busy machine's loop lag, which slows the fast workers' gaps most, cannot blur it.)"""
     args = ["--max-batch", "64", "--prefill-ms-per-token", "0"]
-    slow = Worker("slow", ["--tokens-per-s", "25", *args]).start()
+    slow = Worker("slow", ["--tokens-per-s", "10", *args]).start()
     fast = [Worker(f"fast{i}", ["--tokens-per-s", "100", *args]).start() for i in range(2)]
     cfg = pool_config(
         [{"id": w.id, "url": w.url} for w in [slow, *fast]],
@@ -130,9 +131,9 @@ async def test_a_slow_decoder_gets_fewer_sessions_from_its_inter_token_latency(
             lambda: all(v["signals"]["tpot"] for v in views().values()), what="tpot scraped"
         )
         v = views()
-        assert 0.035 < v["slow"]["signals"]["tpot"] < 0.08, v["slow"]["signals"]
-        assert all(0.009 < v[f]["signals"]["tpot"] < 0.03 for f in ("fast0", "fast1")), v
-        # 1/4 of the median speed, less the 15% noise band.
+        assert 0.09 < v["slow"]["signals"]["tpot"] < 0.2, v["slow"]["signals"]
+        assert all(0.009 < v[f]["signals"]["tpot"] < 0.04 for f in ("fast0", "fast1")), v
+        # 1/10 of the median speed, less the 15% noise band.
         assert v["slow"]["effective_weight"] < 0.4 * v["fast0"]["effective_weight"], v
         assert v["fast0"]["effective_weight"] == v["fast1"]["effective_weight"] == 1.0
         conns, where = await open_sessions(lb.url, "next", 60)
