@@ -269,37 +269,15 @@ class FrameScanner:
         skip = _skip_frames
         if ends is None and skip is not None:
             pos, count = skip(data, pos, mbit, hlen, limit)  # the loop below, in C
-        elif ends is None:
-            # The hot loop (worker to client). A header cut short by the end of the chunk
-            # raises IndexError with ``pos`` still at its frame, which _scan then holds back.
-            try:
-                while pos < n:
-                    b0 = data[pos]
-                    if b0 != 0x81 and b0 != 0x82:
-                        break
-                    length = data[pos + 1] ^ mbit  # 128 and more: the mask bit is wrong
-                    if length < 126:
-                        end = pos + hlen + length
-                    elif length == 126:
-                        length = (data[pos + 2] << 8) | data[pos + 3]
-                        if length > limit:
-                            break
-                        end = pos + hlen + 2 + length
-                    else:
-                        break
-                    if end > n:
-                        break
-                    count += 1
-                    pos = end
-            except IndexError:
-                pass
         else:
-            # The same walk, recording where each message ends (client frames, migration on).
+            # The hot loop's Python version (no C build), and the walk that records where each
+            # message ends (client frames, migration on): a header cut short by the end of the
+            # chunk stops it with ``pos`` still at its frame, which _scan then holds back.
             while pos + 2 <= n:
                 b0 = data[pos]
                 if b0 != 0x81 and b0 != 0x82:
                     break
-                length = data[pos + 1] ^ mbit
+                length = data[pos + 1] ^ mbit  # 128 and more: the mask bit is wrong
                 if length < 126:
                     end = pos + hlen + length
                 elif length == 126 and pos + 4 <= n:
@@ -312,7 +290,8 @@ class FrameScanner:
                 if end > n:
                     break
                 count += 1
-                ends.append(self.out_bytes + end)
+                if ends is not None:
+                    ends.append(self.out_bytes + end)
                 pos = end
         if count:
             self.frames += count
