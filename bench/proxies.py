@@ -68,6 +68,7 @@ from bench.token_stream import (  # noqa: E402
     Target,
     _sigterm,
     cpu_seconds,
+    cpu_split,
     free_port,
     log,
     rss_bytes,
@@ -758,16 +759,6 @@ TARGETS["wslb"] = Wslb
 # -- measurement -------------------------------------------------------------------------------
 
 
-def system_seconds(pids: Sequence[int]) -> float:
-    """System (kernel) CPU seconds of the processes and their descendants."""
-    total = 0.0
-    for pid in pids:
-        for p in tree(pid):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                total += p.cpu_times().system
-    return total
-
-
 def percentile(hist: dict[int, int], q: float) -> float:
     n = sum(hist.values())
     if not n:
@@ -878,8 +869,10 @@ class Load:
     def sample(self) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
         self.client.send("snap")
         snap = json.loads(self.client.readline(30))
-        cpu = {role: cpu_seconds(p) for role, p in self.pids.items()}
-        cpu["proxy_sys"] = system_seconds(self.pids["proxy"])
+        cpu = {role: cpu_seconds(p) for role, p in self.pids.items() if role != "proxy"}
+        user, system = cpu_split(self.pids["proxy"])  # one reading for the total and its part
+        cpu["proxy"] = user + system
+        cpu["proxy_sys"] = system
         t = psutil.cpu_times()
         cpu["machine"] = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
         return time.monotonic(), snap, cpu

@@ -149,15 +149,22 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of the processes and their descendants (10 ms resolution)."""
-    total = 0.0
+def cpu_split(pids: Sequence[int]) -> tuple[float, float]:
+    """User and system CPU seconds of the processes and their descendants (10 ms resolution),
+    from one reading of each process."""
+    user = system = 0.0
     for pid in pids:
         for p in tree(pid):
             with contextlib.suppress(psutil.NoSuchProcess):
                 t = p.cpu_times()
-                total += t.user + t.system
-    return total
+                user += t.user
+                system += t.system
+    return user, system
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the processes and their descendants."""
+    return sum(cpu_split(pids))
 
 
 def rss_bytes(pids: Sequence[int]) -> int:
