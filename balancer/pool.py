@@ -296,13 +296,17 @@ class Pool:
             self._publish(hb)
         w = self.cfg.weights
         shared = self.shared
-        mid_tpot = median(
-            b.signals.tpot
-            for b in self.backends.values()
-            if b.ready
-            and b.signals is not None
-            and b.signals.tpot
-            and now - b.signals.at <= w.stale_after
+        mid_tpot = (
+            median(
+                b.signals.tpot
+                for b in self.backends.values()
+                if b.ready
+                and b.signals is not None
+                and b.signals.tpot
+                and now - b.signals.at <= w.stale_after
+            )
+            if w.coefficients.tpot > 0  # else speed() ignores it: skip the walk
+            else None
         )
         for b in self.backends.values():
             if shared is not None:
