@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from balancer import config as configmod
+from balancer import logs
 
 __all__ = ["main"]
 
@@ -18,6 +19,7 @@ def _run(path: str) -> int:
     except configmod.ConfigError as exc:
         print(f"wslb: invalid configuration {path}:\n{exc}", file=sys.stderr)
         return 2
+    logs.setup(logging.getLogger().level, cfg.log.format)
     from balancer.aio.app import run
 
     return run(cfg, path)
@@ -52,10 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = sub.add_parser("check", help="validate a config: exit 0, or 2 with every error")
     check.add_argument("--config", "-c", dest="check_config", default=None)
     ns = parser.parse_args(args)
-    logging.basicConfig(
-        level=getattr(logging, ns.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format=logs.TEXT_FORMAT)
     if ns.command == "check":
         return _check(ns.check_config or ns.config)
     return _run(ns.config)

@@ -38,6 +38,8 @@ import yaml
 
 from balancer.weights import Coefficients
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
 __all__ = [
     "DEFAULT_SESSION_KEY",
     "Admin",
@@ -52,6 +54,7 @@ __all__ = [
     "KeySource",
     "Limits",
     "Listener",
+    "LogCfg",
     "OutlierCfg",
     "PoolCfg",
     "Timeouts",
@@ -281,6 +284,7 @@ class Listener:
     host: str
     port: int
     tls: Tls | None = None
+    proxy_protocol: bool = False  # a PROXY v1/v2 header precedes each connection's request
 
     def __str__(self) -> str:
         return _join_host_port(self.host, self.port)
@@ -288,7 +292,7 @@ class Listener:
 
 @dataclass(frozen=True, slots=True)
 class Admin:
-    """The admin API's address and bearer token (None: no token)."""
+    """The admin API's address and bearer token (None: wslb generates one at start)."""
 
     host: str = "127.0.0.1"
     port: int = 8081
@@ -318,13 +322,17 @@ DEFAULT_SESSION_KEY: Final = (
 
 @dataclass(frozen=True, slots=True)
 class HealthCfg:
-    """Active health checks; ``rise``/``fall`` consecutive results flip the state."""
+    """Active health checks; ``rise``/``fall`` consecutive results flip the state.
+
+    ``path`` None (the default) probes with a TCP connect, as HAProxy's plain ``check`` does:
+    a WebSocket server nobody wrote for wslb has no health route to ask.
+    """
 
     interval: float = 2.0
     timeout: float = 1.0
     rise: int = 2
     fall: int = 3
-    path: str = "/healthz"
+    path: str | None = None
     enabled: bool = True
 
 
@@ -444,7 +452,16 @@ class Limits:
     write_buffer_high: int = 256 * 1024
     max_header_bytes: int = 16 * 1024
     max_headers: int = 100
-    max_connections_per_client: int = 1000
+    # 0: no limit. Behind an ingress, a NAT or in a sidecar every session has one address.
+    max_connections_per_client: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LogCfg:
+    """``format``: text or json (every line); ``access``: one line per ended session."""
+
+    format: str = "text"
+    access: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,6 +504,9 @@ class Config:
     auth: AuthCfg = AuthCfg()
     workers: int = 1
     cluster: ClusterCfg | None = None
+    # Proxies whose X-Forwarded-For / PROXY header names the client (ip_network objects).
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+    log: LogCfg = LogCfg()
     source: str = "<config>"
 
     def backend_ids(self) -> tuple[str, ...]:
@@ -762,6 +782,7 @@ _PATTERN_MESSAGES: Final = {
     "address": "is not host:port (e.g. 127.0.0.1:8080, [::1]:8080, :8080)",
     "name": "is not a valid name (letters, digits, '.', '_', '-'; starting with a letter or digit)",
     "url path": "must start with '/'",
+    "cidr": "is not an IP address or CIDR block",
     "http url": "is not an http:// or https:// URL",
     "ws url": "is not a ws:// or wss:// URL",
     "session key": "is not a session key source (query:NAME, header:NAME, cookie:NAME or path:N)",
@@ -1008,6 +1029,13 @@ class _Builder:
         listen = self.listeners(root)
         admin = self.admin(root, listen)
         pools = self.pools(root)
+        trusted = self.networks(root, "trusted_proxies")
+        if not root.get("trusted_proxies") and any(lst.proxy_protocol for lst in listen):
+            self.error(
+                ("trusted_proxies",),
+                "is empty, but a listener has proxy_protocol: true (list the proxies that send "
+                "the PROXY header)",
+            )
         return Config(
             listen=listen,
             admin=admin,
@@ -1017,6 +1045,8 @@ class _Builder:
             auth=self.auth(root),
             workers=self.integer(root, "workers", (), 1),
             cluster=self.cluster(root),
+            trusted_proxies=trusted,
+            log=self.log(root),
             source=source,
         )
 
@@ -1054,15 +1084,17 @@ class _Builder:
             p: _Path = ("listen",) if i is None else ("listen", i)
             if self.is_rejected(p):
                 continue
+            proxy = False
             if isinstance(item, str):
                 text, at, tls = item, p, None
             elif isinstance(item, dict) and isinstance(item.get("address"), str):
                 text, at, tls = item["address"], (*p, "address"), self.tls(item, p)
+                proxy = self.boolean(item, "proxy_protocol", p, False)
             else:
                 continue
             if self.is_rejected(at) or (parsed := self.address(text, at)) is None:
                 continue
-            listener = Listener(parsed[0], parsed[1], tls)
+            listener = Listener(parsed[0], parsed[1], tls, proxy)
             for other, other_at in out:
                 clash = _clash(listener, other)
                 if clash:
@@ -1235,7 +1267,7 @@ class _Builder:
             timeout=self.duration(h, "timeout", p, d.timeout, positive=True),
             rise=self.integer(h, "rise", p, d.rise),
             fall=self.integer(h, "fall", p, d.fall),
-            path=self.string(h, "path", p, d.path),
+            path=self.optional(h, "path", p),
             enabled=self.boolean(h, "enabled", p, d.enabled),
         )
 
@@ -1399,6 +1431,30 @@ class _Builder:
             audience=self.optional(j, "audience", p),
             query_param=self.optional(j, "query_param", p),
             session_claim=self.optional(j, "session_claim", p),
+        )
+
+    def networks(self, root: dict[object, object], key: str) -> tuple[IPNetwork, ...]:
+        """A list of addresses or CIDR blocks (``10.0.0.0/8``, ``::1``)."""
+        out: list[IPNetwork] = []
+        raw = self.get(root, key, ())
+        for i, item in enumerate(raw if isinstance(raw, list) else []):
+            if not isinstance(item, str) or self.is_rejected((key, i)):
+                continue
+            try:
+                net = ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                self.error((key, i), f"{_show(item)} is not an IP address or CIDR block")
+                continue
+            if net not in out:
+                out.append(net)
+        return tuple(out)
+
+    def log(self, root: dict[object, object]) -> LogCfg:
+        lg, p = self.section(root, "log", ()), ("log",)
+        d = LogCfg()
+        return LogCfg(
+            format=self.string(lg, "format", p, d.format),
+            access=self.boolean(lg, "access", p, d.access),
         )
 
     def cluster(self, root: dict[object, object]) -> ClusterCfg | None:

@@ -3,8 +3,10 @@
 Tables for people, ``--json`` for scripts. ``drain ID --wait`` redraws a progress bar until the
 backend is drained (in cluster mode: on every instance). ``add``/``remove`` and ``--wait-admin``
 serve Kubernetes hooks (a sidecar registers its pod's worker when it starts, removes it when
-the pod goes). Exit status: 0 on success, 1 when the API refused (its error is printed),
-2 for usage errors, 3 when the admin API cannot be reached.
+the pod goes). The token is ``--token``, else ``WSLB_ADMIN_TOKEN``, else the one a wslb with no
+configured token generated for the admin URL's port (``balancer/admintoken.py``). Exit status:
+0 on success, 1 when the API refused (its error is printed), 2 for usage errors, 3 when the admin
+API cannot be reached.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
-__all__ = ["main"]
+from balancer import admintoken
+
+__all__ = ["find_token", "main"]
 
 
 class ApiError(Exception):
@@ -55,6 +60,19 @@ class Client:
             raise ApiError(exc.code, f"HTTP {exc.code}: {message}") from None
 
 
+def find_token(admin_url: str, given: str | None) -> str | None:
+    """The token to send: the one given, else the generated one of a local wslb whose admin API
+    listens on the URL's port (a remote one's file is not on this machine)."""
+    if given:
+        return given
+    try:
+        parts = urlsplit(admin_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return admintoken.read(port)
+
+
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextIO) -> None:
     """Print rows as an aligned text table with the given (key, heading) columns."""
     cells = [[h for _, h in columns]]
@@ -84,6 +102,7 @@ def _backend_rows(backends: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "kv": sig.get("kv_cache_usage"),
                 "eff": b.get("effective_weight"),
                 "stale": b.get("signals_stale"),
+                "reason": (b.get("health") or {}).get("reason") if b.get("state") == "down" else "",
             }
         )
     return rows
@@ -134,7 +153,12 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("WSLB_ADMIN_URL", "http://127.0.0.1:8081"),
         help="admin API base URL (env WSLB_ADMIN_URL)",
     )
-    p.add_argument("--token", default=os.environ.get("WSLB_ADMIN_TOKEN") or None)
+    p.add_argument(
+        "--token",
+        default=os.environ.get("WSLB_ADMIN_TOKEN") or None,
+        help="admin bearer token (env WSLB_ADMIN_TOKEN; default: the token file a local wslb "
+        "generated for the --admin port)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--wait-admin",
@@ -172,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """``wslb ctl ...``; returns the exit status."""
     args = parser().parse_args(list(argv))
-    client = Client(args.admin, args.token)
+    client = Client(args.admin, find_token(args.admin, args.token))
     if args.wait_admin > 0:
         deadline = time.monotonic() + args.wait_admin
         while True:
@@ -192,7 +216,7 @@ def main(argv: Sequence[str]) -> int:
                     _backend_rows(data),
                     [("id", "ID"), ("state", "STATE"), ("sessions", "SESSIONS"),
                      ("weight", "WEIGHT"), ("eff", "EFFECTIVE"), ("gpu", "GPU"), ("kv", "KV"),
-                     ("stale", "STALE"), ("url", "URL")],
+                     ("stale", "STALE"), ("url", "URL"), ("reason", "REASON")],
                     out,
                 )  # fmt: skip
                 return 0
@@ -261,6 +285,12 @@ def main(argv: Sequence[str]) -> int:
         return 0
     except ApiError as exc:
         print(f"wslb ctl: {exc}", file=sys.stderr)
+        if exc.status == 401 and client.token is None:
+            where = admintoken.token_path(urlsplit(args.admin).port or 80)
+            print(
+                f"wslb ctl: no token given (--token, WSLB_ADMIN_TOKEN) and none in {where}",
+                file=sys.stderr,
+            )
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"wslb ctl: cannot reach {args.admin}: {exc}", file=sys.stderr)

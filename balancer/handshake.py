@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
@@ -148,13 +149,25 @@ class ClientRequest:
                 return v
         return None
 
+    def forwarded_for(self, hop: str) -> ClientRequest:
+        """A copy whose ``X-Forwarded-For`` has ``hop`` (the address wslb took the connection
+        from) appended, as nginx's ``$proxy_add_x_forwarded_for`` does."""
+        prior = self.header(b"x-forwarded-for")
+        value = hop.encode("latin-1") if prior is None else prior + b", " + hop.encode("latin-1")
+        headers = [(k, v) for k, v in self.headers if k != b"x-forwarded-for"]
+        headers.append((b"x-forwarded-for", value))
+        return ClientRequest(
+            self.target, self.path, self.query, headers, self.key, self.subprotocols, self.host
+        )
+
     def for_resume(self) -> ClientRequest:
         """What a live session keeps to open another worker leg (migration): the headers
         ``upstream_request`` forwards or reads, in a plain list (h11's header objects are
         several times larger, and a live session keeps this for its whole life)."""
         keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k == b"x-forwarded-for"]
-        # Routing is done: the path is not needed again (the query goes to the worker).
-        return ClientRequest("", "", self.query, keep, b"", self.subprotocols, self.host)
+        # The path goes to a path-less backend URL's worker again; most sessions share theirs.
+        path = sys.intern(self.path)
+        return ClientRequest("", path, self.query, keep, b"", self.subprotocols, self.host)
 
 
 def _tokens(value: bytes) -> list[str]:
@@ -262,7 +275,7 @@ def upstream_request(
     authority: str,
     req: ClientRequest,
     session_id: str,
-    client_host: str,
+    client_host: str | None = None,
     *,
     secure_client: bool = False,
     resume: bool = False,
@@ -270,13 +283,16 @@ def upstream_request(
     """wslb's own upgrade request to a worker and the key whose accept token it expects.
 
     The client's query string is appended to the worker URL's path, so workers can read it.
+    ``client_host`` is appended to the request's ``X-Forwarded-For``; None sends the header as
+    it is (``ClientRequest.forwarded_for`` made it already).
     """
     nonce = bytes(generate_nonce())
     target = upstream_path
     if req.query:
         target += ("&" if "?" in target else "?") + req.query
-    forwarded = req.header(b"x-forwarded-for")
-    xff = client_host if forwarded is None else f"{forwarded.decode('latin-1')}, {client_host}"
+    if client_host is not None:
+        req = req.forwarded_for(client_host)
+    xff = req.header(b"x-forwarded-for") or b""
     headers: list[tuple[bytes, bytes]] = [
         (b"host", authority.encode("latin-1")),
         (b"upgrade", b"websocket"),
@@ -284,7 +300,7 @@ def upstream_request(
         (b"sec-websocket-key", nonce),
         (b"sec-websocket-version", b"13"),
         (b"x-session-id", session_id.encode("latin-1")),
-        (b"x-forwarded-for", xff.encode("latin-1")),
+        (b"x-forwarded-for", xff),
         (b"x-forwarded-proto", b"wss" if secure_client else b"ws"),
     ]
     if req.host:

@@ -128,6 +128,10 @@ class BackendView:
     ejected_for: float = 0.0
     ejections: int = 0
     held: int = 0  # places held for keys between sessions (counted in bounds; balancer.pool)
+    health_reason: str | None = None  # why it is down (the last failed check), None while up
+    health_kind: str | None = None  # that reason's kind: refused, timeout, http_status, ...
+    health_since: float | None = None  # wall clock of the last health flip
+    last_check: float | None = None  # wall clock of the last conclusive health check
 
 
 class BalancerCollector(Collector):
@@ -211,6 +215,11 @@ class BalancerCollector(Collector):
             "Seconds of ejection left (0 if not ejected)",
             labels=["pool", "backend"],
         )
+        down = GaugeMetricFamily(
+            "wslb_backend_down",
+            "1 while health checks hold the backend down, labelled with the kind of failure",
+            labels=["pool", "backend", "reason"],
+        )
         for b in self._backends():
             labels = [b.pool, b.id]
             active.add_metric(labels, b.sessions)
@@ -226,7 +235,9 @@ class BalancerCollector(Collector):
                 if value is not None:
                     signal.add_metric([*labels, name], value)
             ejected.add_metric(labels, b.ejected_for)
-        yield from (active, total, up, state, weight, healthy, stale, age, signal, ejected)
+            if not b.healthy:
+                down.add_metric([*labels, b.health_kind or "unknown"], 1)
+        yield from (active, total, up, state, weight, healthy, stale, age, signal, ejected, down)
         for name, doc, counts in (
             ("wslb_backend_ejections", "Outlier ejections", st.ejections),
             ("wslb_scrape_failures", "Failed metrics scrapes", st.scrape_failures),

@@ -66,11 +66,17 @@ DRAINED = "drained"
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """Where to open a worker's WebSocket, parsed once from its URL."""
+    """Where to open a worker's WebSocket, parsed once from its URL.
+
+    ``path`` None: the URL has no path (``ws://10.0.0.5:9001``), so the client's own path goes
+    to the worker, as nginx's ``proxy_pass`` without a URI does; one pool then serves every
+    endpoint of its workers. A URL with a path (``/`` included) sends that path instead. The
+    client's query is appended either way (``handshake.upstream_request``).
+    """
 
     host: str
     port: int
-    path: str
+    path: str | None
     secure: bool
 
     @classmethod
@@ -79,9 +85,9 @@ class Upstream:
         secure = parts.scheme == "wss"
         host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if secure else 80)
-        path = parts.path or "/"
+        path: str | None = parts.path or ("/" if parts.query else None)
         if parts.query:
-            path += "?" + parts.query
+            path = f"{path}?{parts.query}"
         return cls(host, port, path, secure)
 
     @property
@@ -104,9 +110,13 @@ class Backend:
         "factor",
         "factor_at",
         "headroom",
+        "health_kind",
+        "health_reason",
+        "health_since",
         "healthy",
         "held",
         "id",
+        "last_check",
         "probe_fails",
         "probe_oks",
         "remote_sessions",
@@ -129,6 +139,12 @@ class Backend:
         self.effective_weight = cfg.weight
         self.admin_state = ACTIVE
         self.healthy = True
+        # Why it is down, for operators: the last failed check's reason and its kind (a metric
+        # label: refused, timeout, reset, http_status, error, process), None while up.
+        self.health_reason: str | None = None
+        self.health_kind: str | None = None
+        self.health_since: float | None = None  # wall clock of the last flip
+        self.last_check: float | None = None  # wall clock of the last conclusive check
         self.probe_oks = 0
         self.probe_fails = 0
         self.sessions = 0  # live sessions this process placed on the backend
@@ -177,12 +193,48 @@ class Backend:
             return "down"
         return "ejected" if self.ejected else ACTIVE
 
-    def probe(self, ok: bool, rise: int, fall: int) -> bool:
+    def set_health(
+        self, healthy: bool, reason: str | None = None, kind: str | None = None, at: float = 0.0
+    ) -> bool:
+        """Set the probe state directly (a spawned worker's process came or went); True when it
+        flipped. ``reason``/``kind`` say why it is down; ``at`` is the wall clock."""
+        flipped = healthy != self.healthy
+        self.healthy = healthy
+        if flipped:
+            self.health_since = at or None
+        if healthy:
+            self.health_reason = self.health_kind = None
+        elif reason is not None:
+            self.health_reason, self.health_kind = reason, kind
+        return flipped
+
+    def probe(
+        self,
+        ok: bool,
+        rise: int,
+        fall: int,
+        reason: str | None = None,
+        kind: str | None = None,
+        at: float = 0.0,
+    ) -> bool:
         """Record an active health check; return True when ``healthy`` flipped.
 
         Health flips only after ``rise`` consecutive successes or ``fall`` consecutive failures,
-        so one lost probe does not move sessions.
+        so one lost probe does not move sessions. A failed check's ``reason`` (and ``kind``) is
+        kept while the backend is down; ``at`` is the wall clock of the check.
         """
+        if at:
+            self.last_check = at
+        if not ok and (not self.healthy or self.probe_fails + 1 >= fall):
+            self.health_reason, self.health_kind = reason, kind
+        flipped = self._count_probe(ok, rise, fall)
+        if flipped:
+            self.health_since = at or None
+            if self.healthy:
+                self.health_reason = self.health_kind = None
+        return flipped
+
+    def _count_probe(self, ok: bool, rise: int, fall: int) -> bool:
         if ok:
             self.probe_oks += 1
             self.probe_fails = 0

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from balancer import admintoken
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -84,7 +86,11 @@ class Worker:
 
 
 class Wslb:
-    """A ``wslb`` process started from a config dict written to a temporary file."""
+    """A ``wslb`` process started from a config dict written to a temporary file.
+
+    Its generated admin token (no ``admin.token`` configured) goes to its own state directory;
+    ``admin``/``admin_post`` send it, and ``env`` lets ``wslb ctl`` find it as a user's does.
+    """
 
     def __init__(self, config: dict[str, Any], tmp: Path) -> None:
         self.port = free_port()
@@ -97,23 +103,35 @@ class Wslb:
         self.path.write_text(yaml.safe_dump(cfg))
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp / f"wslb-{self.port}.log"
+        self.state_dir = tmp / f"wslb-{self.port}-state"
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", WSLB_STATE_DIR=str(self.state_dir))
+        self.env.pop("WSLB_ADMIN_TOKEN", None)
 
     @property
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
+    @property
+    def token(self) -> str | None:
+        """The admin token: the configured one, else the one wslb generated at start."""
+        admin = self.config.get("admin")
+        configured = admin.get("token") if isinstance(admin, dict) else None
+        return configured or admintoken.read(self.admin_port, self.env)
+
     def start(self, wait_ready: bool = True) -> Wslb:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "balancer", "--config", str(self.path)],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=self.env,
             )
         wait_port(self.port, proc=self.proc)
         wait_port(self.admin_port, proc=self.proc)
+        deadline = time.monotonic() + 5
+        while self.token is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # written between the admin port's bind and its first answer
         if wait_ready:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -124,6 +142,7 @@ class Wslb:
 
     def admin(self, path: str, token: str | None = None) -> Any:
         req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}")
+        token = token or self.token
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(req, timeout=5) as r:
@@ -137,6 +156,8 @@ class Wslb:
             method="POST",
             headers={"Content-Type": "application/json"},
         )
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 

@@ -47,6 +47,8 @@ def call(lb: Wslb, method: str, path: str, body: Any = None, token: str | None =
     req = urllib.request.Request(
         f"http://127.0.0.1:{lb.admin_port}{path}", data=data, method=method
     )
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:

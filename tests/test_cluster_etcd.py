@@ -40,6 +40,10 @@ def status(lb: Wslb, method: str, path: str, body: Any = None) -> tuple[int, Any
     req = urllib.request.Request(
         f"http://127.0.0.1:{lb.admin_port}{path}", data=data, method=method
     )
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if lb.token:
+        req.add_header("Authorization", f"Bearer {lb.token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -50,7 +54,8 @@ def status(lb: Wslb, method: str, path: str, body: Any = None) -> tuple[int, Any
 def ctl(lb: Wslb, *args: str) -> subprocess.CompletedProcess[str]:
     admin = f"http://127.0.0.1:{lb.admin_port}"
     cmd = [sys.executable, "-m", "balancer", "ctl", "--admin", admin, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    # No --token: ctl finds the token this wslb generated, as a user's does.
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30, env=lb.env)
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str) -> float:

@@ -145,7 +145,9 @@ def test_defaults() -> None:
     assert cfg.listen == (c.Listener("127.0.0.1", 8080),)
     assert cfg.admin == c.Admin("127.0.0.1", 8081, None)
     assert cfg.timeouts == c.Timeouts(10, 5, 3600, 20, 20, 5, 5)
-    assert cfg.limits == c.Limits(10000, 1 << 20, 16 << 20, 256 << 10, 16 << 10, 100)
+    assert cfg.limits == c.Limits(10000, 1 << 20, 16 << 20, 256 << 10, 16 << 10, 100, 0)
+    assert cfg.trusted_proxies == ()
+    assert cfg.log == c.LogCfg("text", True)
     assert cfg.auth == c.AuthCfg(None, ())
     assert cfg.workers == 1
     assert cfg.cluster is None
@@ -160,7 +162,8 @@ def test_defaults() -> None:
     assert pool.balance == "consistent"
     assert pool.hash_balance_factor == 1.25
     assert pool.weights == c.WeightsCfg(1.0, "reference", 5.0)
-    assert pool.health == c.HealthCfg(2.0, 1.0, 2, 3, "/healthz")
+    # No health route is assumed: a TCP connect, so any WebSocket server stays up.
+    assert pool.health == c.HealthCfg(2.0, 1.0, 2, 3, None)
     assert pool.outlier == c.OutlierCfg(5, 30.0, 300.0, 50)
     assert pool.drain == c.DrainCfg(60.0, True)
     assert pool.backends[0] == c.BackendCfg("w1", "ws://127.0.0.1:9001/ws", 1.0, None, (), None)

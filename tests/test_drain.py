@@ -137,7 +137,7 @@ async def test_worker_sigterm_is_drained_automatically(tmp_path: Path) -> None:
     b = Worker("stay", ["--tokens-per-s", "80"]).start()
     cfg = pool_config(
         [{"id": "quit", "url": a.url}, {"id": "stay", "url": b.url}],
-        health={"interval": "0.1s", "timeout": "0.5s"},
+        health={"interval": "0.1s", "timeout": "0.5s", "path": "/healthz"},
     )
     cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
     lb = Wslb(cfg, tmp_path).start()
@@ -223,7 +223,7 @@ def self_draining_pair(prefix: str) -> tuple[dict[str, Any], list[int]]:
             }
             for i, p in enumerate(ports)
         ],
-        health={"interval": "0.1s", "timeout": "0.5s", "rise": 1},
+        health={"interval": "0.1s", "timeout": "0.5s", "rise": 1, "path": "/healthz"},
     )
     cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
     return cfg, ports

@@ -192,7 +192,7 @@ async def hello(url: str, key: str) -> str:
 async def test_health_fall_and_rise_keep_affinity(toggles: list[Toggle], tmp_path: Path) -> None:
     cfg = pool_config(
         [{"id": t.id, "url": f"ws://127.0.0.1:{t.port}/ws"} for t in toggles],
-        health={"interval": "0.1s", "timeout": "0.5s", "rise": 2, "fall": 3},
+        health={"interval": "0.1s", "timeout": "0.5s", "rise": 2, "fall": 3, "path": "/healthz"},
         # Ring order only: the 30 keys' held places would otherwise bring the bound in.
         hash_balance_factor=100,
     )
@@ -271,7 +271,7 @@ async def test_a_probe_that_times_out_while_wslb_lags_counts_neither_way() -> No
     port = server.sockets[0].getsockname()[1]
     cfg = PoolCfg(
         name="p",
-        health=HealthCfg(timeout=0.3),
+        health=HealthCfg(timeout=0.3, path="/healthz"),
         backends=(BackendCfg(id="w", url=f"ws://127.0.0.1:{port}/ws"),),
     )
     pool = Pool(cfg)
@@ -280,7 +280,9 @@ async def test_a_probe_that_times_out_while_wslb_lags_counts_neither_way() -> No
     async with aiohttp.ClientSession() as http:
         checker = HealthChecker(http, lambda b, ok, d: None, lag)
         backend = pool.backends["w"]
-        assert await checker.check(pool, backend) == (False, False)  # a real timeout
+        real = await checker.check(pool, backend)  # a real timeout
+        assert real is not None and (real.ok, real.draining) == (False, False)
+        assert (real.reason, real.kind) == ("GET /healthz: timeout after 0.3s", "timeout")
 
         async def busy() -> None:
             await asyncio.sleep(0.05)

@@ -1,15 +1,27 @@
-"""Admin HTTP listener (aiohttp): health, readiness, metrics, and read-only views.
+"""Admin HTTP listener (aiohttp): health, readiness, metrics, views and operator actions.
 
-Everything but ``/healthz`` and ``/readyz`` requires ``Authorization: Bearer TOKEN`` when a token
-is configured, compared in constant time. Errors are JSON ``{"error": ...}``. The write side
-(drain, migrate, reload) is added by the drain work (SPEC section 7).
+Safe by default, because loopback is reachable from every web page the operator has open:
+
+- Everything but ``/healthz`` and ``/readyz`` requires ``Authorization: Bearer TOKEN``, compared
+  in constant time. With no token configured one is generated at start (``admintoken.py``).
+- A request whose ``Origin`` is not the listener's own (a page of another site) gets 403.
+- On a loopback listener, a ``Host`` that is a DNS name other than ``localhost`` gets 403: a
+  rebinding attack reaches 127.0.0.1 under the attacker's own name.
+- POST needs ``Content-Type: application/json`` (415): the requests a page may send to another
+  origin without a CORS preflight cannot carry it, and wslb answers no preflight.
+
+A serving process of ``workers: N`` listens on a Unix socket in a private directory for its
+supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
+import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from balancer import frames
+from balancer import admintoken, frames
 from balancer.aio.cluster import EtcdError
 from balancer.aio.migrate import migrate
 from balancer.aio.openapi import OPENAPI
@@ -31,8 +43,40 @@ if TYPE_CHECKING:
 
 __all__ = ["Admin"]
 
+log = logging.getLogger("wslb.admin")
+
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN = frozenset({"/healthz", "/readyz"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _is_loopback(host: str) -> bool:
+    """``host`` (an address to listen on) reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def rebinding_safe(host_header: str | None) -> bool:
+    """A ``Host`` a browser sends only for a page of this machine: an IP literal (DNS
+    rebinding needs a name), ``localhost`` or a ``.localhost`` name (RFC 6761), any port."""
+    if not host_header:
+        return True  # no browser omits it; a script that does is not a page
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -53,12 +97,16 @@ class Admin:
         self._runner: web.AppRunner | None = None
         if app.cluster is not None:
             self.registry.register(app.cluster.collector())
-        # SPEC 3: WSLB_ADMIN_TOKEN is the admin token when the config names none.
+        # WSLB_ADMIN_TOKEN is the admin token when the config names none; with neither, start()
+        # generates one (module docstring).
         token = app.config.admin.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token else None
+        self._generated: str | None = None  # the token start() made, removed at stop()
+        self._guarded = True  # Origin, Host and Content-Type checks (off on a Unix socket)
+        self._check_host = _is_loopback(app.config.admin.host)
 
     def make_app(self) -> web.Application:
-        web_app = web.Application(middlewares=[self._auth, self._errors])
+        web_app = web.Application(middlewares=[self._guard, self._auth, self._errors])
         r = web_app.router
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
@@ -86,16 +134,50 @@ class Admin:
             # A serving process of workers: N answers its supervisor only, on a Unix socket in
             # the supervisor's private (0700) run directory; the token guards the public API.
             self._token = None
+            self._guarded = False
             await web.UnixSite(self._runner, link.admin_socket).start()
-        else:
-            await web.TCPSite(self._runner, cfg.host, cfg.port).start()
+            return
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        # Bound before the token file is written (the file names an API that is there), and the
+        # file written before requests are served (a client that gets an answer finds it).
+        sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=128)
+        if self._token is None:
+            token, path = admintoken.generate(cfg.port)
+            self._generated = token
+            self._token = f"Bearer {token}".encode()
+            log.warning(
+                "admin API on %s:%d: no admin.token configured; generated one in %s "
+                "(wslb ctl reads it from there; set WSLB_ADMIN_TOKEN to choose one)",
+                cfg.host,
+                cfg.port,
+                path,
+            )
+        await web.SockSite(self._runner, sock).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._generated is not None:
+            admintoken.remove(self.app.config.admin.port, self._generated)
+            self._generated = None
 
     # -- middleware ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Refuse what a web page of another origin could send (module docstring)."""
+        if not self._guarded:
+            return await handler(request)
+        host = request.headers.get("Host")
+        if self._check_host and not rebinding_safe(host):
+            return _error(403, f"Host {host!r} is not this machine's (DNS rebinding?)")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.lower() != f"http://{host or ''}".lower():
+            return _error(403, f"cross-origin request from {origin!r} refused")
+        if request.method in _BODY_METHODS and request.content_type != "application/json":
+            return _error(415, "Content-Type must be application/json")
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -144,6 +226,12 @@ class Admin:
             "url": found[1].url if found is not None else None,
             "state": v.state,
             "healthy": v.healthy,
+            "health": {
+                "ok": v.healthy,
+                "reason": v.health_reason,
+                "since": v.health_since,
+                "last_check": v.last_check,
+            },
             "weight": v.weight,
             "effective_weight": round(v.effective_weight, 4),
             "sessions": v.sessions,

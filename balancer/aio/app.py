@@ -36,6 +36,7 @@ from balancer.board import Board
 from balancer.config import BackendCfg, Config, ConfigError, Listener
 from balancer.config import load as load_config
 from balancer.handshake import ClientRequest
+from balancer.logs import log_access
 from balancer.metrics import BackendView, Stats
 from balancer.pool import ACTIVE, Backend, Pool
 from balancer.weights import Signals
@@ -148,7 +149,9 @@ class Balancer:
                 ctx = self._listener_ssl(lst.tls.cert, lst.tls.key)
                 self._listener_tls.append((ctx, lst.tls.cert, lst.tls.key))
             server = await self.loop.create_server(
-                lambda lst=lst: ClientConnection(self, secure=lst.tls is not None),
+                lambda lst=lst: ClientConnection(
+                    self, secure=lst.tls is not None, proxy_protocol=lst.proxy_protocol
+                ),
                 lst.host,
                 lst.port,
                 backlog=4096,
@@ -448,6 +451,15 @@ class Balancer:
         if self.board is not None:
             self.board.publish_connections(self.connections)
 
+    def client_renamed(self, old: str, new: str) -> None:
+        """A trusted proxy named the client of a counted connection: count it under that."""
+        n = self.per_client[old] - 1
+        if n > 0:
+            self.per_client[old] = n
+        else:
+            del self.per_client[old]
+        self.per_client[new] += 1
+
     def connection_closed(self, peer: str) -> None:
         self.connections -= 1
         if self.board is not None:
@@ -462,6 +474,8 @@ class Balancer:
         self.sessions.pop(s, None)
         self.connection_closed(s.peer)
         self.stats.session_done(s)
+        if self.config.log.access:
+            log_access(s)
         if not self.sessions:
             self._idle.set()
 
@@ -489,6 +503,10 @@ class Balancer:
                     ejected_for=max(0.0, b.ejected_until - now) if b.ejected else 0.0,
                     ejections=b.ejections,
                     held=b.held,
+                    health_reason=b.health_reason,
+                    health_kind=b.health_kind,
+                    health_since=b.health_since,
+                    last_check=b.last_check,
                 )
 
     def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:

@@ -199,7 +199,7 @@ async def _move(app: Balancer, s: Session, target: Backend, state: Any, received
         raise MigrationError("thaw", f"{target.id} answered {status}")
     try:
         wt, proto, _, trailing = await open_upstream(
-            app, target, s.req, s.sid, s.peer, s.secure, resume=True
+            app, target, s.req, s.sid, s.secure, resume=True
         )
     except (OSError, TimeoutError, UpstreamReject) as exc:
         raise MigrationError("resume", str(exc) or type(exc).__name__) from None

@@ -46,9 +46,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from balancer import logs
 from balancer.aio.admin import Admin, _error
 from balancer.aio.app import Balancer, ProcessLink
-from balancer.aio.spawn import Backoff, _die_with_parent
+from balancer.aio.spawn import Backoff, _die_with_parent, child_env, python_module
 from balancer.board import Board
 from balancer.config import Config, ConfigError, Listener
 from balancer.config import load as load_config
@@ -139,12 +140,12 @@ class ServingProcess:
     def command(self) -> list[str]:
         sup = self.sup
         assert sup.config_path is not None
-        return [
-            sys.executable, "-m", "balancer.aio.multi",
+        return python_module(
+            "balancer.aio.multi",
             "--config", sup.config_path, "--index", str(self.index),
             "--processes", str(sup.processes), "--run-dir", sup.run_dir,
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
-        ]  # fmt: skip
+        )  # fmt: skip
 
     async def supervise(self) -> None:
         loop = asyncio.get_running_loop()
@@ -158,7 +159,7 @@ class ServingProcess:
                 os.unlink(self.socket)
             started = loop.time()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), preexec_fn=_die_with_parent
+                *self.command(), preexec_fn=_die_with_parent, env=child_env()
             )
             log.info("serving process %d started (pid %d)", self.index, self.proc.pid)
             waiter = loop.create_task(self.proc.wait())
@@ -559,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"wslb: invalid configuration {ns.config}:\n{exc}", file=sys.stderr)
         return 2
+    logs.setup(logging.getLogger().level, config.log.format, process=str(ns.index))
     link = ProcessLink(
         ns.index,
         ns.processes,

@@ -2,7 +2,10 @@
 
 One task per backend, each with its own timeout, so a slow or dead metrics endpoint delays
 nothing but its own next scrape; routing never waits for a scrape. A failed scrape keeps the last
-signals, which turn stale after ``weights.stale_after`` (``balancer.weights``).
+signals, which turn stale after ``weights.stale_after`` (``balancer.weights``): routing then
+counts sessions only, which is all a server without ``/metrics`` (one nobody wrote for wslb) can
+give. Such a server fails every scrape, so a failure is logged once per backend, when scrapes
+start failing, and once more when they work again; never once per scrape.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Scraper:
         self._loops = PerBackend("scrape")
         # Called after each good scrape (cluster mode counts other instances' sessions there).
         self.on_scrape: Callable[[Backend], None] | None = None
+        self._failing: set[str] = set()  # backends whose last scrape failed (logged once)
 
     def start(self, pool: Pool, backend: Backend) -> None:
         self._loops.spawn(backend.id, self._loop(pool, backend))
@@ -51,17 +55,33 @@ class Scraper:
         cfg = pool.cfg.weights
         loop = asyncio.get_running_loop()
         timeout = aiohttp.ClientTimeout(total=max(0.2, min(cfg.scrape_interval, 2.0)))
+        url = metrics_url(backend)
         try:
-            async with self._session.get(metrics_url(backend), timeout=timeout) as resp:
+            async with self._session.get(url, timeout=timeout) as resp:
                 if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}")
+                    raise ValueError(f"-> {resp.status}")
                 text = await resp.text()
             signals = parse_signals(text, resolve_mapping(cfg.metrics), loop.time())
             backend.signals = signals.since(backend.signals, cfg.smoothing)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
-            log.debug("scrape of %s failed: %s", backend.id, exc)
+            why = str(exc) or type(exc).__name__
+            if backend.id not in self._failing:
+                self._failing.add(backend.id)
+                log.info(
+                    "backend %s: no load signals (GET %s %s); its weight follows session "
+                    "counts until a scrape works (failures are counted in "
+                    "wslb_scrape_failures_total, not logged again)",
+                    backend.id,
+                    url,
+                    why,
+                )
+            else:
+                log.debug("scrape of %s failed: %s", backend.id, why)
             self._on_failure(backend)
             return False
+        if backend.id in self._failing:
+            self._failing.discard(backend.id)
+            log.info("backend %s: load signals from %s again", backend.id, url)
         if self.on_scrape is not None:
             self.on_scrape(backend)
         return True

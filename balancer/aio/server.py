@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import h11
 
+from balancer import proxyproto
 from balancer.frames import OP_CLOSE, OP_PING, FrameScanner, build_frame, close_payload
 from balancer.handshake import (
     ClientRequest,
@@ -50,6 +51,7 @@ from balancer.handshake import (
     session_key,
     upstream_request,
 )
+from balancer.proxyproto import forwarded_client, is_trusted
 
 if TYPE_CHECKING:
     from balancer.aio.app import Balancer
@@ -117,13 +119,23 @@ def _pause(transport: asyncio.BaseTransport | None, pause: bool) -> None:
 
 
 class ClientConnection(asyncio.Protocol):
-    """A client connection until its upgrade succeeds or is refused."""
+    """A client connection until its upgrade succeeds or is refused.
 
-    def __init__(self, app: Balancer, secure: bool = False) -> None:
+    ``peer`` is the client's address as wslb counts it (``max_connections_per_client``) and
+    logs it: the TCP peer's, unless that peer is one of the ``trusted_proxies``; then it is the
+    address the proxy names, in a PROXY protocol header (on a ``proxy_protocol`` listener) or
+    in ``X-Forwarded-For``, and the per-client limit is checked once that address is known.
+    """
+
+    def __init__(self, app: Balancer, secure: bool = False, proxy_protocol: bool = False) -> None:
         self.app = app
         self.secure = secure
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
+        self.trusted = False  # the TCP peer is a trusted proxy
+        # Bytes of a PROXY header not yet complete; None once read (or on other listeners).
+        self.proxy_buf: bytearray | None = bytearray() if proxy_protocol else None
+        self.proxied = False  # a PROXY header named the client
         limits = app.config.limits
         self.reader = RequestReader(limits.max_header_bytes, limits.max_headers)
         self.timer: asyncio.TimerHandle | None = None
@@ -145,15 +157,48 @@ class ClientConnection(asyncio.Protocol):
             reason = "shutting down" if app.closing else "too many connections"
             self.reject(HandshakeReject(503, reason))
             return
-        per_client = app.per_client_limit
-        if per_client and app.per_client[self.peer] >= per_client:
+        self.trusted = is_trusted(self.peer, app.config.trusted_proxies)
+        if self.proxy_buf is not None and not self.trusted:
+            # Anyone else could claim any address in the header.
+            self.reject(HandshakeReject(400, "PROXY protocol header from an untrusted address"))
+            return
+        if not self.trusted and self._over_client_limit():
             self.reject(HandshakeReject(429, "too many connections from this address"))
             return
         app.connection_opened(self.peer)
         self.counted = True
         self.timer = app.loop.call_later(app.config.timeouts.handshake, self._handshake_timeout)
 
+    def _over_client_limit(self) -> bool:
+        limit = self.app.per_client_limit
+        return bool(limit) and self.app.per_client[self.peer] >= limit
+
+    def _client_is(self, address: str) -> None:
+        """The client's address as a trusted proxy names it: counted under it from now on."""
+        if address != self.peer:
+            self.app.client_renamed(self.peer, address)
+            self.peer = address
+
     def data_received(self, data: bytes) -> None:
+        if self.proxy_buf is not None:
+            self.proxy_buf += data
+            try:
+                found = proxyproto.parse(self.proxy_buf)
+            except proxyproto.ProxyHeaderError as exc:
+                self.reject(HandshakeReject(400, str(exc)))
+                return
+            if found is None:
+                return
+            header, size = found
+            data = bytes(self.proxy_buf[size:])
+            self.proxy_buf = None
+            if header.source is not None:
+                self.proxied = True
+                self._client_is(header.source)
+            if self._over_limit_once_named():
+                return
+            if not data:
+                return
         # Bytes sent right behind the request (frames from an eager client) are kept by the
         # reader as trailing data for the session.
         try:
@@ -183,6 +228,15 @@ class ClientConnection(asyncio.Protocol):
             self.app.connection_closed(self.peer)
 
     # -- handshake -------------------------------------------------------------------------
+
+    def _over_limit_once_named(self) -> bool:
+        """The per-client check deferred for a trusted proxy's connection; True if refused.
+        The connection is counted under its new name already: over means above the limit."""
+        limit = self.app.per_client_limit
+        if limit and self.app.per_client[self.peer] > limit:
+            self.reject(HandshakeReject(429, "too many connections from this address"))
+            return True
+        return False
 
     def _handshake_timeout(self) -> None:
         self.timer = None
@@ -217,6 +271,16 @@ class ClientConnection(asyncio.Protocol):
     async def _do_upgrade(self, event: h11.Request) -> None:
         app = self.app
         req = check_client_request(event)
+        # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
+        # client: that proxy is transparent), once, whatever worker legs the session opens.
+        xff = req.header(b"x-forwarded-for")
+        req = req.forwarded_for(self.peer)
+        if self.trusted and not self.proxied and xff is not None:
+            named = forwarded_client(xff.decode("latin-1"), app.config.trusted_proxies)
+            if named is not None:
+                self._client_is(named)
+                if self._over_limit_once_named():
+                    return
         pool = app.route(req.path)
         if pool is None:
             raise HandshakeReject(404, f"no pool serves {req.path}")
@@ -231,7 +295,7 @@ class ClientConnection(asyncio.Protocol):
             tried.append(backend.id)
             try:
                 transport, proto, response, trailing = await open_upstream(
-                    app, backend, req, sid, self.peer, self.secure
+                    app, backend, req, sid, self.secure
                 )
             except UpstreamReject as exc:
                 app.stats.handshake_failures[backend.id] += 1
@@ -300,7 +364,6 @@ async def open_upstream(
     backend: Backend,
     req: ClientRequest,
     sid: str,
-    peer: str,
     secure: bool,
     resume: bool = False,
 ) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
@@ -312,7 +375,12 @@ async def open_upstream(
     """
     up = backend.upstream
     request, nonce = upstream_request(
-        up.path, up.authority, req, sid, peer, secure_client=secure, resume=resume
+        req.path if up.path is None else up.path,
+        up.authority,
+        req,
+        sid,
+        secure_client=secure,
+        resume=resume,
     )
     timeouts = app.config.timeouts
     transport, proto = await asyncio.wait_for(
@@ -430,9 +498,12 @@ class Session(asyncio.Protocol):
         "client_gone",
         "clog",
         "clog_base",
+        "close_to_client",
+        "close_to_worker",
         "closing",
         "cs",
         "ct",
+        "ended",
         "finished",
         "holding",
         "leg_start_msg",
@@ -443,6 +514,7 @@ class Session(asyncio.Protocol):
         "peer",
         "pending_client_close",
         "pool",
+        "prior_backends",
         "prior_bytes",
         "prior_frames",
         "prior_messages",
@@ -519,6 +591,12 @@ class Session(asyncio.Protocol):
         self.pending_client_close: tuple[int, str] | None = None
         self.closing = False
         self.finished = False
+        # For the access log: the close code each side was sent, why the session ended (the
+        # first cause) and the workers it left by migration (a tuple: the empty one is shared).
+        self.close_to_client: int | None = None
+        self.close_to_worker: int | None = None
+        self.ended: str | None = None
+        self.prior_backends: tuple[str, ...] = ()
         self.timer: Bucket | None = None  # the app.wheel bucket this session is due in
         self._awaiting_pong = False
         self.paused_since = 0.0  # loop time backpressure paused a leg; 0 when flowing
@@ -625,6 +703,7 @@ class Session(asyncio.Protocol):
         self.wt = wt
         wt.set_write_buffer_limits(high=limits.write_buffer_high)
         self.pool.detach(old_backend)
+        self.prior_backends += (old_backend.id,)
         self.backend = target
         self.pool.attach(self.sid, target, self.app.loop.time())
         self.migrations += 1
@@ -660,6 +739,8 @@ class Session(asyncio.Protocol):
         elif cs.close is not None and not self.worker_close_sent:
             # The client's close was forwarded to the worker.
             self.worker_close_sent = True
+            self.close_to_worker = cs.close[0]
+            self._end("client closed")
             self.app.stats.closes["worker", cs.close[0]] += 1
             self._begin_closing()
         self._maybe_finish()
@@ -670,6 +751,7 @@ class Session(asyncio.Protocol):
             log.warning(
                 "session %s: worker %s broke framing: %s", self.sid, self.backend.id, ws.error
             )
+            self._end(f"worker broke framing: {ws.error.reason}")
             self._send_worker_close(1002, ws.error.reason)
             self._send_client_close(1014, "bad frame from worker")
         elif ws.close is not None:
@@ -678,11 +760,14 @@ class Session(asyncio.Protocol):
                 self._send_client_close(code, reason)
             elif not self.client_close_sent:
                 self.client_close_sent = True  # the worker's close went through
+                self.close_to_client = ws.close[0]
+                self._end("worker closed")
                 self.app.stats.closes["client", ws.close[0]] += 1
             self._begin_closing()
         self._maybe_finish()
 
     def _client_violation(self, code: int, reason: str) -> None:
+        self._end(f"client broke the protocol: {reason}")
         if self.worker_gone or self.worker_close_sent:
             self._send_client_close(code, reason)
             return
@@ -709,6 +794,7 @@ class Session(asyncio.Protocol):
                 code, reason = 1012, "worker restarting"
             else:
                 code, reason = 1011, "worker lost"
+            self._end(reason if code in (1011, 1012) else "worker closed")
             self._send_client_close(code, reason)
         self._maybe_finish()
 
@@ -716,6 +802,7 @@ class Session(asyncio.Protocol):
         """The client leg closed."""
         self.client_gone = True
         if not self.worker_close_sent and not self.worker_gone:
+            self._end("client went away")
             self._send_worker_close(1001, "client went away")
         self._maybe_finish()
 
@@ -726,6 +813,7 @@ class Session(asyncio.Protocol):
         if self.client_close_sent or self.client_gone:
             return
         self.client_close_sent = True
+        self.close_to_client = code
         self.ws.closed = True  # nothing more goes to the client after our close
         self.app.stats.closes["client", code] += 1
         if self.ct.is_closing():
@@ -743,6 +831,7 @@ class Session(asyncio.Protocol):
         if self.worker_close_sent or self.worker_gone:
             return
         self.worker_close_sent = True
+        self.close_to_worker = code
         self.cs.closed = True
         self.app.stats.closes["worker", code] += 1
         if self.wt.is_closing():
@@ -755,9 +844,15 @@ class Session(asyncio.Protocol):
 
     def close(self, code: int, reason: str) -> None:
         """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``."""
+        self._end(reason)
         self._send_client_close(code, reason)
         self._send_worker_close(1001 if code == 1012 else code, reason)
         self._maybe_finish()
+
+    def _end(self, why: str) -> None:
+        """Record why the session ends, for the access log: the first cause wins."""
+        if self.ended is None:
+            self.ended = why
 
     def _begin_closing(self) -> None:
         if self.closing:
@@ -834,12 +929,14 @@ class Session(asyncio.Protocol):
             self._awaiting_pong = False
             if self.cs.own_ping is not None:
                 log.info("session %s: client ping timeout", self.sid)
+                self._end("client ping timeout")
                 self._send_client_close(1011, "ping timeout")
                 self._send_worker_close(1001, "client ping timeout")
                 self._maybe_finish()
                 return
             if self.ws.own_ping is not None:
                 log.info("session %s: worker %s ping timeout", self.sid, self.backend.id)
+                self._end("worker ping timeout")
                 self._send_client_close(1011, "worker ping timeout")
                 self.wt.abort()
                 return
@@ -860,6 +957,25 @@ class Session(asyncio.Protocol):
         self._schedule_tick(t.ping_timeout)
 
     # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def pool_name(self) -> str:
+        return self.pool.name
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The workers the session was on, in order (more than one after migrations)."""
+        return (*self.prior_backends, self.backend.id)
+
+    @property
+    def totals(self) -> tuple[int, int, int, int]:
+        """Data messages client->worker and worker->client, then bytes each way."""
+        return (
+            self.cs.messages,
+            self.prior_messages + self.ws.messages,
+            self.cs.bytes,
+            self.prior_bytes + self.ws.bytes,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The session as the admin API shows it."""

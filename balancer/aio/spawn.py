@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from balancer.pool import Backend
 
-__all__ = ["Backoff", "Spawner"]
+__all__ = ["Backoff", "Spawner", "child_env", "python_module"]
 
 log = logging.getLogger("wslb.spawn")
 
@@ -39,6 +42,26 @@ class Backoff:
             self.delay = BACKOFF_MIN
         delay, self.delay = self.delay, min(self.delay * 2, BACKOFF_MAX)
         return delay
+
+
+# The directory the running ``balancer`` package was imported from (a checkout or site-packages).
+_CODE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module`` with this interpreter and the code this process
+    runs. ``-P``: the working directory is not put first on ``sys.path``, so a child started
+    from a checkout after ``pip install .`` does not import the checkout's copy instead."""
+    return [sys.executable, "-P", "-m", module, *args]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child: this one, with the parent's code root first on PYTHONPATH
+    (it runs the same code whatever its working directory; ``python_module``)."""
+    env = dict(os.environ)
+    rest = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = _CODE_ROOT + (os.pathsep + rest if rest else "")
+    return env
 
 
 def _die_with_parent() -> None:
@@ -63,16 +86,16 @@ class Spawner:
 
     def command(self, backend: Backend) -> list[str]:
         up = backend.upstream
-        return [
-            sys.executable, "-m", "backends.worker",
+        return python_module(
+            "backends.worker",
             "--host", up.host, "--port", str(up.port), "--id", backend.id,
             *backend.cfg.args,
-        ]  # fmt: skip
+        )  # fmt: skip
 
     def start(self, backend: Backend) -> None:
         """Start supervising a backend's worker process."""
         if backend.id not in self._tasks:
-            backend.healthy = False
+            backend.set_health(False, "worker process starting", "process", time.time())
             self._tasks[backend.id] = asyncio.get_running_loop().create_task(
                 self._supervise(backend), name=f"spawn-{backend.id}"
             )
@@ -81,8 +104,12 @@ class Spawner:
         p = self._procs.get(backend_id)
         return p.pid if p is not None and p.returncode is None else None
 
-    def _set(self, backend: Backend, healthy: bool) -> None:
-        backend.healthy = healthy
+    def _set(self, backend: Backend, healthy: bool, reason: str | None = None) -> None:
+        if backend.set_health(healthy, reason, "process", time.time()):
+            if healthy:
+                log.info("backend %s is up (its worker process accepts connections)", backend.id)
+            else:
+                log.warning("backend %s is down: %s", backend.id, reason)
         if self._on_state is not None:
             self._on_state(backend, healthy)
 
@@ -92,7 +119,10 @@ class Spawner:
         while True:
             started = loop.time()
             proc = await asyncio.create_subprocess_exec(
-                *self.command(backend), start_new_session=True, preexec_fn=_die_with_parent
+                *self.command(backend),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=child_env(),
             )
             self._procs[backend.id] = proc
             log.info("started worker %s (pid %d)", backend.id, proc.pid)
@@ -103,7 +133,7 @@ class Spawner:
                     break
                 await asyncio.wait({waiter}, timeout=0.1)
             code = await waiter
-            self._set(backend, False)
+            self._set(backend, False, f"worker process exited with {code}")
             if self._stopping:
                 return
             self.restarts[backend.id] = self.restarts.get(backend.id, 0) + 1

@@ -1,0 +1,140 @@
+"""Log set-up (text or JSON lines) and the access log: one line per ended session.
+
+The access log is what operators grep first, as HAProxy's one line per session is: who (client
+address, session key), where (pool, the worker or workers a migration moved it over), how long,
+how much each way (data messages and bytes), how it closed on each side and why it ended. It goes
+to the ``wslb.access`` logger at INFO; ``log.access: false`` turns it off.
+
+Text, ``key=value`` with values quoted only when they need it::
+
+    127.0.0.1 session=alice pool=chat backend=w1 duration=12.304s msgs_in=3 msgs_out=120
+    bytes_in=310 bytes_out=9021 close_client=1000 close_worker=1000 migrations=0
+    end="client closed"
+
+(one line). With ``log.format: json`` every log line is one JSON object (``ts``, ``level``,
+``logger``, ``message``), and an access line carries its fields as keys of that object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+__all__ = ["ACCESS", "JsonFormatter", "access_fields", "access_text", "setup"]
+
+ACCESS = logging.getLogger("wslb.access")
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_PLAIN = re.compile(r"[A-Za-z0-9._:/@,+=\[\]-]+")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record; ``extra={"fields": {...}}`` adds keys (the access log)."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self._process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if self._process is not None:
+            out["process"] = self._process
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, Mapping):
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+def setup(level: int, fmt: str = "text", process: str | None = None) -> None:
+    """Configure the root logger once the config names the format (``log.format``).
+
+    ``process`` tags the lines of one serving process of ``workers: N``.
+    """
+    root = logging.getLogger()
+    handler = root.handlers[0] if root.handlers else logging.StreamHandler()
+    if not root.handlers:
+        root.addHandler(handler)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(process))
+    else:
+        tag = f"[{process}]" if process is not None else ""
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}")))
+    root.setLevel(level)
+
+
+class EndedSession(Protocol):
+    """What the access log reads of a finished session (``aio/server.py``'s ``Session``)."""
+
+    sid: str
+    peer: str
+    started_wall: float
+
+    @property
+    def pool_name(self) -> str: ...
+
+    @property
+    def backends(self) -> tuple[str, ...]: ...
+
+    @property
+    def totals(self) -> tuple[int, int, int, int]: ...
+
+    close_to_client: int | None
+    close_to_worker: int | None
+    migrations: int
+    ended: str | None
+
+
+def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
+    """The access-log fields of a session that has just ended."""
+    msgs_in, msgs_out, bytes_in, bytes_out = s.totals
+    end = time.time() if now is None else now
+    return {
+        "client": s.peer,
+        "session": s.sid,
+        "pool": s.pool_name,
+        "backends": list(s.backends),
+        "duration_s": round(max(0.0, end - s.started_wall), 3),
+        "messages_in": msgs_in,
+        "messages_out": msgs_out,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+        "close_to_client": s.close_to_client,
+        "close_to_worker": s.close_to_worker,
+        "migrations": s.migrations,
+        "end": s.ended or "closed",
+    }
+
+
+def _quote(value: object) -> str:
+    text = "-" if value is None else str(value)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
+
+
+def access_text(f: Mapping[str, Any]) -> str:
+    """The text form of ``access_fields`` (module docstring)."""
+    return (
+        f"{_quote(f['client'])} session={_quote(f['session'])} pool={_quote(f['pool'])} "
+        f"backend={_quote(','.join(f['backends']))} duration={f['duration_s']:.3f}s "
+        f"msgs_in={f['messages_in']} msgs_out={f['messages_out']} "
+        f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} "
+        f"close_client={_quote(f['close_to_client'])} close_worker={_quote(f['close_to_worker'])} "
+        f"migrations={f['migrations']} end={_quote(f['end'])}"
+    )
+
+
+def log_access(s: EndedSession) -> None:
+    """Write the access line of a session that has just ended."""
+    if ACCESS.isEnabledFor(logging.INFO):
+        fields = access_fields(s)
+        ACCESS.info(access_text(fields), extra={"fields": fields})
