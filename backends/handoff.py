@@ -6,7 +6,7 @@ worker implementation) without a network. The state travels through the balancer
 it as opaque, so every field is checked on ``thaw``: a bad state must give 400, never a broken
 session.
 
-Format, version 1 (SPEC.md section 6)::
+Format, version 1 (docs/protocol.md)::
 
     {
       "v": 1,

@@ -4,7 +4,7 @@ Sans-I/O, like h11 and wsproto: no sockets, no asyncio, no clock. The caller pas
 where expiry matters and gets durations (seconds) back where time would pass, so the worker
 decides how to wait and tests run without sleeping.
 
-Rules of the simulation (the contract is SPEC.md section 6):
+Rules of the simulation (the contract is docs/protocol.md):
 
 - A message's tokens are its whitespace-separated words. A session's *context* is every token
   of the conversation so far: the user's prompts and the worker's answers.

@@ -1,12 +1,13 @@
 """Reference model worker (``wslb-worker``): the simulated model behind HTTP and WebSocket.
 
-One aiohttp server on one port (SPEC.md section 6):
+One aiohttp server on one port (docs/protocol.md):
 
 - ``GET /healthz``: 200 ``{"status":"ok"}``, 503 ``{"status":"draining"}`` once shutting down.
 - ``GET /metrics``: Prometheus text from the worker's own registry (see ``METRIC_NAMES``).
-- WebSocket on ``/ws``, and leniently on any other path. The session id is the
-  ``X-Session-Id`` request header, else the ``session`` query parameter, else a generated one;
-  it is returned in the 101's ``X-Session-Id`` header and in ``hello``.
+- The chat protocol over WebSocket on ``/`` and ``/ws`` (and, leniently, any other path).
+  The session id is the ``X-Session-Id`` request header, else the ``session`` query
+  parameter, else a generated one; it is returned in the 101's ``X-Session-Id`` header and in
+  ``hello``.
 - Handoff API (live migration; 404 on every route with ``--no-handoff``):
 
   - ``POST /wslb/sessions/{sid}/freeze`` (body ignored): at a message boundary, the session's
@@ -165,7 +166,7 @@ def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Pro
     """Validate a ``prompt`` message into a model prompt and its ``max_tokens``.
 
     Raises:
-        ProtocolError: the message does not follow SPEC section 6.
+        ProtocolError: the message does not follow the chat protocol (docs/protocol.md).
     """
     max_tokens = obj.get("max_tokens")
     if max_tokens is None:

@@ -23,7 +23,7 @@ it was between turns. The rule, exactly: a placement never takes a backend's cou
 ``ring.load_bound`` of the pool's counted total after it, with the backends' *effective* weights
 at that moment. A key taking back its held place (on the backend it was last placed on, its ring
 order unchanged) adds nothing to either, so it fits wherever the backend is within its bound
-counting the key's place already: as SPEC section 5 has it, affinity holds while the worker is
+counting the key's place already: as docs/config.md has it, affinity holds while the worker is
 under its bound. It moves only when that backend's bound fell below its count meanwhile
 (effective weights moved, sessions ended elsewhere); ``weights.denoise`` and the smoothing keep
 scrape noise out of the weights so that this is rare. A held place is a reservation, not a

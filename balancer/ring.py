@@ -2,7 +2,7 @@
 
 The ring is built from the backends' static weights and is rebuilt only when membership changes;
 readiness (health, drain) and load never touch it. A backend that is not ready is skipped during
-the walk, not removed, so its keys come back to it when it returns (DESIGN.md, pingora's
+the walk, not removed, so its keys come back to it when it returns (pingora's
 ``select_with``). The bound follows Mirrokni, Thorup and Zadimoghaddam (SODA 2018), as in
 HAProxy's and Envoy's ``hash_balance_factor``: a backend accepts a new session only while its load
 after the placement stays within ``ceil(c * (L + 1) * w / W)``, where ``L`` is the load on the

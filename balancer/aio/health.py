@@ -6,7 +6,7 @@ Two kinds of probe, chosen by the pool's config:
   ``check`` does. A WebSocket server nobody wrote for wslb has no health route, and asking it
   for one (``GET /healthz`` -> 404) would mark every such backend down.
 - ``health.path`` set: ``GET path``. 2xx and 3xx are up; ``503`` with ``draining`` in the body
-  is a worker draining itself (SPEC 6: wslb drains it); anything else is down.
+  is a worker draining itself (docs/protocol.md: wslb drains it); anything else is down.
 
 A backend turns down after ``fall`` consecutive failures and up again after ``rise`` successes
 (``Backend.probe``). Every failure carries a reason an operator can act on (``connect refused``,

@@ -1,4 +1,4 @@
-"""Live session migration: the handoff protocol of SPEC section 6, as a state machine.
+"""Live session migration: the handoff protocol of docs/protocol.md, as a state machine.
 
 States of one migration (each step bounded in time; any failure before SWITCHED leaves the
 session on its old worker, reading again, and the caller falls back to the graceful close):

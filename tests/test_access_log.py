@@ -1,0 +1,138 @@
+"""The access log: one line per ended session, text or JSON, with why it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from balancer.logs import JsonFormatter, access_text
+from tests.procs import Worker, Wslb, pool_config
+
+FIELDS = {
+    "client": "127.0.0.1",
+    "session": "alice",
+    "pool": "chat",
+    "backends": ["w1", "w2"],
+    "duration_s": 12.3041,
+    "messages_in": 3,
+    "messages_out": 120,
+    "bytes_in": 310,
+    "bytes_out": 9021,
+    "close_to_client": 1000,
+    "close_to_worker": None,
+    "migrations": 1,
+    "end": "client closed",
+}
+
+
+def test_text_line() -> None:
+    assert access_text(FIELDS) == (
+        "127.0.0.1 session=alice pool=chat backend=w1,w2 duration=12.304s msgs_in=3 "
+        "msgs_out=120 bytes_in=310 bytes_out=9021 close_client=1000 close_worker=- "
+        'migrations=1 end="client closed"'
+    )
+    # A client chooses its session key: quoted and escaped, it cannot forge a second line.
+    forged = access_text({**FIELDS, "session": 'x\n127.0.0.1 session="y'})
+    assert "\n" not in forged and 'session="x\\n127.0.0.1 session=\\"y"' in forged
+
+
+def test_json_line() -> None:
+    record = logging.LogRecord("wslb.access", logging.INFO, "f", 1, "text", None, None)
+    record.fields = FIELDS
+    out = json.loads(JsonFormatter().format(record))
+    assert out["logger"] == "wslb.access" and out["level"] == "info"
+    assert {k: out[k] for k in FIELDS} == FIELDS
+
+
+def access_lines(lb: Wslb) -> list[str]:
+    return [
+        line.split(" wslb.access: ", 1)[1]
+        for line in lb.output().splitlines()
+        if " wslb.access: " in line
+    ]
+
+
+async def ask(ws: object, text: str = "hi", n: int = 3) -> None:
+    send = ws.send  # type: ignore[attr-defined]
+    recv = ws.recv  # type: ignore[attr-defined]
+    await send(json.dumps({"type": "prompt", "text": text, "max_tokens": n}))
+    while json.loads(await recv())["type"] != "done":
+        pass
+
+
+async def test_sessions_that_end_each_way(tmp_path: Path) -> None:
+    a, b = Worker("w1").start(), Worker("w2").start()
+    cfg = pool_config([{"id": "w1", "url": a.url}, {"id": "w2", "url": b.url}])
+    cfg["timeouts"] = {"shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        async with connect(f"{lb.url}/ws?session=calm") as ws:
+            await ws.recv()
+            await ask(ws)
+        moved = await connect(f"{lb.url}/ws?session=moved")
+        first = json.loads(await moved.recv())["worker"]
+        other = "w2" if first == "w1" else "w1"
+        lb.admin_post("/sessions/moved/migrate", {"to": other})
+        await ask(moved)
+        await moved.close()
+        victim = await connect(f"{lb.url}/ws?session=victim")
+        where = json.loads(await victim.recv())["worker"]
+        (a if where == "w1" else b).kill()
+        with contextlib.suppress(ConnectionClosed):
+            await asyncio.wait_for(victim.recv(), 5)
+        assert victim.close_code == 1011
+        for _ in range(100):
+            if len(access_lines(lb)) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        lb.stop()
+        a.stop()
+        b.stop()
+    lines = {line.split("session=")[1].split(" ")[0]: line for line in access_lines(lb)}
+    calm = lines["calm"]
+    assert calm.startswith("127.0.0.1 session=calm pool=chat backend=w")
+    assert "msgs_in=1 " in calm and "close_client=1000 close_worker=1000" in calm
+    assert calm.endswith('migrations=0 end="client closed"')
+    assert f"backend={first},{other} " in lines["moved"] and "migrations=1" in lines["moved"]
+    assert "close_client=1011" in lines["victim"] and 'end="worker lost"' in lines["victim"]
+
+
+async def test_json_format_and_off(tmp_path: Path) -> None:
+    w = Worker("w1").start()
+    try:
+        cfg = pool_config([{"id": "w1", "url": w.url}])
+        cfg["log"] = {"format": "json"}
+        lb = Wslb(cfg, tmp_path).start()
+        try:
+            async with connect(f"{lb.url}/ws?session=j") as ws:
+                await ws.recv()
+                await ask(ws, n=2)
+            await asyncio.sleep(0.3)
+        finally:
+            lb.stop()
+        records = [json.loads(x) for x in lb.output().splitlines() if x.startswith("{")]
+        assert records and all({"ts", "level", "logger", "message"} <= r.keys() for r in records)
+        (access,) = [r for r in records if r["logger"] == "wslb.access"]
+        assert access["session"] == "j" and access["backends"] == ["w1"]
+        assert access["messages_in"] == 1 and access["messages_out"] == 1 + 2 + 1
+        assert access["bytes_in"] > 0 and access["bytes_out"] > access["bytes_in"]
+        assert access["close_to_client"] == 1000 and access["end"] == "client closed"
+
+        cfg["log"] = {"access": False}
+        lb = Wslb(cfg, tmp_path).start()
+        try:
+            async with connect(f"{lb.url}/ws?session=quiet") as ws:
+                await ws.recv()
+            await asyncio.sleep(0.3)
+        finally:
+            lb.stop()
+        assert "wslb.access" not in lb.output()
+    finally:
+        w.stop()
