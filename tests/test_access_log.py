@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from balancer.logs import JsonFormatter, access_text
@@ -58,11 +58,9 @@ def access_lines(lb: Wslb) -> list[str]:
     ]
 
 
-async def ask(ws: object, text: str = "hi", n: int = 3) -> None:
-    send = ws.send  # type: ignore[attr-defined]
-    recv = ws.recv  # type: ignore[attr-defined]
-    await send(json.dumps({"type": "prompt", "text": text, "max_tokens": n}))
-    while json.loads(await recv())["type"] != "done":
+async def ask(ws: ClientConnection, text: str = "hi", n: int = 3) -> None:
+    await ws.send(json.dumps({"type": "prompt", "text": text, "max_tokens": n}))
+    while json.loads(await ws.recv())["type"] != "done":
         pass
 
 
