@@ -38,6 +38,20 @@ OPENAPI: dict[str, Any] = {
                 "properties": {"error": {"type": "string"}},
                 "required": ["error"],
             },
+            "Health": {
+                "type": "object",
+                "description": "Active health checks: why a backend is down, and when.",
+                "properties": {
+                    "ok": {"type": "boolean"},
+                    "reason": {
+                        "type": ["string", "null"],
+                        "description": "e.g. 'connect refused', 'GET /healthz -> 404'; null if up",
+                    },
+                    "since": {"type": ["number", "null"], "description": "Unix time of the flip"},
+                    "last_check": {"type": ["number", "null"], "description": "Unix time"},
+                },
+                "required": ["ok", "reason", "since", "last_check"],
+            },
         },
         "responses": {
             f"E{c}": {
@@ -47,6 +61,8 @@ OPENAPI: dict[str, Any] = {
             for c, d in (
                 ("400", "Bad request"),
                 ("401", "Missing or wrong bearer token"),
+                ("403", "Cross-origin request, or a DNS name in Host on a loopback listener"),
+                ("415", "A POST whose Content-Type is not application/json"),
                 ("404", "Not found"),
                 ("409", "Conflict with the current state"),
                 ("503", "Cluster mode: etcd unreachable, nothing was written"),
@@ -68,7 +84,10 @@ OPENAPI: dict[str, Any] = {
         },
         "/metrics": {"get": _op("Prometheus metrics (text format)")},
         "/backends": {
-            "get": _op("Backends with state, weights, sessions, signals, drain progress"),
+            "get": _op(
+                "Backends with state, health (a Health object), weights, sessions, signals, "
+                "drain progress"
+            ),
             "post": _op(
                 "Add a backend",
                 "201",
@@ -144,3 +163,19 @@ OPENAPI: dict[str, Any] = {
         "/debug/stats": {"get": _op("Process figures: asyncio tasks, sessions, RSS, open FDs")},
     },
 }
+
+
+def _guarded(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every route answers 403 to a foreign Origin or a rebinding Host; a POST 415 to a body
+    that is not JSON (``admin.py``'s guard runs before any handler)."""
+    for item in spec["paths"].values():
+        for method, op in item.items():
+            if method == "parameters":
+                continue
+            op["responses"]["403"] = {"$ref": "#/components/responses/E403"}
+            if method == "post":
+                op["responses"]["415"] = {"$ref": "#/components/responses/E415"}
+    return spec
+
+
+OPENAPI = _guarded(OPENAPI)
