@@ -1040,3 +1040,40 @@ def test_load_arbitrary_text_raises_only_config_error(text: str) -> None:
             c.load(f, env={"X": "1"})
         except ConfigError as exc:
             assert exc.errors
+
+
+def test_client_address_and_log_keys() -> None:
+    cfg = c.parse(
+        {
+            **BASE,
+            "listen": [{"address": "0.0.0.0:8080", "proxy_protocol": True}, "127.0.0.1:8090"],
+            "trusted_proxies": ["10.0.0.0/8", "192.168.1.7", "fd00::/8", "10.0.0.0/8"],
+            "log": {"format": "json", "access": False},
+        }
+    )
+    assert [lst.proxy_protocol for lst in cfg.listen] == [True, False]
+    assert [str(n) for n in cfg.trusted_proxies] == ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]
+    assert cfg.log == c.LogCfg("json", False)
+    assert c.parse(with_(BASE, "pools.0.health", {"path": "/ready"})).pools[0].health.path == (
+        "/ready"
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (with_(BASE, "trusted_proxies", ["10.0.0.0/33"]), "trusted_proxies[0]: '10.0.0.0/33' is"),
+        (with_(BASE, "trusted_proxies", ["proxy.local"]), "trusted_proxies[0]: 'proxy.local' is"),
+        (
+            {**BASE, "listen": [{"address": "127.0.0.1:80", "proxy_protocol": True}]},
+            "trusted_proxies: is empty, but a listener has proxy_protocol: true",
+        ),
+        (with_(BASE, "log", {"format": "xml"}), "log.format: 'xml' is not one of 'text', 'json'"),
+        (with_(BASE, "log", {"acess": True}), "log.acess: unknown key (did you mean 'access'?)"),
+        (with_(BASE, "pools.0.health", {"path": "healthz"}), "pools[0].health.path: 'healthz'"),
+    ],
+)
+def test_client_address_and_log_errors(data: object, expected: str) -> None:
+    with pytest.raises(c.ConfigError) as exc:
+        c.parse(data)
+    assert any(e.startswith(expected) for e in exc.value.errors), exc.value.errors
