@@ -1,8 +1,9 @@
 """Sans-I/O WebSocket frame scanner for the relay hot path.
 
 The relay forwards frames as raw bytes: decoding and re-encoding every frame with wsproto would
-cost 6-9 us per frame (docs/benchmarks.md), more than nginx spends on the whole relay. The scanner reads
-only what it must to know every frame and message boundary and to enforce RFC 6455 framing.
+cost 6-9 us per frame (docs/benchmarks.md), more than nginx spends on the whole relay. The
+scanner reads only what it must to know every frame and message boundary and to enforce RFC
+6455 framing.
 
 Rules of the state machine (each direction of a session has its own scanner):
 

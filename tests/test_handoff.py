@@ -1,8 +1,8 @@
 """Live-migration handoff between two real workers on loopback, with the test as the balancer.
 
-The test plays the balancer's part of the handoff (docs/protocol.md): freeze on A, forward A's messages up
-to ``sent``, thaw on B, open B's WebSocket with ``X-WSLB-Resume``, replay the client messages
-after ``received``, and checks that the client would see one unbroken conversation.
+The test plays the balancer's part of the handoff (docs/protocol.md): freeze on A, forward A's
+messages up to ``sent``, thaw on B, open B's WebSocket with ``X-WSLB-Resume``, replay the client
+messages after ``received``, and checks that the client would see one unbroken conversation.
 """
 
 from __future__ import annotations
