@@ -1,5 +1,5 @@
-"""Helpers the benchmark scripts share: ports and child processes, percentiles, CPU accounting
-from /proc, wslb's log.
+"""Helpers the benchmark scripts share: ports and child processes, wslb's admin API,
+percentiles, CPU accounting from /proc, wslb's log.
 
 Benchmarks only (not imported by ``balancer``); each script puts the repository root on
 ``sys.path`` before importing this module as ``bench.common``.
@@ -16,14 +16,18 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import FrameType
 
 import psutil
 
 __all__ = [
     "CpuSample",
+    "admin_get",
+    "admin_headers",
     "cpu_sample",
     "cpu_seconds",
     "cpu_window",
@@ -31,6 +35,7 @@ __all__ = [
     "free_port",
     "log_problems",
     "pct",
+    "sigterm_as_interrupt",
     "wait_port",
 ]
 
@@ -47,6 +52,12 @@ def die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    """A SIGTERM handler (``signal.signal(signal.SIGTERM, sigterm_as_interrupt)``): the script
+    stops as on Ctrl-C, so its cleanup kills what it started."""
+    raise KeyboardInterrupt
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     """Until ``port`` on 127.0.0.1 accepts a connection; raises if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
@@ -57,6 +68,27 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -
             return
         time.sleep(0.05)
     raise TimeoutError(f"port {port} not listening after {timeout:g}s")
+
+
+def admin_headers(token: str) -> dict[str, str]:
+    """What wslb's admin API requires on every request but ``GET /healthz`` and ``/readyz``.
+
+    A script's config names the token (``admin.token``, one per run from
+    ``secrets.token_urlsafe``): with none, wslb would generate one, write it to a file in
+    ``$WSLB_STATE_DIR`` and log a warning that the benchmarks' log summaries would count.
+    POSTs also need ``Content-Type: application/json`` (aiohttp's ``json=`` sets it).
+    """
+    return {"Authorization": f"Bearer {token}"}
+
+
+def admin_get(port: int, path: str, token: str, timeout: float = 5.0) -> str:
+    """The body of ``GET path`` on wslb's admin API at 127.0.0.1:``port``, with the token.
+
+    Raises ``urllib.error.HTTPError`` (an OSError) on a status >= 400, e.g. 401 for a wrong token.
+    """
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=admin_headers(token))
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return str(r.read().decode())
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -55,7 +56,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import aiohttp
@@ -67,11 +67,13 @@ if str(ROOT) not in sys.path:
 
 from backends.model import token_text  # noqa: E402
 from bench.common import (  # noqa: E402
+    admin_headers,
     cpu_sample,
     cpu_window,
     die_with_parent,
     free_port,
     pct,
+    sigterm_as_interrupt,
     wait_port,
 )
 
@@ -295,19 +297,26 @@ class LagMonitor:
 
 
 class Admin:
-    def __init__(self, http: aiohttp.ClientSession, port: int) -> None:
+    """wslb's admin API at 127.0.0.1:``port``, every request with the bearer ``token``."""
+
+    def __init__(self, http: aiohttp.ClientSession, port: int, token: str) -> None:
         self.http = http
         self.base = f"http://127.0.0.1:{port}"
+        self.headers = admin_headers(token)
 
     async def get(self, path: str) -> Any:
-        async with self.http.get(self.base + path, timeout=aiohttp.ClientTimeout(10)) as r:
+        async with self.http.get(
+            self.base + path, headers=self.headers, timeout=aiohttp.ClientTimeout(10)
+        ) as r:
+            r.raise_for_status()
             if path == "/metrics":
                 return await r.text()
             return await r.json()
 
     async def post(self, path: str, body: Any) -> tuple[int, Any]:
+        # json= sends Content-Type: application/json, which the admin API requires (else 415).
         async with self.http.post(
-            self.base + path, json=body, timeout=aiohttp.ClientTimeout(10)
+            self.base + path, json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(10)
         ) as r:
             return r.status, await r.json(content_type=None)
 
@@ -508,7 +517,7 @@ def load_bounds(after: dict[str, int], weights: dict[str, float], drained: str) 
 
 
 def start_system(
-    procs: Procs, args: argparse.Namespace, logdir: Path
+    procs: Procs, args: argparse.Namespace, logdir: Path, admin_token: str
 ) -> tuple[list[tuple[str, int]], int, int]:
     workers = []
     for k in range(args.workers):
@@ -525,7 +534,7 @@ def start_system(
     port, admin_port = free_port(), free_port()
     config = {
         "listen": f"127.0.0.1:{port}",
-        "admin": {"listen": f"127.0.0.1:{admin_port}"},
+        "admin": {"listen": f"127.0.0.1:{admin_port}", "token": admin_token},
         "pools": [
             {
                 "name": "chat",
@@ -571,8 +580,9 @@ def wait_idle(limit: float, busy_max: float = 15.0) -> float:
 async def run_once(args: argparse.Namespace, n: int, rep: int, logdir: Path) -> RunResult:
     procs = Procs(logdir)
     try:
-        workers, port, admin_port = start_system(procs, args, logdir)
-        return await _measure(args, n, rep, procs, workers, port, admin_port)
+        admin_token = secrets.token_urlsafe(32)
+        workers, port, admin_port = start_system(procs, args, logdir, admin_token)
+        return await _measure(args, n, rep, procs, workers, port, admin_port, admin_token)
     finally:
         procs.close()
 
@@ -585,13 +595,14 @@ async def _measure(
     workers: list[tuple[str, int]],
     port: int,
     admin_port: int,
+    admin_token: str,
 ) -> RunResult:
     connector = aiohttp.TCPConnector(limit=0)
     async with (
         aiohttp.ClientSession(connector=connector) as http,
         aiohttp.ClientSession() as admin_http,
     ):
-        admin = Admin(admin_http, admin_port)
+        admin = Admin(admin_http, admin_port, admin_token)
         await wait_active(admin)
         pids = {
             "wslb": [procs.procs["wslb"].pid],
@@ -980,10 +991,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 2 or args.repeat < 1 or args.rate <= 0 or args.warmup < 0:
@@ -991,7 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.answer <= 0:
         # Every session must still be in its first answer when the drain and the after-window end.
         args.answer = math.ceil(args.rate * (args.warmup + args.after + 20.0))
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     info = machine()
     results: list[RunResult] = []
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None

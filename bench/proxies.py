@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -62,18 +63,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import free_port, sigterm_as_interrupt, wait_port  # noqa: E402
 from bench.token_stream import (  # noqa: E402
     ClientProc,
     Procs,
     Target,
-    _sigterm,
     cpu_seconds,
     cpu_split,
-    free_port,
     log,
     rss_bytes,
     tree,
-    wait_port,
 )
 
 # -- wire format: the few bits of RFC 6455 the raw worker and client need ----------------------
@@ -703,11 +702,15 @@ class Wslb(Proxy):
         self.port, admin = free_port(), free_port()
         config = {
             "listen": f"127.0.0.1:{self.port}",
-            "admin": {"listen": f"127.0.0.1:{admin}"},
+            # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and
+            # logs a warning, which problems() would report. Nothing here calls the admin API.
+            "admin": {"listen": f"127.0.0.1:{admin}", "token": secrets.token_urlsafe(32)},
             "pools": [
                 {
                     "name": "chat",
                     "balance": "consistent",
+                    # The HTTP probe HAProxy also runs (option httpchk), as in earlier runs.
+                    "health": {"path": "/healthz"},
                     "backends": [{"id": f"w{i + 1}", "url": u} for i, u in enumerate(backends)],
                 }
             ],
@@ -1454,7 +1457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.hold = min(args.hold, 2000)
     if args.from_json:
         return replay(Path(args.from_json), args)
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     WSLB_SRC[0] = Path(args.wslb_src).resolve()
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
     if unknown := [n for n in names if n not in TARGETS]:

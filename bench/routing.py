@@ -48,6 +48,7 @@ import math
 import os
 import platform
 import random
+import secrets
 import shlex
 import shutil
 import signal
@@ -55,7 +56,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import load_bound  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
-from bench.common import die_with_parent, pct  # noqa: E402
+from bench.common import admin_get, admin_headers, die_with_parent, pct  # noqa: E402
 from tests.procs import free_port, stop, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
@@ -234,7 +234,7 @@ class Lb:
 
     port: int
     admin_port: int
-    token: str = field(default_factory=lambda: os.urandom(16).hex())
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32))  # admin.token
 
     @property
     def url(self) -> str:
@@ -246,7 +246,7 @@ class Lb:
 
     @property
     def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        return admin_headers(self.token)
 
 
 class Fleet:
@@ -322,9 +322,7 @@ class Fleet:
         deadline = time.monotonic() + 20.0
         while True:  # every backend active and scraped once
             with contextlib.suppress(OSError, ValueError):
-                req = urllib.request.Request(f"{lb.admin}/backends", headers=lb.auth)
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    data = json.loads(r.read())
+                data = json.loads(admin_get(lb.admin_port, "/backends", lb.token))
                 if all(b["state"] == "active" and not b.get("signals_stale") for b in data):
                     break
             if time.monotonic() > deadline:

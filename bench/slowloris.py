@@ -45,6 +45,7 @@ import os
 import platform
 import random
 import resource
+import secrets
 import signal
 import socket
 import subprocess
@@ -52,7 +53,6 @@ import sys
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,7 +67,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_seconds, die_with_parent, free_port, log_problems, pct  # noqa: E402
+from bench.common import (  # noqa: E402
+    admin_get,
+    cpu_seconds,
+    die_with_parent,
+    free_port,
+    log_problems,
+    pct,
+)
 
 HOST = "127.0.0.1"
 HANDSHAKE_IO_TIMEOUT = 10.0
@@ -123,6 +130,7 @@ class WslbProc:
     ) -> None:
         self.port = free_port()
         self.admin_port = free_port()
+        self.admin_token = secrets.token_urlsafe(32)
         self.tmp = tmp
         backends = [
             {
@@ -135,8 +143,18 @@ class WslbProc:
         ]
         self.config: dict[str, Any] = {
             "listen": f"{HOST}:{self.port}",
-            "admin": {"listen": f"{HOST}:{self.admin_port}"},
-            "pools": [{"name": "chat", "balance": "consistent", "backends": backends}],
+            "admin": {"listen": f"{HOST}:{self.admin_port}", "token": self.admin_token},
+            "pools": [
+                {
+                    "name": "chat",
+                    "balance": "consistent",
+                    # The HTTP probe, not the default TCP connect: a worker that got SIGTERM
+                    # (soak's --kill-signal TERM) says "draining" there and wslb moves its
+                    # sessions away; HTTP_POOL_PER_WORKER counts these checks' connections.
+                    "health": {"path": "/healthz"},
+                    "backends": backends,
+                }
+            ],
             "timeouts": {
                 "handshake": f"{handshake_timeout:g}s",
                 "ping_interval": "20s",
@@ -196,9 +214,7 @@ class WslbProc:
         return []
 
     def admin(self, path: str, timeout: float = 5.0) -> Any:
-        url = f"http://{HOST}:{self.admin_port}{path}"
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = r.read().decode()
+        body = admin_get(self.admin_port, path, self.admin_token, timeout)
         return body if path == "/metrics" else json.loads(body)
 
     def log_tail(self, lines: int = 30) -> str:

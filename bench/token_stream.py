@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import select
 import signal
 import statistics
@@ -42,13 +43,12 @@ import sys
 import tempfile
 import time
 import urllib.parse
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, ClassVar, cast
 
 import psutil
@@ -58,7 +58,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import die_with_parent, free_port, wait_port  # noqa: E402
+from bench.common import (  # noqa: E402
+    admin_get,
+    die_with_parent,
+    free_port,
+    sigterm_as_interrupt,
+    wait_port,
+)
 
 GAP_BIN_S = 1e-4  # inter-token gaps are histogrammed in 0.1 ms bins
 
@@ -133,11 +139,6 @@ class Procs:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def http_get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return str(r.read().decode())
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -233,6 +234,7 @@ class WslbTarget(Target):
     def __init__(self) -> None:
         self.port = 0
         self.admin_port = 0
+        self.admin_token = secrets.token_urlsafe(32)
         self._proc: subprocess.Popen[bytes] | None = None
         self._procs: Procs | None = None
 
@@ -240,7 +242,7 @@ class WslbTarget(Target):
         self.port, self.admin_port = free_port(), free_port()
         config = {
             "listen": f"127.0.0.1:{self.port}",
-            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}", "token": self.admin_token},
             "pools": [
                 {
                     "name": "chat",
@@ -273,7 +275,7 @@ class WslbTarget(Target):
             raise RuntimeError(f"wslb did not start: {exc}\n{procs.log_tail('wslb')}") from None
 
     def _admin(self, path: str) -> str:
-        return http_get(f"http://127.0.0.1:{self.admin_port}{path}")
+        return admin_get(self.admin_port, path, self.admin_token)
 
     @property
     def url(self) -> str:
@@ -1060,10 +1062,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.client_spec is not None:
@@ -1075,7 +1073,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     if args.duration <= 0 or args.warmup < 0 or args.rate <= 0:
         raise SystemExit("--duration and --rate must be positive, --warmup not negative")
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     modes = ["stream", "saturate"] if args.mode == "both" else [args.mode]
     info = machine()
     results: list[ModeResult] = []
