@@ -1,0 +1,298 @@
+"""The validated config: frozen dataclasses with their defaults, one per section of the file.
+
+Nothing here validates or reads files (the builder does), so code that only consumes a config
+(the pool, the proxy, the tests) depends on these types alone. Frozen, with ``slots=True`` and
+tuples: the proxy shares one instance between connections and swaps it whole on reload.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+from balancer.weights import Coefficients
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+__all__ = [
+    "DEFAULT_SESSION_KEY",
+    "Admin",
+    "AuthCfg",
+    "BackendCfg",
+    "ClusterCfg",
+    "Config",
+    "DrainCfg",
+    "HealthCfg",
+    "IPNetwork",
+    "JwtCfg",
+    "KeySource",
+    "Limits",
+    "Listener",
+    "LogCfg",
+    "OutlierCfg",
+    "PoolCfg",
+    "Timeouts",
+    "Tls",
+    "UpstreamTls",
+    "WeightsCfg",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """PEM files of a wss listener."""
+
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """One address clients connect to; ``host`` has no brackets (``::1``)."""
+
+    host: str
+    port: int
+    tls: Tls | None = None
+    proxy_protocol: bool = False  # a PROXY v1/v2 header precedes each connection's request
+
+    def __str__(self) -> str:
+        return _join_host_port(self.host, self.port)
+
+
+@dataclass(frozen=True, slots=True)
+class Admin:
+    """The admin API's address and bearer token (None: wslb generates one at start)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8081
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeySource:
+    """Where a session key is read: ``query``, ``header``, ``cookie`` or ``path``.
+
+    For ``path``, ``name`` is a 1-based segment index as a string; negative counts from the end.
+    """
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+DEFAULT_SESSION_KEY: Final = (
+    KeySource("query", "session"),
+    KeySource("header", "X-Session-Id"),
+    KeySource("cookie", "wslb_session"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCfg:
+    """Active health checks; ``rise``/``fall`` consecutive results flip the state.
+
+    ``path`` None (the default) probes with a TCP connect, as HAProxy's plain ``check`` does:
+    a WebSocket server nobody wrote for wslb has no health route to ask.
+    """
+
+    interval: float = 2.0
+    timeout: float = 1.0
+    rise: int = 2
+    fall: int = 3
+    path: str | None = None
+    enabled: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierCfg:
+    """Passive ejection after consecutive connect/handshake failures."""
+
+    consecutive_failures: int = 5
+    base_ejection_time: float = 30.0
+    max_ejection_time: float = 300.0
+    max_ejection_percent: int = 50
+
+
+@dataclass(frozen=True, slots=True)
+class DrainCfg:
+    """Defaults for draining a worker."""
+
+    timeout: float = 60.0
+    migrate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsCfg:
+    """Live-weight scraping. ``metrics`` is a preset name or ``((signal, metric), ...)``.
+
+    Signals: ``gpu_util``, ``kv_cache_usage``, ``running``, ``waiting``, ``tpot``.
+    """
+
+    scrape_interval: float = 1.0
+    metrics: str | tuple[tuple[str, str], ...] = "reference"
+    stale_after: float = 5.0
+    coefficients: Coefficients = Coefficients()  # noqa: RUF009 (frozen, shared safely)
+    smoothing: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTls:
+    """TLS towards ``wss://`` workers: CA bundle (None: system trust) and client certificate."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCfg:
+    """One worker. ``url`` is kept as written; the properties give its parts."""
+
+    id: str
+    url: str
+    weight: float = 1.0
+    spawn: str | None = None
+    args: tuple[str, ...] = ()
+    metrics_url: str | None = None
+
+    @property
+    def secure(self) -> bool:
+        """True for wss://."""
+        return self.url.startswith("wss:")
+
+    @property
+    def host(self) -> str:
+        """Host of the URL, without IPv6 brackets."""
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        """Port of the URL, 80/443 when it has none."""
+        return urlsplit(self.url).port or (443 if self.secure else 80)
+
+    @property
+    def resource(self) -> str:
+        """Request target for the worker handshake: path (default ``/``) and query."""
+        u = urlsplit(self.url)
+        return (u.path or "/") + (f"?{u.query}" if u.query else "")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCfg:
+    """A group of interchangeable workers serving one path prefix."""
+
+    name: str
+    path_prefix: str = "/"
+    session_key: tuple[KeySource, ...] = DEFAULT_SESSION_KEY
+    balance: str = "consistent"
+    hash_balance_factor: float = 1.25
+    weights: WeightsCfg = WeightsCfg()
+    health: HealthCfg = HealthCfg()
+    outlier: OutlierCfg = OutlierCfg()
+    drain: DrainCfg = DrainCfg()
+    backends: tuple[BackendCfg, ...] = ()
+    upstream_tls: UpstreamTls | None = None
+    affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds. ``idle`` and ``ping_interval`` of 0 disable those timers."""
+
+    handshake: float = 10.0
+    connect: float = 5.0
+    idle: float = 3600.0
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0
+    close: float = 5.0
+    shutdown_grace: float = 5.0
+    backpressure: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Resource limits; sizes in bytes."""
+
+    max_connections: int = 10000
+    max_frame_size: int = 1024**2
+    max_message_size: int = 16 * 1024**2
+    write_buffer_high: int = 256 * 1024
+    max_header_bytes: int = 16 * 1024
+    max_headers: int = 100
+    # 0: no limit. Behind an ingress, a NAT or in a sidecar every session has one address.
+    max_connections_per_client: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LogCfg:
+    """``format``: text or json (every line); ``access``: one line per ended session."""
+
+    format: str = "text"
+    access: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class JwtCfg:
+    """JWT check: exactly one of ``secret`` (HS*) or ``public_key_file`` (RS/PS/ES/EdDSA)."""
+
+    secret: str | None = None
+    public_key_file: str | None = None
+    algorithms: tuple[str, ...] = ("HS256",)
+    audience: str | None = None
+    query_param: str | None = None
+    session_claim: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuthCfg:
+    """Client auth; ``origins`` are normalised (lowercase, no default port); empty: any."""
+
+    jwt: JwtCfg | None = None
+    origins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterCfg:
+    """Shared state of several wslb instances in etcd."""
+
+    etcd: str
+    prefix: str = "/wslb/"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole balancer.yaml. ``source`` is the file it came from, for messages."""
+
+    listen: tuple[Listener, ...] = (Listener("127.0.0.1", 8080),)
+    admin: Admin = Admin()
+    pools: tuple[PoolCfg, ...] = ()
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+    auth: AuthCfg = AuthCfg()
+    workers: int = 1
+    cluster: ClusterCfg | None = None
+    # Proxies whose X-Forwarded-For / PROXY header names the client (ip_network objects).
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+    log: LogCfg = LogCfg()
+    source: str = "<config>"
+
+    def backend_ids(self) -> tuple[str, ...]:
+        """Ids of every backend, in file order."""
+        return tuple(b.id for p in self.pools for b in p.backends)
+
+    def backend(self, backend_id: str) -> BackendCfg | None:
+        """The backend with this id, in whatever pool."""
+        return next((b for p in self.pools for b in p.backends if b.id == backend_id), None)
+
+    def pool(self, name: str) -> PoolCfg | None:
+        """The pool with this name."""
+        return next((p for p in self.pools if p.name == name), None)
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
