@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from balancer.backend import AdminState
 from balancer.config import BackendCfg, Config, ConfigError, parse_backend
 
 __all__ = [
@@ -68,9 +69,11 @@ __all__ = [
     "unb64",
 ]
 
-ACTIVE = "active"
-DRAINING = "draining"
-DRAINED = "drained"
+# The admin states are defined once (``balancer.backend.AdminState``); the members are ``str``,
+# so the JSON below holds the plain words.
+ACTIVE = AdminState.ACTIVE
+DRAINING = AdminState.DRAINING
+DRAINED = AdminState.DRAINED
 STATES = (ACTIVE, DRAINING, DRAINED)
 
 SEED = "seed"

@@ -1,16 +1,9 @@
-"""Backends, their state, and the choice of a backend for a new session.
+"""A pool's backends: membership, refresh and smoothing, ejection, held places and affinity.
 
-Operator state (``admin_state``: active, draining, drained) is kept apart from probe state
-(``healthy``), as pingora does with ``enabled`` and health: a backend receives new sessions only
-when it is both active and healthy. The selector's ring is built off the hot path when membership
+``Pool`` keeps the state the balance algorithms read and hands them what they need
+(``balancer.selection``); the backends themselves and their admin states are in
+``balancer.backend`` (re-exported here). The ring is built off the hot path when membership
 changes and swapped in as one reference.
-
-Selection for ``balance: consistent``: the first ready backend on the key's ring walk that is
-under its bound (``ring.load_bound``). One refinement keeps KV caches warm: when the bound pushed a
-key past its first ready backend, the placement is remembered (a bounded LRU table, like an
-HAProxy stick table) and reused while that backend is ready and under its bound *and* the key's
-first ready backend is still the same one. If readiness changed instead (a worker went down and
-came back), the ring decides again, so keys return to a worker when it returns.
 
 Held places: when a session ends, its key keeps its place on the backend for ``hold_s`` seconds
 (the pool's ``affinity_hold``, 30 s by default): the worker still holds the conversation's KV
@@ -43,15 +36,24 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
 
+from balancer import selection
+from balancer.backend import AdminState, Backend, Upstream
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
-from balancer.weights import Signals, denoise, effective_weight, median, speed
+from balancer.weights import denoise, effective_weight, median, speed
 
-__all__ = ["Backend", "Pool", "SharedLoad", "Upstream"]
+__all__ = [
+    "ACTIVE",
+    "DRAINED",
+    "DRAINING",
+    "AdminState",
+    "Backend",
+    "Pool",
+    "SharedLoad",
+    "Upstream",
+]
 
 # How long a key's last placement is remembered after its session ends: longer than a worker
 # keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
@@ -59,195 +61,10 @@ AFFINITY_TTL = 600.0
 # How long a key keeps its place (counted in its backend's load) after its session ends.
 HOLD_S = PoolCfg("").affinity_hold
 
-ACTIVE = "active"
-DRAINING = "draining"
-DRAINED = "drained"
-
-
-@dataclass(frozen=True, slots=True)
-class Upstream:
-    """Where to open a worker's WebSocket, parsed once from its URL.
-
-    ``path`` None: the URL has no path (``ws://10.0.0.5:9001``), so the client's own path goes
-    to the worker, as nginx's ``proxy_pass`` without a URI does; one pool then serves every
-    endpoint of its workers. A URL with a path (``/`` included) sends that path instead. The
-    client's query is appended either way (``handshake.upstream_request``).
-    """
-
-    host: str
-    port: int
-    path: str | None
-    secure: bool
-
-    @classmethod
-    def parse(cls, url: str) -> Upstream:
-        parts = urlsplit(url)
-        secure = parts.scheme == "wss"
-        host = parts.hostname or "127.0.0.1"
-        port = parts.port or (443 if secure else 80)
-        path: str | None = parts.path or ("/" if parts.query else None)
-        if parts.query:
-            path = f"{path}?{parts.query}"
-        return cls(host, port, path, secure)
-
-    @property
-    def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-class Backend:
-    """A worker as the balancer sees it: address, weights, state and live load."""
-
-    __slots__ = (
-        "admin_state",
-        "cfg",
-        "connect_failures",
-        "consecutive_failures",
-        "effective_weight",
-        "ejected_until",
-        "ejections",
-        "factor",
-        "factor_at",
-        "headroom",
-        "health_kind",
-        "health_reason",
-        "health_since",
-        "healthy",
-        "held",
-        "id",
-        "last_check",
-        "probe_fails",
-        "probe_oks",
-        "remote_sessions",
-        "returned_at",
-        "sessions",
-        "sessions_total",
-        "signals",
-        "stale",
-        "upstream",
-        "url",
-        "weight",
-    )
-
-    def __init__(self, cfg: BackendCfg) -> None:
-        self.cfg = cfg
-        self.id = cfg.id
-        self.url = cfg.url
-        self.upstream = Upstream.parse(cfg.url)
-        self.weight = cfg.weight
-        self.effective_weight = cfg.weight
-        self.admin_state = ACTIVE
-        self.healthy = True
-        # Why it is down, for operators: the last failed check's reason and its kind (a metric
-        # label: refused, timeout, reset, http_status, error, process), None while up.
-        self.health_reason: str | None = None
-        self.health_kind: str | None = None
-        self.health_since: float | None = None  # wall clock of the last flip
-        self.last_check: float | None = None  # wall clock of the last conclusive check
-        self.probe_oks = 0
-        self.probe_fails = 0
-        self.sessions = 0  # live sessions this process placed on the backend
-        # Sessions that other balancer processes or instances hold on it (``workers: N``'s
-        # shared board, or cluster mode's scraped counts); bounds and least_conn see both.
-        self.remote_sessions = 0
-        self.held = 0  # keys whose session ended here less than ``hold_s`` ago (Pool docstring)
-        self.sessions_total = 0
-        self.connect_failures = 0  # total, for metrics
-        self.consecutive_failures = 0  # connect/handshake failures since the last success
-        self.ejected_until = 0.0  # loop time; 0 when not ejected
-        self.ejections = 0  # multiplier of the next ejection time
-        self.returned_at = 0.0
-        self.signals: Signals | None = None
-        self.stale = True
-        self.headroom = 1.0  # smoothed load signals' factor, at factor_at
-        self.factor_at = 0.0
-        self.factor = 1.0  # headroom x speed: effective_weight = weight x factor
-
-    @property
-    def ejected(self) -> bool:
-        return self.ejected_until > 0.0
-
-    @property
-    def load(self) -> int:
-        """Live sessions on the backend from every balancer process that shares it."""
-        return self.sessions + self.remote_sessions
-
-    @property
-    def counted(self) -> int:
-        """What the bounded-load rule counts: ``load`` plus the places this process holds for
-        keys between sessions (see the module docstring)."""
-        return self.load + self.held
-
-    @property
-    def ready(self) -> bool:
-        """May receive new sessions."""
-        return self.healthy and self.admin_state == ACTIVE and self.ejected_until == 0.0
-
-    @property
-    def state(self) -> str:
-        """One word for operators: active, draining, drained, down or ejected."""
-        if self.admin_state != ACTIVE:
-            return self.admin_state
-        if not self.healthy:
-            return "down"
-        return "ejected" if self.ejected else ACTIVE
-
-    def set_health(
-        self, healthy: bool, reason: str | None = None, kind: str | None = None, at: float = 0.0
-    ) -> bool:
-        """Set the probe state directly (a spawned worker's process came or went); True when it
-        flipped. ``reason``/``kind`` say why it is down; ``at`` is the wall clock."""
-        flipped = healthy != self.healthy
-        self.healthy = healthy
-        if flipped:
-            self.health_since = at or None
-        if healthy:
-            self.health_reason = self.health_kind = None
-        elif reason is not None:
-            self.health_reason, self.health_kind = reason, kind
-        return flipped
-
-    def probe(
-        self,
-        ok: bool,
-        rise: int,
-        fall: int,
-        reason: str | None = None,
-        kind: str | None = None,
-        at: float = 0.0,
-    ) -> bool:
-        """Record an active health check; return True when ``healthy`` flipped.
-
-        Health flips only after ``rise`` consecutive successes or ``fall`` consecutive failures,
-        so one lost probe does not move sessions. A failed check's ``reason`` (and ``kind``) is
-        kept while the backend is down; ``at`` is the wall clock of the check.
-        """
-        if at:
-            self.last_check = at
-        if not ok and (not self.healthy or self.probe_fails + 1 >= fall):
-            self.health_reason, self.health_kind = reason, kind
-        flipped = self._count_probe(ok, rise, fall)
-        if flipped:
-            self.health_since = at or None
-            if self.healthy:
-                self.health_reason = self.health_kind = None
-        return flipped
-
-    def _count_probe(self, ok: bool, rise: int, fall: int) -> bool:
-        if ok:
-            self.probe_oks += 1
-            self.probe_fails = 0
-            if not self.healthy and self.probe_oks >= rise:
-                self.healthy = True
-                return True
-        else:
-            self.probe_fails += 1
-            self.probe_oks = 0
-            if self.healthy and self.probe_fails >= fall:
-                self.healthy = False
-                return True
-        return False
+# The admin states, as the names every caller imports (``balancer.backend.AdminState``).
+ACTIVE = AdminState.ACTIVE
+DRAINING = AdminState.DRAINING
+DRAINED = AdminState.DRAINED
 
 
 class SharedLoad(Protocol):
@@ -275,7 +92,8 @@ class SharedLoad(Protocol):
 
 
 class Pool:
-    """The backends of one pool and the selection policy over them."""
+    """The backends of one pool, the state selection reads, and ``select`` (which dispatches
+    on ``balance`` to ``balancer.selection``)."""
 
     def __init__(
         self,
@@ -297,7 +115,7 @@ class Pool:
         # key -> (backend holding its place, loop time the hold ends), in expiry order
         self._held: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
         self.hold_s = cfg.affinity_hold if hold_s is None else hold_s
-        self._rr_current: dict[str, float] = {}
+        self._rr = selection.SmoothRoundRobin()
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
         self.shared: SharedLoad | None = None
@@ -329,11 +147,11 @@ class Pool:
     def remove(self, backend_id: str) -> Backend:
         """Remove a backend; its live sessions are the caller's business."""
         b = self.backends.pop(backend_id)
-        self._rr_current.pop(backend_id, None)
+        self._rr.forget(backend_id)
         self._rebuild()
         return b
 
-    # -- selection -------------------------------------------------------------------------
+    # -- refresh and selection -------------------------------------------------------------
 
     def refresh(self, now: float) -> None:
         """Bring time-dependent state up to ``now``: ejections that ended, held places that
@@ -430,52 +248,20 @@ class Pool:
         if not ready:
             return None
         if self.balance == "consistent":
-            return self._select_consistent(key, ready)
+            hold = self._held.get(key)
+            remembered = self._remembered(key)
+            return selection.consistent(
+                ready,
+                self.ring.walk(key),
+                self.factor,
+                held_on=hold[0] if hold is not None else None,
+                remembered=remembered[:2] if remembered is not None else None,
+            )
         if self.balance == "least_conn":
-            return min(ready, key=lambda b: ((b.load + 1) / b.effective_weight, b.id))
+            return selection.least_conn(ready)
         if self.balance == "round_robin":
-            return self._select_round_robin(ready)
-        return self._random.choices(ready, weights=[b.effective_weight for b in ready])[0]
-
-    def _select_consistent(self, key: str, ready: list[Backend]) -> Backend:
-        by_id = {b.id: b for b in ready}
-        # A key that holds a place on a ready backend is already counted there: placing it
-        # anywhere adds nothing to the total, and taking its own place back adds nothing there.
-        hold = self._held.get(key)
-        holder = hold[0] if hold is not None and by_id.get(hold[0].id) is hold[0] else None
-        total_after = sum(b.counted for b in ready) + (0 if holder is not None else 1)
-        weight_sum = sum(b.effective_weight for b in ready)
-
-        def fits(b: Backend) -> bool:
-            after = b.counted if b is holder else b.counted + 1
-            return after <= load_bound(total_after, self.factor, b.effective_weight, weight_sum)
-
-        walk = [b for bid in self.ring.walk(key) if (b := by_id.get(bid)) is not None]
-        first = walk[0].id if walk else None
-        remembered = self._remembered(key)
-        if remembered is not None and remembered[1] == first:
-            b = by_id.get(remembered[0])
-            if b is not None and fits(b):
-                return b
-        for b in walk:
-            if fits(b):
-                return b
-        # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
-        return min(ready, key=lambda b: (b.counted / b.effective_weight, b.id))
-
-    def _select_round_robin(self, ready: list[Backend]) -> Backend:
-        """Smooth weighted round robin, as nginx does it."""
-        total = 0.0
-        best: Backend | None = None
-        for b in ready:
-            cur = self._rr_current.get(b.id, 0.0) + b.effective_weight
-            self._rr_current[b.id] = cur
-            total += b.effective_weight
-            if best is None or cur > self._rr_current[best.id]:
-                best = b
-        assert best is not None
-        self._rr_current[best.id] -= total
-        return best
+            return self._rr.pick(ready)
+        return selection.weighted_random(self._random, ready)
 
     # -- accounting ------------------------------------------------------------------------
 
