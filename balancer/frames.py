@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable
+from enum import IntEnum
 
 __all__ = [
     "ACCELERATED",
@@ -50,6 +51,7 @@ __all__ = [
     "OP_PING",
     "OP_PONG",
     "OP_TEXT",
+    "CloseCode",
     "FrameScanner",
     "ProtocolError",
     "build_frame",
@@ -64,7 +66,23 @@ OP_CLOSE = 0x8
 OP_PING = 0x9
 OP_PONG = 0xA
 
-CLOSE_NO_STATUS = 1005
+
+class CloseCode(IntEnum):
+    """The close codes wslb sends or reads itself (RFC 6455 7.4.1); plain ints on the wire."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001  # shutdown, idle timeout, the other side went away
+    PROTOCOL_ERROR = 1002
+    NO_STATUS = 1005  # a close frame without a payload (never sent)
+    INVALID_DATA = 1007  # a close reason that is not UTF-8
+    POLICY = 1008  # a peer that stopped reading (backpressure)
+    TOO_BIG = 1009
+    INTERNAL_ERROR = 1011  # the worker was lost, a ping went unanswered
+    SERVICE_RESTART = 1012  # the worker drains: reconnect (elsewhere)
+    BAD_GATEWAY = 1014  # the worker broke framing
+
+
+CLOSE_NO_STATUS = CloseCode.NO_STATUS
 
 _U16 = struct.Struct("!H")
 _U64 = struct.Struct("!Q")
@@ -228,6 +246,25 @@ class FrameScanner:
     def at_message_boundary(self) -> bool:
         """True when the forwarded stream ends between data messages."""
         return self._remaining == 0 and not self._in_message
+
+    # -- what the relay tells the scanner (it writes no field of the scanner itself) -----------
+
+    def expect_pong(self, payload: bytes) -> None:
+        """The relay sent a ping with ``payload`` the other way: consume the pong answering it."""
+        self.own_ping = payload
+        self.pong_received = False
+
+    def stop(self) -> None:
+        """The relay sent its own close into this stream: forward nothing more."""
+        self.closed = True
+
+    def drop_next_close(self) -> None:
+        """Consume the peer's close instead of forwarding it (the relay sends its own)."""
+        self.drop_close = True
+
+    def keep_message_ends(self) -> None:
+        """Record where each data message ends, for replay after a migration."""
+        self.ends = []
 
     def feed(self, data: bytes) -> bytes:
         """Scan a chunk and return the bytes to forward now (possibly empty)."""

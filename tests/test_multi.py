@@ -13,7 +13,7 @@ import psutil
 import pytest
 from websockets.asyncio.client import connect
 
-from balancer.aio.multi import merge_metrics
+from balancer.aio.fanout import merge_metrics
 from balancer.board import Board
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
@@ -152,7 +152,7 @@ def _serving(lb: Wslb) -> dict[int, psutil.Process]:
             cmd = p.cmdline()
         except psutil.Error:  # a killed one not reaped yet (zombie), or gone
             continue
-        if "balancer.aio.multi" in cmd:
+        if "balancer.aio.serving" in cmd:
             out[int(cmd[cmd.index("--index") + 1])] = p
     return out
 

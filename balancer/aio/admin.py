@@ -1,4 +1,4 @@
-"""Admin HTTP listener (aiohttp): health, readiness, metrics, views and operator actions.
+"""Admin HTTP listener (aiohttp): routes, each one ``Control`` call (``control.py``).
 
 Safe by default, because loopback is reachable from every web page the operator has open:
 
@@ -11,35 +11,27 @@ Safe by default, because loopback is reachable from every web page the operator 
   origin without a CORS preflight cannot carry it, and wslb answers no preflight.
 
 A serving process of ``workers: N`` listens on a Unix socket in a private directory for its
-supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}``.
+supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}``: a
+``ControlError``'s status and message, 400 for a body that is not a JSON object.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import psutil
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from balancer import admintoken, frames
-from balancer.aio.cluster import EtcdError
-from balancer.aio.migrate import migrate
+from balancer import admintoken
+from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
-from balancer.config import BackendCfg, ConfigError, parse_backend, parse_duration
-from balancer.metrics import BackendView, BalancerCollector
-from balancer.pool import DRAINED, Backend, Pool
-
-if TYPE_CHECKING:
-    from balancer.aio.app import Balancer
+from balancer.config import Admin as AdminCfg
 
 __all__ = ["Admin"]
 
@@ -84,26 +76,20 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class Admin:
-    """The admin listener of one balancer process."""
+    """The admin listener of one balancer process: HTTP in front of its ``Control``."""
 
-    def __init__(self, app: Balancer) -> None:
-        self.app = app
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(
-            BalancerCollector(
-                app.stats, lambda: list(app.sessions), app.backend_views, lambda: app.connections
-            )
-        )
+    def __init__(self, control: Control, cfg: AdminCfg, unix_socket: str | None = None) -> None:
+        """``unix_socket``: a serving process of ``workers: N`` (no token, no browser checks).
+        Else ``cfg``'s TCP address; ``admin.token``, ``WSLB_ADMIN_TOKEN``, or one generated."""
+        self.control = control
+        self.cfg = cfg
+        self.unix_socket = unix_socket
         self._runner: web.AppRunner | None = None
-        if app.cluster is not None:
-            self.registry.register(app.cluster.collector())
-        # WSLB_ADMIN_TOKEN is the admin token when the config names none; with neither, start()
-        # generates one (module docstring).
-        token = app.config.admin.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
-        self._token = f"Bearer {token}".encode() if token else None
+        token = cfg.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
+        self._token = f"Bearer {token}".encode() if token and unix_socket is None else None
         self._generated: str | None = None  # the token start() made, removed at stop()
-        self._guarded = True  # Origin, Host and Content-Type checks (off on a Unix socket)
-        self._check_host = _is_loopback(app.config.admin.host)
+        self._guarded = unix_socket is None  # Origin, Host and Content-Type checks
+        self._check_host = _is_loopback(cfg.host)
 
     def make_app(self) -> web.Application:
         web_app = web.Application(middlewares=[self._guard, self._auth, self._errors])
@@ -126,16 +112,12 @@ class Admin:
         return web_app
 
     async def start(self) -> None:
-        cfg = self.app.config.admin
+        cfg = self.cfg
         self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        link = self.app.link
-        if link is not None:
-            # A serving process of workers: N answers its supervisor only, on a Unix socket in
-            # the supervisor's private (0700) run directory; the token guards the public API.
-            self._token = None
-            self._guarded = False
-            await web.UnixSite(self._runner, link.admin_socket).start()
+        if self.unix_socket is not None:
+            # Answers its supervisor only, in the supervisor's private (0700) run directory.
+            await web.UnixSite(self._runner, self.unix_socket).start()
             return
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         # Bound before the token file is written (the file names an API that is there), and the
@@ -159,7 +141,7 @@ class Admin:
             await self._runner.cleanup()
             self._runner = None
         if self._generated is not None:
-            admintoken.remove(self.app.config.admin.port, self._generated)
+            admintoken.remove(self.cfg.port, self._generated)
             self._generated = None
 
     # -- middleware ------------------------------------------------------------------------
@@ -191,222 +173,75 @@ class Admin:
     async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except ControlError as exc:
+            return _error(exc.status, exc.message)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             return _error(exc.status, exc.reason)
-        except EtcdError as exc:  # cluster mode: a write could not reach the store
-            return _error(503, f"cluster store unreachable: {exc}")
 
-    # -- handlers --------------------------------------------------------------------------
+    # -- routes ----------------------------------------------------------------------------
 
-    async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    @staticmethod
+    def _reply(reply: Reply) -> web.Response:
+        return web.json_response(reply.body, status=reply.status)
 
-    async def readyz(self, request: web.Request) -> web.Response:
-        if self.app.closing:
-            return web.json_response({"status": "shutting down"}, status=503)
-        if self.app.cluster is not None:
-            # 200 either way: routing goes on with the last known state, and a store blip must
-            # not pull every replica out of its Service at once.
-            cluster = self.app.cluster.status()
-            body = {"status": "ready", "degraded": not cluster["connected"], "cluster": cluster}
-            return web.json_response(body)
-        return web.json_response({"status": "ready"})
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    def _backend_json(self, v: BackendView) -> dict[str, Any]:
-        found = self.app.find_backend(v.id)
-        out: dict[str, Any] = {
-            "id": v.id,
-            "pool": v.pool,
-            "url": found[1].url if found is not None else None,
-            "state": v.state,
-            "healthy": v.healthy,
-            "health": {
-                "ok": v.healthy,
-                "reason": v.health_reason,
-                "since": v.health_since,
-                "last_check": v.last_check,
-            },
-            "weight": v.weight,
-            "effective_weight": round(v.effective_weight, 4),
-            "sessions": v.sessions,
-            "held": v.held,
-            "sessions_total": v.sessions_total,
-            "signals": v.signals,
-            "signals_age": None if v.scrape_age is None else round(v.scrape_age, 3),
-            "signals_stale": v.stale,
-            "ejected_for": round(v.ejected_for, 3),
-            "ejections": v.ejections,
-            "drain": self.app.drainer.view(found[1]) if found is not None else None,
-            "sessions_remote": found[1].remote_sessions if found is not None else 0,
-        }
-        if self.app.cluster is not None:
-            out["cluster"] = self.app.cluster.backend_view(v.id)
-        return out
-
-    async def backends(self, request: web.Request) -> web.Response:
-        return web.json_response([self._backend_json(v) for v in self.app.backend_views()])
-
-    async def backend(self, request: web.Request) -> web.Response:
-        bid = request.match_info["id"]
-        for v in self.app.backend_views():
-            if v.id == bid:
-                return web.json_response(self._backend_json(v))
-        return _error(404, f"no backend {bid!r}")
-
-    async def sessions(self, request: web.Request) -> web.Response:
-        backend = request.query.get("backend")
-        out = [
-            s.describe() for s in self.app.sessions if backend is None or s.backend.id == backend
-        ]
-        return web.json_response(out)
-
-    async def session(self, request: web.Request) -> web.Response:
-        sid = request.match_info["sid"]
-        for s in self.app.sessions:
-            if s.sid == sid:
-                return web.json_response(s.describe())
-        return _error(404, f"no live session {sid!r}")
-
-    # -- write side ------------------------------------------------------------------------
-
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
             return {}
         try:
             body = await request.json()
         except ValueError:
-            raise web.HTTPBadRequest(reason="body is not JSON") from None
+            raise ControlError(400, "body is not JSON") from None
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(reason="body must be a JSON object")
+            raise ControlError(400, "body must be a JSON object")
         return body
 
-    def _find(self, request: web.Request) -> tuple[Pool, Backend]:
-        found = self.app.find_backend(request.match_info["id"])
-        if found is None:
-            raise web.HTTPNotFound(reason=f"no backend {request.match_info['id']!r}")
-        return found
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
-    def _new_backend(self, body: dict[str, Any]) -> tuple[Pool, BackendCfg]:
-        """The pool (``pool`` in the body, else the first) and config of a backend to add."""
-        pool_name = body.pop("pool", None)
-        pool = self.app.pools[0] if pool_name is None else self.app.pool(str(pool_name))
-        if pool is None:
-            raise web.HTTPNotFound(reason=f"no pool {pool_name!r}")
-        try:
-            return pool, parse_backend(body)
-        except ConfigError as exc:
-            raise web.HTTPBadRequest(reason="; ".join(exc.errors)) from None
+    async def readyz(self, request: web.Request) -> web.Response:
+        return self._reply(await self.control.ready())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = await self.control.metrics()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def backends(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.control.backends())
+
+    async def backend(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.control.backend(request.match_info["id"]))
+
+    async def sessions(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.control.sessions(request.query.get("backend")))
+
+    async def session(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.control.session(request.match_info["sid"]))
 
     async def add_backend(self, request: web.Request) -> web.Response:
-        pool, cfg = self._new_backend(await self._body(request))
-        if self.app.cluster is not None:
-            return await self._cluster_add(pool, cfg)
-        if self.app.find_backend(cfg.id) is not None:
-            return _error(409, f"backend {cfg.id!r} exists")
-        b = self.app.add_backend(pool, cfg)
-        return web.json_response({"id": b.id, "pool": pool.name, "state": b.state}, status=201)
-
-    async def _cluster_add(self, pool: Pool, cfg: BackendCfg) -> web.Response:
-        """Cluster mode: write the backend to etcd; the watch adds it everywhere."""
-        assert self.app.cluster is not None
-        if cfg.spawn is not None:
-            return _error(400, "spawn: not shared in cluster mode (every instance would start it)")
-        if not await self.app.cluster.add_backend(pool, cfg):
-            return _error(409, f"backend {cfg.id!r} exists")
-        found = self.app.find_backend(cfg.id)
-        state = found[1].state if found is not None else "pending"
-        return web.json_response({"id": cfg.id, "pool": pool.name, "state": state}, status=201)
+        return self._reply(await self.control.add_backend(await self._body(request)))
 
     async def delete_backend(self, request: web.Request) -> web.Response:
-        pool, b = self._find(request)
-        if self.app.cluster is not None:  # drained on every instance, then gone everywhere
-            why = await self.app.cluster.remove_backend(b.id)
-            if why is not None:
-                return _error(409, why)
-            return web.json_response({"id": b.id, "removed": True})
-        if b.admin_state != DRAINED or b.load:
-            return _error(409, f"backend {b.id!r} is {b.state}; drain it first")
-        await self.app.remove_backend(pool, b)
-        return web.json_response({"id": b.id, "removed": True})
+        return self._reply(await self.control.remove_backend(request.match_info["id"]))
 
     async def drain(self, request: web.Request) -> web.Response:
-        pool, b = self._find(request)
         body = await self._body(request)
-        migrate = body.get("migrate", pool.cfg.drain.migrate)
-        if not isinstance(migrate, bool):
-            return _error(400, "migrate must be true or false")
-        try:
-            timeout = parse_duration(body.get("timeout", pool.cfg.drain.timeout))
-        except (ValueError, TypeError) as exc:
-            return _error(400, f"timeout: {exc}")
-        if self.app.cluster is not None:  # written to etcd; every instance drains its sessions
-            written = await self.app.cluster.set_state(b, "draining", migrate, timeout)
-            view = self._backend_json(self._view(b.id))
-            return web.json_response(view, status=202 if written else 200)
-        if b.admin_state == DRAINED:  # nothing to do: drains are idempotent
-            return web.json_response(self._backend_json(self._view(b.id)))
-        self.app.self_drained.discard(b.id)  # an operator's drain is not undone by probes
-        self.app.drainer.start(pool, b, migrate, timeout)
-        return web.json_response(self._backend_json(self._view(b.id)), status=202)
+        return self._reply(await self.control.drain(request.match_info["id"], body))
 
     async def undrain(self, request: web.Request) -> web.Response:
-        _, b = self._find(request)
-        if self.app.cluster is not None:
-            await self.app.cluster.set_state(b, "active", True, 0.0)
-        else:
-            await self.app.drainer.undrain(b)
-        return web.json_response(self._backend_json(self._view(b.id)))
-
-    def _view(self, bid: str) -> BackendView:
-        return next(v for v in self.app.backend_views() if v.id == bid)
+        return self._reply(await self.control.undrain(request.match_info["id"]))
 
     async def migrate(self, request: web.Request) -> web.Response:
-        sid = request.match_info["sid"]
         body = await self._body(request)
-        to = body.get("to")
-        if to is not None and not isinstance(to, str):
-            return _error(400, "to must be a backend id")
-        session = self.app.find_session(sid)
-        if session is None:
-            return _error(404, f"no live session {sid!r}")
-        result = await migrate(self.app, session, to)
-        out = {
-            "session": sid,
-            "migrated": result.ok,
-            "result": result.reason,
-            "backend": session.backend.id,
-            "pause_ms": None if result.pause is None else round(result.pause * 1e3, 2),
-        }
-        return web.json_response(out, status=200 if result.ok else 409)
+        return self._reply(await self.control.migrate(request.match_info["sid"], body))
 
     async def reload(self, request: web.Request) -> web.Response:
-        try:
-            report = await self.app.reload()
-        except ConfigError as exc:
-            return _error(400, "; ".join(exc.errors))
-        return web.json_response(report)
+        return self._reply(await self.control.reload())
 
     async def debug_stats(self, request: web.Request) -> web.Response:
-        """Process figures for soak tests: tasks, sessions, connections, RSS, open FDs, and
-        which frame-scanner loop runs (``c``, or ``python`` where ``balancer._scan`` was not
-        built)."""
-        proc = psutil.Process()
-        return web.json_response(
-            {
-                "tasks": len(asyncio.all_tasks()),
-                "sessions": len(self.app.sessions),
-                "connections": self.app.connections,
-                "rss": proc.memory_info().rss,
-                "fds": proc.num_fds(),
-                "scanner": "c" if frames.ACCELERATED else "python",
-            }
-        )
+        return web.json_response(await self.control.debug_stats())
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)

@@ -37,14 +37,15 @@ import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from balancer.aio.control import ControlError, LocalControl, Reply, drain_args, new_backend
 from balancer.cluster import (
     ACTIVE,
     BACKENDS,
@@ -73,15 +74,14 @@ from balancer.cluster import (
     reseed_txn,
     seed_txn,
 )
-from balancer.config import BackendCfg, ClusterCfg
+from balancer.config import BackendCfg, ClusterCfg, ConfigError
 from balancer.pool import Backend, Pool
 
-if TYPE_CHECKING:
-    from balancer.aio.app import Balancer
-
-__all__ = ["Cluster", "Etcd", "EtcdError"]
+__all__ = ["Cluster", "ClusterControl", "Etcd", "EtcdError"]
 
 log = logging.getLogger("wslb.cluster")
+
+_T = TypeVar("_T")
 
 LEASE_TTL = 10  # seconds; an instance that stops for this long stops counting
 KEEPALIVE = 1.0  # lease keepalive period, also the store's health check
@@ -195,8 +195,10 @@ def instance_id() -> str:
 class Cluster:
     """The etcd side of one instance: sync loops, admin writes, drain reports, status."""
 
-    def __init__(self, app: Balancer, cfg: ClusterCfg) -> None:
-        self.app = app
+    def __init__(self, local: LocalControl, cfg: ClusterCfg) -> None:
+        """``local`` applies what etcd says to this instance's pools."""
+        self.local = local
+        self.state = local.state
         self.cfg = cfg
         self.prefix = normalize_prefix(cfg.prefix)
         self.instance = instance_id()
@@ -226,9 +228,7 @@ class Cluster:
             connector=aiohttp.TCPConnector(limit=0), headers={"User-Agent": "wslb"}
         )
         self._etcd = Etcd(self.cfg.etcd, self._http)
-        if self.app.scraper is not None:
-            self.app.scraper.on_scrape = self.scraped
-        loop = self.app.loop
+        loop = self.state.loop
         for name, coro in (
             ("sync", self._run()),
             ("lease", self._keepalive()),
@@ -268,7 +268,7 @@ class Cluster:
     # -- sync ------------------------------------------------------------------------------
 
     def _contact(self) -> None:
-        self.last_ok = self.app.loop.time()
+        self.last_ok = self.state.loop.time()
 
     def _lost_contact(self, why: str) -> None:
         self.last_error = why
@@ -280,7 +280,7 @@ class Cluster:
 
     async def _sync(self) -> None:
         """Seed if nobody has (or restore what we knew, if the store lost it), read, apply."""
-        config, now = self.app.config, time.time()
+        config, now = self.state.config, time.time()
         if self.snap.seeded:  # a no-op unless the seed is gone: etcd came back empty
             if await self.etcd.txn(reseed_txn(self.snap, self.instance, now)):
                 log.warning("%s was empty: restored the state this instance knew", self.prefix)
@@ -309,7 +309,7 @@ class Cluster:
                 self.apply()
 
     async def _run(self) -> None:
-        loop = self.app.loop
+        loop = self.state.loop
         delay = BACKOFF_MIN
         while True:
             try:
@@ -363,7 +363,7 @@ class Cluster:
             await asyncio.sleep(KEEPALIVE)
 
     def _admin_url(self) -> str:
-        a = self.app.config.admin
+        a = self.state.config.admin
         return f"http://{a.host}:{a.port}"
 
     # -- applying the shared state ---------------------------------------------------------
@@ -372,22 +372,22 @@ class Cluster:
         """Make the local pools agree with the snapshot (idempotent)."""
         local = {
             b.id: Local(pool.name, b.cfg, b.admin_state, b.id in self.by_cluster)
-            for pool in self.app.pools
+            for pool in self.state.pools
             for b in pool.backends.values()
             if b.id not in self.removing
         }
-        actions, warnings = plan(self.snap, local, [p.name for p in self.app.pools])
+        actions, warnings = plan(self.snap, local, [p.name for p in self.state.pools])
         for w in warnings:
             if w not in self._warned:
                 self._warned.add(w)
                 log.warning("cluster: %s", w)
         for a in actions:
             if isinstance(a, Add):
-                pool = self.app.pool(a.pool)
-                if pool is not None and self.app.find_backend(a.cfg.id) is None:
-                    self.app.add_backend(pool, self._with_local(a.cfg))
+                pool = self.state.pool(a.pool)
+                if pool is not None and self.state.find_backend(a.cfg.id) is None:
+                    self.local.add(pool, self._with_local(a.cfg))
             elif isinstance(a, Update):
-                found = self.app.find_backend(a.id)
+                found = self.state.find_backend(a.id)
                 if found is not None:
                     found[0].update(a.id, self._with_local(a.cfg))
                     log.info("backend %s: weight %s from etcd", a.id, a.cfg.weight)
@@ -398,13 +398,13 @@ class Cluster:
 
     def _with_local(self, cfg: BackendCfg) -> BackendCfg:
         """Keep this instance's ``spawn``/``args`` for a backend its own file has at that URL."""
-        mine = self.app.config.backend(cfg.id)
+        mine = self.state.config.backend(cfg.id)
         if mine is not None and mine.url == cfg.url:
             return replace(mine, weight=cfg.weight, metrics_url=cfg.metrics_url)
         return cfg
 
     def _remove(self, bid: str) -> None:
-        found = self.app.find_backend(bid)
+        found = self.state.find_backend(bid)
         if found is None:
             return
         pool, b = found
@@ -414,47 +414,43 @@ class Cluster:
             try:
                 if b.sessions > 0:
                     if b.admin_state == ACTIVE:
-                        self.app.drainer.start(
+                        self.local.drainer.start(
                             pool, b, pool.cfg.drain.migrate, pool.cfg.drain.timeout
                         )
-                    await self.app._remove_when_drained(pool, b)
+                    await self.local.remove_when_drained(pool, b)
                 elif pool.backends.get(bid) is b:
-                    await self.app.drainer.undrain(b)  # stops a drain task, if any
-                    await self.app.remove_backend(pool, b)
+                    await self.local.drainer.undrain(b)  # stops a drain task, if any
+                    await self.local.remove(pool, b)
             finally:
                 self.removing.discard(bid)
                 self.by_cluster.discard(bid)
 
-        self._background(run())
+        self.local.spawn(run())
 
     def _set_state(self, bid: str, state: StateRecord) -> None:
-        found = self.app.find_backend(bid)
+        found = self.state.find_backend(bid)
         if found is None:
             return
         pool, b = found
+        drainer = self.local.drainer
         if state.state != ACTIVE:
             self.by_cluster.add(bid)
-            self.app.self_drained.discard(bid)  # a probe must not undo the operator's drain
+            drainer.keep_drained(b)  # a probe must not undo the operator's drain
             if b.admin_state == ACTIVE:
                 log.info("backend %s: %s by %s (etcd)", bid, state.state, state.by)
-                self.app.drainer.start(pool, b, state.migrate, state.timeout)
+                drainer.start(pool, b, state.migrate, state.timeout)
         else:
             self.by_cluster.discard(bid)
             if b.admin_state != ACTIVE:
                 log.info("backend %s: undrained by %s (etcd)", bid, state.by)
-                self._background(self.app.drainer.undrain(b))
-
-    def _background(self, coro: Any) -> None:
-        task = self.app.loop.create_task(coro)
-        self.app.background.add(task)
-        task.add_done_callback(self.app.background.discard)
+                self.local.spawn(drainer.undrain(b))
 
     # -- periodic work ---------------------------------------------------------------------
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK)
-            for pool in self.app.pools:
+            for pool in self.state.pools:
                 for b in pool.backends.values():
                     if b.stale:
                         b.remote_sessions = 0
@@ -470,7 +466,7 @@ class Cluster:
     async def _report(self) -> None:
         """Publish this instance's drain reports; mark a backend drained once it is everywhere."""
         local: dict[str, Backend] = {
-            b.id: b for pool in self.app.pools for b in pool.backends.values()
+            b.id: b for pool in self.state.pools for b in pool.backends.values()
         }
         shared = self.snap.backends()
         for bid in list(self._reported):
@@ -487,7 +483,7 @@ class Cluster:
                 if state.state != ACTIVE:
                     want = DrainReport(DRAINED)
             elif state.state != ACTIVE and bid in self.by_cluster and b.admin_state != ACTIVE:
-                progress = self.app.drainer.progress.get(bid)
+                progress = self.local.drainer.progress.get(bid)
                 want = DrainReport(
                     DRAINED if b.admin_state == DRAINED else DRAINING,
                     b.sessions,
@@ -520,9 +516,9 @@ class Cluster:
     # -- admin writes ----------------------------------------------------------------------
 
     async def _until(self, done: Callable[[], bool]) -> bool:
-        deadline = self.app.loop.time() + WRITE_WAIT
+        deadline = self.state.loop.time() + WRITE_WAIT
         while not done():
-            if self.app.loop.time() >= deadline:
+            if self.state.loop.time() >= deadline:
                 return False
             await asyncio.sleep(0.01)
         return True
@@ -541,7 +537,7 @@ class Cluster:
         }
         if not await self.etcd.txn(body):
             return False
-        await self._until(lambda: self.app.find_backend(cfg.id) is not None)
+        await self._until(lambda: self.state.find_backend(cfg.id) is not None)
         return True
 
     async def remove_backend(self, bid: str) -> str | None:
@@ -561,7 +557,7 @@ class Cluster:
         }
         if not await self.etcd.txn(body):
             return f"backend {bid!r} changed meanwhile; try again"
-        await self._until(lambda: self.app.find_backend(bid) is None)
+        await self._until(lambda: self.state.find_backend(bid) is None)
         return None
 
     async def set_state(self, b: Backend, state: str, migrate: bool, timeout: float) -> bool:
@@ -608,7 +604,7 @@ class Cluster:
     def last_sync_age(self) -> float | None:
         if self.last_ok is None:
             return None
-        return round(self.app.loop.time() - self.last_ok, 3)
+        return round(self.state.loop.time() - self.last_ok, 3)
 
     def collector(self) -> Collector:
         return _Collector(self)
@@ -645,3 +641,94 @@ class _Collector(Collector):
         )
         resync.add_metric([], c.resyncs)
         yield resync
+
+
+class ClusterControl:
+    """The ``Control`` of an instance in cluster mode (``control.py``).
+
+    Backend writes (add, remove, drain, undrain) go to etcd and reach every instance through
+    its watch, this one's included; the answer waits up to ``WRITE_WAIT`` for it. Backend views
+    add the shared state; sessions, migrations and reloads stay this instance's.
+    """
+
+    def __init__(self, local: LocalControl, cluster: Cluster) -> None:
+        self.local = local
+        self.cluster = cluster
+
+    async def ready(self) -> Reply:
+        if self.local.state.closing:
+            return Reply({"status": "shutting down"}, 503)
+        # 200 either way: routing goes on with the last known state, and a store blip must not
+        # pull every replica out of its Service at once.
+        status = self.cluster.status()
+        return Reply({"status": "ready", "degraded": not status["connected"], "cluster": status})
+
+    async def metrics(self) -> bytes:
+        return await self.local.metrics()  # the cluster's collector is in the registry
+
+    def _with_cluster(self, view: dict[str, Any]) -> dict[str, Any]:
+        view["cluster"] = self.cluster.backend_view(view["id"])
+        return view
+
+    async def backends(self) -> list[dict[str, Any]]:
+        return [self._with_cluster(v) for v in await self.local.backends()]
+
+    async def backend(self, backend_id: str) -> dict[str, Any]:
+        return self._with_cluster(await self.local.backend(backend_id))
+
+    async def sessions(self, backend_id: str | None) -> list[dict[str, Any]]:
+        return await self.local.sessions(backend_id)
+
+    async def session(self, sid: str) -> dict[str, Any]:
+        return await self.local.session(sid)
+
+    async def debug_stats(self) -> dict[str, Any]:
+        return await self.local.debug_stats()
+
+    async def add_backend(self, body: dict[str, Any]) -> Reply:
+        pool, cfg = new_backend(self.local.state, body)
+        if cfg.spawn is not None:
+            raise ControlError(
+                400, "spawn: not shared in cluster mode (every instance would start it)"
+            )
+        if not await self._store(self.cluster.add_backend(pool, cfg)):
+            raise ControlError(409, f"backend {cfg.id!r} exists")
+        found = self.local.state.find_backend(cfg.id)
+        state = found[1].state if found is not None else "pending"
+        return Reply({"id": cfg.id, "pool": pool.name, "state": state}, 201)
+
+    async def remove_backend(self, backend_id: str) -> Reply:
+        _, b = self.local.find(backend_id)  # drained on every instance, then gone everywhere
+        why = await self._store(self.cluster.remove_backend(b.id))
+        if why is not None:
+            raise ControlError(409, why)
+        return Reply({"id": b.id, "removed": True})
+
+    async def drain(self, backend_id: str, body: dict[str, Any]) -> Reply:
+        pool, b = self.local.find(backend_id)
+        migrate_, timeout = drain_args(pool, body)
+        # Written to etcd; every instance drains its own sessions.
+        written = await self._store(self.cluster.set_state(b, DRAINING, migrate_, timeout))
+        return Reply(await self.backend(b.id), 202 if written else 200)
+
+    async def undrain(self, backend_id: str) -> Reply:
+        _, b = self.local.find(backend_id)
+        await self._store(self.cluster.set_state(b, ACTIVE, True, 0.0))
+        return Reply(await self.backend(b.id))
+
+    async def migrate(self, sid: str, body: dict[str, Any]) -> Reply:
+        return await self.local.migrate(sid, body)
+
+    async def reload(self) -> Reply:
+        try:
+            return Reply(await self.local.reread(backends=False))
+        except ConfigError as exc:
+            raise ControlError(400, "; ".join(exc.errors)) from None
+
+    @staticmethod
+    async def _store(write: Awaitable[_T]) -> _T:
+        """Await an etcd write; an unreachable store is a 503 (nothing was written)."""
+        try:
+            return await write
+        except EtcdError as exc:
+            raise ControlError(503, f"cluster store unreachable: {exc}") from None

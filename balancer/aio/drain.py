@@ -13,6 +13,11 @@ handoff API, a bound was exceeded, a step failed) gets the graceful fallback: it
 1012 once its current answer is over (the worker has been quiet for ``QUIET`` seconds after its
 last message, with no client message waiting for an answer), so the client reconnects with the
 same key and lands elsewhere.
+
+Who drained it matters for undoing it. A worker that reports ``503 draining`` on its health
+endpoint (SIGTERM, pod termination) is drained by wslb (``worker_drains``) and undrained once it
+is healthy again (``worker_back``: it restarted); an operator's drain (``start``) is never undone
+by probes. That bookkeeping lives here alone.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from balancer.aio.migrate import migrate
+from balancer.aio.state import ServerState
+from balancer.frames import CloseCode
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend, Pool
 
 if TYPE_CHECKING:
-    from balancer.aio.app import Balancer
-    from balancer.aio.server import Session
+    from balancer.aio.session import Session
 
 __all__ = ["DrainProgress", "Drainer"]
 
@@ -64,23 +70,67 @@ class DrainProgress:
 class Drainer:
     """Runs the drains of one balancer process."""
 
-    def __init__(self, app: Balancer) -> None:
-        self.app = app
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.progress: dict[str, DrainProgress] = {}
+        self._self_drained: set[str] = set()  # drained because the worker said "draining"
+        self._undrains: set[asyncio.Task[None]] = set()
 
-    def start(self, pool: Pool, backend: Backend, migrate_: bool, timeout: float) -> DrainProgress:
-        """Begin draining (idempotent while a drain runs)."""
+    def start(
+        self,
+        pool: Pool,
+        backend: Backend,
+        migrate_: bool,
+        timeout: float,
+        *,
+        by_worker: bool = False,
+    ) -> DrainProgress:
+        """Begin draining (idempotent while a drain runs). An operator's drain (not
+        ``by_worker``) is not undone when the worker's probes pass again."""
+        if not by_worker:
+            self._self_drained.discard(backend.id)
         if backend.admin_state == DRAINING and backend.id in self.tasks:
             return self.progress[backend.id]
         backend.admin_state = DRAINING
         progress = DrainProgress(migrate_, timeout, time.time(), backend.sessions)
         self.progress[backend.id] = progress
-        self.tasks[backend.id] = self.app.loop.create_task(
+        self.tasks[backend.id] = self.state.loop.create_task(
             self._run(pool, backend, progress), name=f"drain-{backend.id}"
         )
         log.info("draining %s (%d sessions, migrate=%s)", backend.id, backend.sessions, migrate_)
         return progress
+
+    def worker_drains(self, pool: Pool, backend: Backend) -> bool:
+        """The worker reports draining (module docstring); True if that started a drain."""
+        if backend.admin_state != ACTIVE:
+            return False
+        log.info("worker %s reports draining; draining it", backend.id)
+        self.start(pool, backend, pool.cfg.drain.migrate, pool.cfg.drain.timeout, by_worker=True)
+        self._self_drained.add(backend.id)
+        return True
+
+    def worker_back(self, backend: Backend) -> bool:
+        """A probe passed: a worker that drained itself takes sessions again (it restarted);
+        True if that undrains it."""
+        if backend.id not in self._self_drained:
+            return False
+        self._self_drained.discard(backend.id)
+        log.info("worker %s is healthy again after draining itself; undraining", backend.id)
+        task = self.state.loop.create_task(self.undrain(backend))
+        self._undrains.add(task)
+        task.add_done_callback(self._undrains.discard)
+        return True
+
+    def keep_drained(self, backend: Backend) -> None:
+        """An operator's drain now holds the backend (it may have drained itself first):
+        probes that pass again do not undrain it."""
+        self._self_drained.discard(backend.id)
+
+    def forget(self, backend: Backend) -> None:
+        """The backend is removed: its drain's record goes."""
+        self.progress.pop(backend.id, None)
+        self._self_drained.discard(backend.id)
 
     async def undrain(self, backend: Backend) -> None:
         task = self.tasks.pop(backend.id, None)
@@ -106,10 +156,10 @@ class Drainer:
         return p.as_dict()
 
     def _sessions(self, backend: Backend) -> list[Session]:
-        return [s for s in self.app.sessions if s.backend is backend and not s.closing]
+        return [s for s in self.state.sessions if s.backend is backend and not s.closing]
 
     async def _run(self, pool: Pool, backend: Backend, progress: DrainProgress) -> None:
-        loop = self.app.loop
+        loop = self.state.loop
         t0 = loop.time()
         deadline = t0 + progress.timeout
         gate = asyncio.Semaphore(PARALLEL)
@@ -119,7 +169,7 @@ class Drainer:
                 async with gate:
                     if s.backend is not backend or s.closing:
                         return
-                    result = await migrate(self.app, s)
+                    result = await migrate(self.state, s)
                 if result.ok:
                     progress.migrated += 1
                     return
@@ -134,17 +184,17 @@ class Drainer:
                 for t in tasks:
                     t.cancel()
             for s in self._sessions(backend):
-                s.close(1012, "worker drained")
+                s.close(CloseCode.SERVICE_RESTART, "worker drained")
                 progress.closed_at_timeout += 1
             # Wait for the close handshakes, bounded.
-            close_by = loop.time() + self.app.config.timeouts.close + 1.0
+            close_by = loop.time() + self.state.timeouts.close + 1.0
             while backend.sessions > 0 and loop.time() < close_by:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         finally:
             if backend.admin_state == DRAINING:
                 backend.admin_state = DRAINED
                 progress.finished = time.time()
-                self.app.stats.drain_duration.observe(loop.time() - t0)
+                self.state.stats.drain_duration.observe(loop.time() - t0)
                 log.info(
                     "drained %s in %.2fs: %d migrated, %d closed after their answer, %d at timeout",
                     backend.id, loop.time() - t0, progress.migrated,
@@ -170,6 +220,6 @@ async def close_after_answer(s: Session, deadline: float) -> bool:
         quiet = c == last_c and w == last_w
         last_c, last_w = c, w
         if quiet and not awaiting and s.ws.at_message_boundary and not s.migrating:
-            s.close(1012, "worker draining")
+            s.close(CloseCode.SERVICE_RESTART, "worker draining")
             return True
     return False

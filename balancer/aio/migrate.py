@@ -22,16 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from balancer.aio.server import PAUSES_KEPT, Session, open_upstream
+from balancer.aio.proxy import open_upstream
+from balancer.aio.session import PAUSES_KEPT, Session
+from balancer.aio.state import ServerState
+from balancer.frames import CloseCode
 from balancer.handshake import UpstreamReject
 from balancer.pool import Backend
-
-if TYPE_CHECKING:
-    from balancer.aio.app import Balancer
 
 __all__ = ["MigrationError", "MigrationResult", "migrate"]
 
@@ -62,9 +62,9 @@ def _base(backend: Backend) -> str:
     return f"{'https' if up.secure else 'http'}://{up.authority}/wslb/sessions/"
 
 
-async def _post(app: Balancer, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    assert app.handoff_http is not None
-    async with app.handoff_http.post(
+async def _post(state: ServerState, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    assert state.handoff_http is not None
+    async with state.handoff_http.post(
         url, json=body, timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT)
     ) as resp:
         try:
@@ -84,7 +84,7 @@ async def _until(cond: Any, timeout: float) -> bool:
     return True
 
 
-async def migrate(app: Balancer, s: Session, to: str | None = None) -> MigrationResult:
+async def migrate(state: ServerState, s: Session, to: str | None = None) -> MigrationResult:
     """Move a live session to another worker; see the module docstring."""
     if s.migrating or s.closing or s.finished:
         return MigrationResult(False, "busy")
@@ -92,7 +92,7 @@ async def migrate(app: Balancer, s: Session, to: str | None = None) -> Migration
     old = s.backend
     loop = asyncio.get_running_loop()
     try:
-        result = await _migrate(app, s, old, to, loop)
+        result = await _migrate(state, s, old, to, loop)
     except MigrationError as exc:
         log.info("session %s: migration from %s failed: %s", s.sid, old.id, exc)
         result = MigrationResult(False, exc.reason)
@@ -103,15 +103,19 @@ async def migrate(app: Balancer, s: Session, to: str | None = None) -> Migration
         s.migrating = False
         if s.holding and not s.finished:
             s.release()
-    app.stats.migrations[result.reason if not result.ok else "migrated"] += 1
+    state.stats.migrations[result.reason if not result.ok else "migrated"] += 1
     if result.pause is not None:
-        app.stats.migration_pause.observe(result.pause)
+        state.stats.migration_pause.observe(result.pause)
         s.pauses = (*s.pauses[-(PAUSES_KEPT - 1) :], result.pause)
     return result
 
 
 async def _migrate(
-    app: Balancer, s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEventLoop
+    state: ServerState,
+    s: Session,
+    old: Backend,
+    to: str | None,
+    loop: asyncio.AbstractEventLoop,
 ) -> MigrationResult:
     if s.clog is None:
         raise MigrationError("disabled", "drain.migrate is false for this pool")
@@ -123,13 +127,13 @@ async def _migrate(
     s.hold()
     # FROZEN
     t_freeze = loop.time()
-    status, body = await _post(app, _base(old) + s.sid + "/freeze", {})
+    status, body = await _post(state, _base(old) + s.sid + "/freeze", {})
     if status == 404:  # a worker without the handoff API, or one that lost the session
         raise MigrationError("no_api", f"freeze answered {status}")
     if status != 200 or not isinstance(body, dict):
         raise MigrationError("freeze", f"freeze answered {status}")
     try:
-        state, sent, received = body["state"], int(body["sent"]), int(body["received"])
+        frozen, sent, received = body["state"], int(body["sent"]), int(body["received"])
     except (KeyError, TypeError, ValueError):
         raise MigrationError("freeze", "malformed freeze answer") from None
     # FLUSHED: everything the old worker sent has reached the client. From here on the old
@@ -146,7 +150,7 @@ async def _migrate(
             raise MigrationError("replay_overflow")
     except MigrationError as exc:
         log.warning("session %s: cannot be moved safely (%s); closing it", s.sid, exc)
-        s.close(1012, "session could not be moved")
+        s.close(CloseCode.SERVICE_RESTART, "session could not be moved")
         raise MigrationError(f"{exc.reason}_lost") from None
     # THAWED: the target, chosen as if the old worker were gone.
     try:
@@ -154,7 +158,7 @@ async def _migrate(
         # Reserve the place, so concurrent migrations of a drain see it in their bounds.
         target.sessions += 1
         try:
-            await _move(app, s, target, state, received)
+            await _move(state, s, target, frozen, received)
         finally:
             target.sessions -= 1
     except MigrationError as exc:
@@ -162,10 +166,10 @@ async def _migrate(
         try:
             if not old.healthy:
                 raise MigrationError("rollback", f"{old.id} is down") from None
-            await _move(app, s, old, state, received)
+            await _move(state, s, old, frozen, received)
         except MigrationError as back:
             log.warning("session %s: could not move or restore it (%s; %s)", s.sid, exc, back)
-            s.close(1012, "session could not be moved")
+            s.close(CloseCode.SERVICE_RESTART, "session could not be moved")
             raise MigrationError(f"{exc.reason}_lost") from None
         log.info("session %s: migration failed (%s), restored on %s", s.sid, exc, old.id)
         raise
@@ -192,14 +196,16 @@ def _target(s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEven
     return chosen
 
 
-async def _move(app: Balancer, s: Session, target: Backend, state: Any, received: int) -> None:
+async def _move(
+    state: ServerState, s: Session, target: Backend, frozen: Any, received: int
+) -> None:
     """THAWED then SWITCHED on ``target`` (also used to put a session back on its old worker)."""
-    status, _ = await _post(app, _base(target) + s.sid + "/thaw", {"state": state})
+    status, _ = await _post(state, _base(target) + s.sid + "/thaw", {"state": frozen})
     if status != 200:
         raise MigrationError("thaw", f"{target.id} answered {status}")
     try:
         wt, proto, _, trailing = await open_upstream(
-            app, target, s.req, s.sid, s.secure, resume=True
+            state, target, s.req, s.sid, s.secure, resume=True
         )
     except (OSError, TimeoutError, UpstreamReject) as exc:
         raise MigrationError("resume", str(exc) or type(exc).__name__) from None

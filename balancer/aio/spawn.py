@@ -20,7 +20,7 @@ from pathlib import Path
 
 from balancer.pool import Backend
 
-__all__ = ["Backoff", "Spawner", "child_env", "python_module"]
+__all__ = ["Backoff", "Spawner", "child_env", "die_with_parent", "python_module"]
 
 log = logging.getLogger("wslb.spawn")
 
@@ -64,7 +64,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM if the balancer dies, so no worker is orphaned (Linux)."""
     try:
         import ctypes
@@ -121,7 +121,7 @@ class Spawner:
             proc = await asyncio.create_subprocess_exec(
                 *self.command(backend),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=child_env(),
             )
             self._procs[backend.id] = proc

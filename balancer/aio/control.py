@@ -1,0 +1,394 @@
+"""What operators change, behind one interface: ``Control``.
+
+The admin API (``admin.py``) is HTTP only: each route is one ``Control`` call, whose ``Reply``
+it serialises (``ControlError`` becomes ``{"error": ...}`` with its status). Three
+implementations, one per way a balancer is assembled (``app.py``):
+
+- ``LocalControl`` (here): one process owns its pools and sessions: standalone, and each
+  serving process of ``workers: N`` (whose admin API answers only its supervisor).
+- ``ClusterControl`` (``cluster.py``): cluster mode; writes go to etcd and come back through
+  the watch to the ``LocalControl`` of every instance; views add the shared state.
+- ``FanoutControl`` (``fanout.py``): the supervisor of ``workers: N``; every call goes to each
+  serving process and the answers are merged into one balancer's.
+
+``LocalControl`` also holds the primitives the other two build on (``add``, ``remove``,
+``remove_when_drained``, the reload of the file's backends), and the rule for what a worker's
+own health report means (``worker_reports``: it drains itself, or is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import psutil
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from balancer import frames
+from balancer.aio.drain import Drainer
+from balancer.aio.migrate import migrate
+from balancer.aio.monitors import Monitors
+from balancer.aio.state import ServerState
+from balancer.config import BackendCfg, ConfigError, parse_backend, parse_duration
+from balancer.config import load as load_config
+from balancer.metrics import BackendView
+from balancer.pool import ACTIVE, DRAINED, Backend, Pool
+
+__all__ = ["Control", "ControlError", "LocalControl", "Reply"]
+
+log = logging.getLogger("wslb")
+
+
+class ControlError(Exception):
+    """An operator's request that cannot be carried out: the HTTP status and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A JSON answer and its status (202 for a drain that started, 409 for a failed move)."""
+
+    body: Any
+    status: int = 200
+
+
+class Control(Protocol):
+    """Views and operator actions of one balancer, however it is assembled."""
+
+    async def ready(self) -> Reply: ...
+
+    async def metrics(self) -> bytes: ...
+
+    async def backends(self) -> list[dict[str, Any]]: ...
+
+    async def backend(self, backend_id: str) -> dict[str, Any]: ...
+
+    async def sessions(self, backend_id: str | None) -> list[dict[str, Any]]: ...
+
+    async def session(self, sid: str) -> dict[str, Any]: ...
+
+    async def debug_stats(self) -> dict[str, Any]: ...
+
+    async def add_backend(self, body: dict[str, Any]) -> Reply: ...
+
+    async def remove_backend(self, backend_id: str) -> Reply: ...
+
+    async def drain(self, backend_id: str, body: dict[str, Any]) -> Reply: ...
+
+    async def undrain(self, backend_id: str) -> Reply: ...
+
+    async def migrate(self, sid: str, body: dict[str, Any]) -> Reply: ...
+
+    async def reload(self) -> Reply: ...
+
+
+def new_backend(state: ServerState, body: dict[str, Any]) -> tuple[Pool, BackendCfg]:
+    """The pool (``pool`` in the body, else the first) and config of a backend to add."""
+    body = dict(body)
+    pool_name = body.pop("pool", None)
+    pool = state.pools[0] if pool_name is None else state.pool(str(pool_name))
+    if pool is None:
+        raise ControlError(404, f"no pool {pool_name!r}")
+    try:
+        return pool, parse_backend(body)
+    except ConfigError as exc:
+        raise ControlError(400, "; ".join(exc.errors)) from None
+
+
+def drain_args(pool: Pool, body: dict[str, Any]) -> tuple[bool, float]:
+    """``migrate`` and ``timeout`` of a drain request, the pool's defaults where absent."""
+    migrate_ = body.get("migrate", pool.cfg.drain.migrate)
+    if not isinstance(migrate_, bool):
+        raise ControlError(400, "migrate must be true or false")
+    try:
+        timeout = parse_duration(body.get("timeout", pool.cfg.drain.timeout))
+    except (ValueError, TypeError) as exc:
+        raise ControlError(400, f"timeout: {exc}") from None
+    return migrate_, timeout
+
+
+class LocalControl:
+    """The pools and sessions of this process (module docstring)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        drainer: Drainer,
+        monitors: Monitors,
+        registry: CollectorRegistry,
+        config_path: str | None = None,
+        reload_tls: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.state = state
+        self.drainer = drainer
+        self.monitors = monitors
+        self.registry = registry
+        self.config_path = config_path
+        self.reload_tls = reload_tls
+        self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+
+    # -- primitives ------------------------------------------------------------------------
+
+    def find(self, backend_id: str) -> tuple[Pool, Backend]:
+        found = self.state.find_backend(backend_id)
+        if found is None:
+            raise ControlError(404, f"no backend {backend_id!r}")
+        return found
+
+    def add(self, pool: Pool, cfg: BackendCfg) -> Backend:
+        """Add a backend and start watching it."""
+        b = pool.add(cfg)
+        self.monitors.watch(pool, b)
+        log.info("added backend %s to pool %s", b.id, pool.name)
+        return b
+
+    async def remove(self, pool: Pool, b: Backend) -> None:
+        await self.monitors.unwatch(b)
+        pool.remove(b.id)
+        self.drainer.forget(b)
+        log.info("removed backend %s from pool %s", b.id, pool.name)
+
+    async def remove_when_drained(self, pool: Pool, b: Backend) -> None:
+        """Remove ``b`` once its last session has ended (it is draining or drained)."""
+        while b.load > 0 and pool.backends.get(b.id) is b:  # noqa: ASYNC110 (rare, coarse)
+            await asyncio.sleep(0.5)
+        if pool.backends.get(b.id) is b:
+            await self.drainer.undrain(b)
+            await self.remove(pool, b)
+
+    def spawn(self, coro: Any) -> None:
+        """Run a fire-and-forget task, kept alive until it ends."""
+        task = self.state.loop.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def worker_reports(self, b: Backend, ok: bool, draining: bool) -> str | None:
+        """A health probe's answer: the worker drains itself (SIGTERM, pod termination), or a
+        worker that did is healthy again (it restarted). Returns ``"drain"`` or ``"undrain"``
+        when that changed the backend's state, else None."""
+        if draining:
+            found = self.state.find_backend(b.id)
+            if found is not None and self.drainer.worker_drains(found[0], b):
+                return "drain"
+        elif ok and self.drainer.worker_back(b):
+            return "undrain"
+        return None
+
+    # -- views -----------------------------------------------------------------------------
+
+    def backend_views(self) -> Iterator[BackendView]:
+        now = self.state.loop.time()
+        for pool in self.state.pools:
+            pool.refresh(now)
+            for b in pool.backends.values():
+                sig = b.signals
+                yield BackendView(
+                    pool=pool.name,
+                    id=b.id,
+                    sessions=b.sessions,
+                    sessions_total=b.sessions_total,
+                    ready=b.ready,
+                    state=b.state,
+                    weight=b.weight,
+                    effective_weight=b.effective_weight,
+                    healthy=b.healthy,
+                    stale=b.stale,
+                    signals=sig.as_dict() if sig is not None else {},
+                    scrape_age=now - sig.at if sig is not None else None,
+                    ejected_for=max(0.0, b.ejected_until - now) if b.ejected else 0.0,
+                    ejections=b.ejections,
+                    held=b.held,
+                    health_reason=b.health_reason,
+                    health_kind=b.health_kind,
+                    health_since=b.health_since,
+                    last_check=b.last_check,
+                )
+
+    def backend_json(self, v: BackendView) -> dict[str, Any]:
+        found = self.state.find_backend(v.id)
+        return {
+            "id": v.id,
+            "pool": v.pool,
+            "url": found[1].url if found is not None else None,
+            "state": v.state,
+            "healthy": v.healthy,
+            "health": {
+                "ok": v.healthy,
+                "reason": v.health_reason,
+                "since": v.health_since,
+                "last_check": v.last_check,
+            },
+            "weight": v.weight,
+            "effective_weight": round(v.effective_weight, 4),
+            "sessions": v.sessions,
+            "held": v.held,
+            "sessions_total": v.sessions_total,
+            "signals": v.signals,
+            "signals_age": None if v.scrape_age is None else round(v.scrape_age, 3),
+            "signals_stale": v.stale,
+            "ejected_for": round(v.ejected_for, 3),
+            "ejections": v.ejections,
+            "drain": self.drainer.view(found[1]) if found is not None else None,
+            "sessions_remote": found[1].remote_sessions if found is not None else 0,
+        }
+
+    async def ready(self) -> Reply:
+        if self.state.closing:
+            return Reply({"status": "shutting down"}, 503)
+        return Reply({"status": "ready"})
+
+    async def metrics(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def backends(self) -> list[dict[str, Any]]:
+        return [self.backend_json(v) for v in self.backend_views()]
+
+    async def backend(self, backend_id: str) -> dict[str, Any]:
+        for v in self.backend_views():
+            if v.id == backend_id:
+                return self.backend_json(v)
+        raise ControlError(404, f"no backend {backend_id!r}")
+
+    async def sessions(self, backend_id: str | None) -> list[dict[str, Any]]:
+        return [
+            s.describe()
+            for s in self.state.sessions
+            if backend_id is None or s.backend.id == backend_id
+        ]
+
+    async def session(self, sid: str) -> dict[str, Any]:
+        s = self.state.find_session(sid)
+        if s is None:
+            raise ControlError(404, f"no live session {sid!r}")
+        return s.describe()
+
+    async def debug_stats(self) -> dict[str, Any]:
+        """Process figures for soak tests: tasks, sessions, connections, RSS, open FDs, and
+        which frame-scanner loop runs (``c``, or ``python`` where ``balancer._scan`` was not
+        built)."""
+        proc = psutil.Process()
+        return {
+            "tasks": len(asyncio.all_tasks()),
+            "sessions": len(self.state.sessions),
+            "connections": self.state.connections,
+            "rss": proc.memory_info().rss,
+            "fds": proc.num_fds(),
+            "scanner": "c" if frames.ACCELERATED else "python",
+        }
+
+    # -- operator actions ------------------------------------------------------------------
+
+    async def add_backend(self, body: dict[str, Any]) -> Reply:
+        pool, cfg = new_backend(self.state, body)
+        if self.state.find_backend(cfg.id) is not None:
+            raise ControlError(409, f"backend {cfg.id!r} exists")
+        b = self.add(pool, cfg)
+        return Reply({"id": b.id, "pool": pool.name, "state": b.state}, 201)
+
+    async def remove_backend(self, backend_id: str) -> Reply:
+        pool, b = self.find(backend_id)
+        if b.admin_state != DRAINED or b.load:
+            raise ControlError(409, f"backend {b.id!r} is {b.state}; drain it first")
+        await self.remove(pool, b)
+        return Reply({"id": b.id, "removed": True})
+
+    async def drain(self, backend_id: str, body: dict[str, Any]) -> Reply:
+        pool, b = self.find(backend_id)
+        migrate_, timeout = drain_args(pool, body)
+        if b.admin_state == DRAINED:  # nothing to do: drains are idempotent
+            return Reply(await self.backend(b.id))
+        self.drainer.start(pool, b, migrate_, timeout)
+        return Reply(await self.backend(b.id), 202)
+
+    async def undrain(self, backend_id: str) -> Reply:
+        _, b = self.find(backend_id)
+        await self.drainer.undrain(b)
+        return Reply(await self.backend(b.id))
+
+    async def migrate(self, sid: str, body: dict[str, Any]) -> Reply:
+        to = body.get("to")
+        if to is not None and not isinstance(to, str):
+            raise ControlError(400, "to must be a backend id")
+        session = self.state.find_session(sid)
+        if session is None:
+            raise ControlError(404, f"no live session {sid!r}")
+        result = await migrate(self.state, session, to)
+        out = {
+            "session": sid,
+            "migrated": result.ok,
+            "result": result.reason,
+            "backend": session.backend.id,
+            "pause_ms": None if result.pause is None else round(result.pause * 1e3, 2),
+        }
+        return Reply(out, 200 if result.ok else 409)
+
+    async def reload(self) -> Reply:
+        try:
+            return Reply(await self.reread())
+        except ConfigError as exc:
+            raise ControlError(400, "; ".join(exc.errors)) from None
+
+    async def reread(self, backends: bool = True) -> dict[str, Any]:
+        """Reread the config file: backends and weights change; live sessions stay put.
+
+        A backend gone from the file stops taking sessions (draining, without migration) and is
+        removed once its sessions have ended. Other settings need a restart; they are listed.
+        ``backends`` False (cluster mode: they live in etcd) leaves the pools alone.
+        """
+        if self.config_path is None:
+            raise ConfigError(["no config file to reload"])
+        new = load_config(self.config_path)
+        current = self.state.config
+        report: dict[str, Any] = {"added": [], "removed": [], "updated": [], "ignored": []}
+        try:
+            self.reload_tls()
+            self.state.forget_upstream_tls()
+        except (OSError, ssl.SSLError) as exc:
+            report["ignored"].append(f"certificates not reloaded: {exc}")
+        if not backends:
+            report["ignored"].append("backends: in cluster mode they live in etcd (admin API)")
+        for pcfg in new.pools if backends else ():
+            pool = self.state.pool(pcfg.name)
+            if pool is None:
+                report["ignored"].append(f"new pool {pcfg.name} (restart to add pools)")
+                continue
+            wanted = {b.id: b for b in pcfg.backends}
+            for bid, bcfg in wanted.items():
+                cur = pool.backends.get(bid)
+                if cur is None:
+                    self.add(pool, bcfg)
+                    report["added"].append(bid)
+                elif cur.cfg != bcfg:
+                    if (cur.cfg.url, cur.cfg.spawn, cur.cfg.args) != (
+                        bcfg.url,
+                        bcfg.spawn,
+                        bcfg.args,
+                    ):
+                        report["ignored"].append(f"{bid}: url/spawn change (remove, then add)")
+                        continue
+                    pool.update(bid, bcfg)
+                    report["updated"].append(bid)
+            for bid in [b for b in pool.backends if b not in wanted]:
+                b = pool.backends[bid]
+                if b.admin_state == ACTIVE:
+                    self.drainer.start(pool, b, False, float("inf"))
+                self.spawn(self.remove_when_drained(pool, b))
+                report["removed"].append(bid)
+        if (new.listen, new.admin, new.timeouts, new.limits) != (
+            current.listen,
+            current.admin,
+            current.timeouts,
+            current.limits,
+        ):
+            report["ignored"].append("listen/admin/timeouts/limits (restart to apply)")
+        log.info("reloaded %s: %s", self.config_path, report)
+        return report

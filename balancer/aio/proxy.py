@@ -1,0 +1,422 @@
+"""A client connection until its upgrade succeeds or is refused, and wslb's own upgrade to a
+worker.
+
+``ClientConnection`` is the protocol of every accepted connection: h11 parses the upgrade
+request (``handshake.py`` checks it, sans-I/O), a pool is routed by path, a session key found,
+and a backend chosen and connected (``open_upstream``: wslb is the WebSocket client there, with
+``UpstreamHandshake`` as the worker leg's protocol until the 101). A failed connect or a busy
+answer walks on to the next candidate; every refusal is an HTTP status before any byte is
+tunnelled. Once the worker's 101 is checked, both transports are handed to a ``Session``
+(``session.py``), which owns them from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, cast
+
+import h11
+
+from balancer import proxyproto
+from balancer.aio.session import ClientLeg, Session, pause_reading
+from balancer.aio.state import ServerState
+from balancer.handshake import (
+    ClientRequest,
+    HandshakeReject,
+    RequestReader,
+    UpstreamReject,
+    accept_headers,
+    check_client_request,
+    check_upstream_response,
+    new_session_id,
+    session_key,
+    upstream_request,
+)
+from balancer.proxyproto import forwarded_client, is_trusted
+
+if TYPE_CHECKING:
+    from balancer.pool import Backend, Pool
+
+__all__ = ["ClientConnection", "UpstreamHandshake", "http_response", "open_upstream"]
+
+log = logging.getLogger("wslb.server")
+
+_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    408: "Request Timeout",
+    426: "Upgrade Required",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+
+def http_response(
+    status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> bytes:
+    """A complete HTTP/1.1 response with a short text body, closing the connection."""
+    body = (message + "\n").encode("utf-8")
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}".encode()]
+    for name, value in headers or ():
+        lines.append(name + b": " + value)
+    lines += [
+        b"content-type: text/plain; charset=utf-8",
+        b"content-length: " + str(len(body)).encode(),
+        b"connection: close",
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def switching_protocols(headers: list[tuple[bytes, bytes]]) -> bytes:
+    lines = [b"HTTP/1.1 101 Switching Protocols"]
+    lines += [name + b": " + value for name, value in headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+class ClientConnection(asyncio.Protocol):
+    """A client connection until its upgrade succeeds or is refused.
+
+    ``peer`` is the client's address as wslb counts it (``max_connections_per_client``) and
+    logs it: the TCP peer's, unless that peer is one of the ``trusted_proxies``; then it is the
+    address the proxy names, in a PROXY protocol header (on a ``proxy_protocol`` listener) or
+    in ``X-Forwarded-For``, and the per-client limit is checked once that address is known.
+    """
+
+    def __init__(
+        self, state: ServerState, secure: bool = False, proxy_protocol: bool = False
+    ) -> None:
+        self.state = state
+        self.secure = secure
+        self.transport: asyncio.Transport | None = None
+        self.peer = "unknown"
+        self.trusted = False  # the TCP peer is a trusted proxy
+        # Bytes of a PROXY header not yet complete; None once read (or on other listeners).
+        self.proxy_buf: bytearray | None = bytearray() if proxy_protocol else None
+        self.proxied = False  # a PROXY header named the client
+        limits = state.limits
+        self.reader = RequestReader(limits.max_header_bytes, limits.max_headers)
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.session: Session | None = None
+        self.gone = False
+        self.counted = False
+
+    # -- asyncio callbacks -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.peer = str(peer[0])
+        st = self.state
+        st.stats.connections_total += 1
+        if st.closing or st.at_capacity():
+            reason = "shutting down" if st.closing else "too many connections"
+            self.reject(HandshakeReject(503, reason))
+            return
+        self.trusted = is_trusted(self.peer, st.trusted_proxies)
+        if self.proxy_buf is not None and not self.trusted:
+            # Anyone else could claim any address in the header.
+            self.reject(HandshakeReject(400, "PROXY protocol header from an untrusted address"))
+            return
+        if not self.trusted and self._over_client_limit():
+            self.reject(HandshakeReject(429, "too many connections from this address"))
+            return
+        st.connection_opened(self.peer)
+        self.counted = True
+        self.timer = st.loop.call_later(st.timeouts.handshake, self._handshake_timeout)
+
+    def _over_client_limit(self) -> bool:
+        limit = self.state.per_client_limit
+        return bool(limit) and self.state.per_client[self.peer] >= limit
+
+    def _client_is(self, address: str) -> None:
+        """The client's address as a trusted proxy names it: counted under it from now on."""
+        if address != self.peer:
+            self.state.client_renamed(self.peer, address)
+            self.peer = address
+
+    def data_received(self, data: bytes) -> None:
+        if self.proxy_buf is not None:
+            self.proxy_buf += data
+            try:
+                found = proxyproto.parse(self.proxy_buf)
+            except proxyproto.ProxyHeaderError as exc:
+                self.reject(HandshakeReject(400, str(exc)))
+                return
+            if found is None:
+                return
+            header, size = found
+            data = bytes(self.proxy_buf[size:])
+            self.proxy_buf = None
+            if header.source is not None:
+                self.proxied = True
+                self._client_is(header.source)
+            if self._over_limit_once_named():
+                return
+            if not data:
+                return
+        # Bytes sent right behind the request (frames from an eager client) are kept by the
+        # reader as trailing data for the session.
+        try:
+            event = self.reader.feed(data)
+        except HandshakeReject as rej:
+            self.reject(rej)
+            return
+        if event is not None:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.task = self.state.loop.create_task(self._upgrade(event))
+
+    def eof_received(self) -> bool | None:
+        if self.task is None:
+            self._close()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.counted and self.session is None:
+            self.counted = False
+            self.state.connection_closed(self.peer)
+
+    # -- handshake -------------------------------------------------------------------------
+
+    def _over_limit_once_named(self) -> bool:
+        """The per-client check deferred for a trusted proxy's connection; True if refused.
+        The connection is counted under its new name already: over means above the limit."""
+        limit = self.state.per_client_limit
+        if limit and self.state.per_client[self.peer] > limit:
+            self.reject(HandshakeReject(429, "too many connections from this address"))
+            return True
+        return False
+
+    def _handshake_timeout(self) -> None:
+        self.timer = None
+        if self.task is None:
+            self.reject(HandshakeReject(408, "handshake timeout"))
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def reject(self, rej: HandshakeReject) -> None:
+        """Answer a refused handshake with its status and close (no worker is contacted)."""
+        self.state.stats.rejections[rej.status] += 1
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(http_response(rej.status, rej.message, rej.headers))
+            self.transport.close()
+
+    async def _upgrade(self, event: h11.Request) -> None:
+        try:
+            await self._do_upgrade(event)
+        except HandshakeReject as rej:
+            self.reject(rej)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("upgrade failed")
+            self.reject(HandshakeReject(500, "internal error"))
+
+    async def _do_upgrade(self, event: h11.Request) -> None:
+        st = self.state
+        req = check_client_request(event)
+        # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
+        # client: that proxy is transparent), once, whatever worker legs the session opens.
+        xff = req.header(b"x-forwarded-for")
+        req = req.forwarded_for(self.peer)
+        if self.trusted and not self.proxied and xff is not None:
+            named = forwarded_client(xff.decode("latin-1"), st.trusted_proxies)
+            if named is not None:
+                self._client_is(named)
+                if self._over_limit_once_named():
+                    return
+        pool = st.route(req.path)
+        if pool is None:
+            raise HandshakeReject(404, f"no pool serves {req.path}")
+        sid = st.authorize(req) or session_key(pool.cfg.session_key, req) or new_session_id()
+        tried: list[str] = []
+        limit = len(pool.backends)
+        last_error = "no worker available"
+        while len(tried) < limit:
+            backend = pool.select(sid, tried, st.loop.time())
+            if backend is None:
+                break
+            tried.append(backend.id)
+            try:
+                transport, proto, response, trailing = await open_upstream(
+                    st, backend, req, sid, self.secure
+                )
+            except UpstreamReject as exc:
+                st.stats.handshake_failures[backend.id] += 1
+                if exc.status != 503:
+                    # A 503 is a worker saying it is busy or draining, not a broken one: the
+                    # health probe takes it out; ejecting it would outlast its restart.
+                    st.worker_failed(pool, backend)
+                if exc.status in (502, 503, 504):
+                    # Busy or going away (a worker draining itself): nothing was tunnelled, so
+                    # walk on like a connect failure (HAProxy's retry-on 503).
+                    last_error = f"worker {backend.id}: {exc}"
+                    continue
+                # Any other refusal is the worker's answer to this request: a 502.
+                raise HandshakeReject(502, f"worker {backend.id}: {exc}") from None
+            except (OSError, TimeoutError) as exc:
+                st.stats.connect_failures[backend.id] += 1
+                st.worker_failed(pool, backend)
+                last_error = f"worker {backend.id}: {exc or type(exc).__name__}"
+                log.warning("connect to %s failed: %s", backend.id, last_error)
+                continue
+            if self.gone:
+                transport.close()
+                return
+            self._start_session(pool, backend, sid, req, transport, proto, response, trailing)
+            return
+        status = 502 if tried else 503
+        raise HandshakeReject(status, last_error)
+
+    def _start_session(
+        self,
+        pool: Pool,
+        backend: Backend,
+        sid: str,
+        req: ClientRequest,
+        wtransport: asyncio.Transport,
+        proto: UpstreamHandshake,
+        subprotocol: str | None,
+        worker_trailing: bytes,
+    ) -> None:
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        ctransport = self.transport
+        state = self.state
+        session = Session(
+            state,
+            state.settings(pool),
+            pool,
+            backend,
+            sid,
+            self.peer,
+            ctransport,
+            wtransport,
+            req,
+            self.secure,
+        )
+        self.session = session
+        ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, sid)))
+        ctransport.set_protocol(ClientLeg(session))
+        wtransport.set_protocol(session)
+        client_trailing = self.reader.trailing
+        worker_trailing += bytes(proto.extra)
+        if worker_trailing:
+            session.data_received(worker_trailing)
+        if client_trailing:
+            session.client_data(client_trailing)
+        if proto.eof:
+            session.connection_lost(None)
+        pause_reading(ctransport, False)
+        pause_reading(wtransport, False)
+
+
+async def open_upstream(
+    state: ServerState,
+    backend: Backend,
+    req: ClientRequest,
+    sid: str,
+    secure: bool,
+    resume: bool = False,
+) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
+    """Connect to a worker and complete wslb's own upgrade there.
+
+    Returns the transport (reading paused), its handshake protocol (holding any bytes that came
+    after the 101), the negotiated subprotocol and the bytes that came with the 101.
+    Raises OSError/TimeoutError (connect) or UpstreamReject (bad answer).
+    """
+    up = backend.upstream
+    request, nonce = upstream_request(
+        req.path if up.path is None else up.path,
+        up.authority,
+        req,
+        sid,
+        secure_client=secure,
+        resume=resume,
+    )
+    timeouts = state.timeouts
+    transport, proto = await asyncio.wait_for(
+        state.loop.create_connection(
+            lambda: UpstreamHandshake(request),
+            up.host,
+            up.port,
+            ssl=state.upstream_ssl(backend),
+            ssl_handshake_timeout=timeouts.connect if up.secure else None,
+        ),
+        timeouts.connect,
+    )
+    try:
+        response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
+        subprotocol = check_upstream_response(response, nonce, req.subprotocols)
+    except BaseException:
+        transport.abort()
+        raise
+    return transport, proto, subprotocol, trailing
+
+
+class UpstreamHandshake(asyncio.Protocol):
+    """The worker leg while wslb's upgrade request is answered."""
+
+    def __init__(self, request: h11.Request) -> None:
+        self.request = request
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self.done: asyncio.Future[tuple[h11.InformationalResponse | h11.Response, bytes]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.eof = False
+        self.extra = bytearray()  # bytes that arrive after the 101, before the switch-over
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.h11.send(self.request) or b"")
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():
+            self.extra += data
+            return
+        try:
+            self.h11.receive_data(data)
+            event = self.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            self.done.set_exception(UpstreamReject(f"malformed response: {exc}"))
+            return
+        if isinstance(event, h11.InformationalResponse):
+            if event.status_code == 101:
+                pause_reading(self.transport, True)  # the session resumes it once wired
+                self.done.set_result((event, self.h11.trailing_data[0]))
+            # other 1xx: keep waiting for the final answer
+            elif event.status_code != 100:
+                self.done.set_result((event, b""))
+        elif isinstance(event, h11.Response):
+            self.done.set_result((event, b""))
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if not self.done.done():
+            self.done.set_exception(ConnectionResetError("worker closed during the handshake"))

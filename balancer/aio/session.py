@@ -1,0 +1,686 @@
+"""A live proxied WebSocket: the relay between its two legs, their close states, the heartbeat.
+
+Once a worker has accepted wslb's own upgrade (``proxy.py``), the worker leg's protocol becomes
+the ``Session`` (its ``data_received`` is the hot worker-to-client path, with no indirection)
+and the client leg's a thin ``ClientLeg``.
+
+The rules of the session's state machine. Everything that decides how a session closes lives in
+three fields: the state of each leg (``client`` and ``worker``, a ``Leg``) and the session's
+``phase``; plus ``pending_client_close``, a close the client is owed once the worker's in-flight
+messages are through. Nothing else is consulted.
+
+A leg's state::
+
+    OPEN --close sent--> CLOSING --transport lost--> CLOSED
+      \\--transport lost--> LOST --close forwarded--> CLOSED
+
+"close sent" means a close frame went to that leg's peer: forwarded from the other peer or
+wslb's own. The session's phase::
+
+    RELAYING --any close sent or received--> CLOSING --both legs gone--> FINISHED
+
+Rule 1: a close frame from one peer is forwarded to the other (the other leg is CLOSING), and
+the other's answer is forwarded back. When the client leg is CLOSING and the client's own close
+has been seen, the client leg's TCP is closed by wslb (the server closes first); a CLOSING
+worker leg is closed by wslb once the client is gone and the worker's close has been seen.
+
+Rule 2: a worker leg lost while the client leg is OPEN gives the client 1012 if the worker was
+draining, else 1011 (or the client's own code, completing its handshake, if it was closing). A
+client leg lost while the worker leg is OPEN gives the worker 1001.
+
+Rule 3: a framing violation by the client: the worker gets 1001 after ``VIOLATION_GRACE``
+(what it had in flight is relayed first), then the client gets the violation's code (1002,
+1007, 1009), held in ``pending_client_close`` meanwhile. A framing violation by the worker: the
+worker gets 1002 and the client 1014 (bad gateway).
+
+Rule 4: wslb injects a frame of its own only at a frame boundary of the stream it goes into;
+where that is impossible (a worker died mid-frame), the leg's transport is aborted instead.
+
+Rule 5: from CLOSING, every close waits at most ``timeouts.close`` for the peers; then the
+owed close is sent and the transports still open are aborted. FINISHED comes when both legs
+are gone, exactly once: the session is detached from its backend and the state is told.
+
+Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
+aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
+scanners recognise in the pong, so endpoints' own pings and pongs pass through untouched; no pong
+within ``ping_timeout`` ends the session with 1011. The same timer enforces the idle timeout and
+the backpressure limit. The timers of all sessions share one ``TimerWheel`` (``wheel.py``): a
+session is an entry in a bucket, not a loop timer of its own, and fires up to 1/16 of its delay
+late (at most 1 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, cast
+
+from balancer.aio.state import ServerState, SessionSettings
+from balancer.frames import OP_CLOSE, OP_PING, CloseCode, FrameScanner, build_frame, close_payload
+from balancer.handshake import ClientRequest
+from balancer.pool import ACTIVE
+
+if TYPE_CHECKING:
+    from balancer.aio.proxy import UpstreamHandshake
+    from balancer.aio.wheel import Bucket
+    from balancer.pool import Backend, Pool
+
+__all__ = ["PAUSES_KEPT", "ClientLeg", "Leg", "Phase", "Retired", "Session", "pause_reading"]
+
+PAUSES_KEPT = 20  # migration pauses a session remembers (GET /sessions)
+# After a client's framing violation, the worker gets this long to send what it was answering
+# before wslb closes its leg (the client gets its close code after that).
+VIOLATION_GRACE = 0.05
+
+log = logging.getLogger("wslb.server")
+
+
+class Leg(IntEnum):
+    """One leg's close state (the module docstring's first diagram)."""
+
+    OPEN = 0
+    CLOSING = 1  # a close went to this peer; its transport is still open
+    LOST = 2  # the transport is gone and no close went to this peer
+    CLOSED = 3  # a close went to this peer and its transport is gone
+
+    @property
+    def close_sent(self) -> bool:
+        return self is Leg.CLOSING or self is Leg.CLOSED
+
+    @property
+    def gone(self) -> bool:
+        return self >= Leg.LOST
+
+    def sent(self) -> Leg:
+        """The state after a close went to this peer."""
+        return Leg.CLOSED if self.gone else Leg.CLOSING
+
+    def lost(self) -> Leg:
+        """The state after the transport closed."""
+        return Leg.CLOSED if self.close_sent else Leg.LOST
+
+
+class Phase(IntEnum):
+    """The session's phase (the module docstring's second diagram)."""
+
+    RELAYING = 0
+    CLOSING = 1  # the close timer runs
+    FINISHED = 2
+
+
+def pause_reading(transport: asyncio.BaseTransport | None, pause: bool) -> None:
+    """Pause or resume reading a transport that may be closing (then: nothing)."""
+    if transport is None or transport.is_closing():
+        return
+    transport = cast(asyncio.ReadTransport, transport)
+    with contextlib.suppress(RuntimeError):
+        if pause:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+
+class Retired(asyncio.Protocol):
+    """The old worker leg after a migration: its bytes are discarded, its end is no event."""
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+class ClientLeg(asyncio.Protocol):
+    """The client leg of a live session: hands everything to the session."""
+
+    # Slots, not a dict. ``data_received`` is a slot holding the session's bound ``client_data``
+    # (the transport calls the session directly: one Python call per read, not two); uvloop keeps
+    # the same bound method, so it costs nothing more.
+    __slots__ = ("data_received", "session")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.data_received = session.client_data  # type: ignore[method-assign]
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.session.client_lost()
+
+    def pause_writing(self) -> None:
+        """The client does not keep up: stop reading the worker."""
+        self.session.paused_since = self.session.state.loop.time()
+        pause_reading(self.session.wt, True)
+
+    def resume_writing(self) -> None:
+        self.session.paused_since = 0.0
+        pause_reading(self.session.wt, False)
+
+
+def _scanners(limits: Any) -> tuple[FrameScanner, FrameScanner]:
+    """The client-direction scanner (framing enforced) and a worker-direction one."""
+    cs = FrameScanner(
+        masked=True,
+        max_frame_size=limits.max_frame_size,
+        max_message_size=limits.max_message_size,
+    )
+    return cs, _worker_scanner(limits)
+
+
+def _worker_scanner(limits: Any) -> FrameScanner:
+    return FrameScanner(
+        masked=False,
+        max_frame_size=max(limits.max_frame_size, limits.max_message_size),
+        max_message_size=1 << 62,
+    )
+
+
+class Session(asyncio.Protocol):
+    """A live proxied WebSocket; the protocol object of its worker leg. See the module doc."""
+
+    # Slots, not a dict: a few hundred bytes per idle session (docs/benchmarks.md).
+    __slots__ = (
+        "_awaiting_pong",
+        "_last_active",
+        "_last_msgs",
+        "backend",
+        "client",
+        "clog",
+        "clog_base",
+        "close_to_client",
+        "close_to_worker",
+        "cs",
+        "ct",
+        "ended",
+        "holding",
+        "leg_start_msg",
+        "migrating",
+        "migrations",
+        "paused_since",
+        "pauses",
+        "peer",
+        "pending_client_close",
+        "phase",
+        "pool",
+        "prior_backends",
+        "prior_bytes",
+        "prior_frames",
+        "prior_messages",
+        "req",
+        "secure",
+        "settings",
+        "sid",
+        "since",
+        "started_wall",
+        "state",
+        "timer",
+        "worker",
+        "ws",
+        "wt",
+    )
+
+    def __init__(
+        self,
+        state: ServerState,
+        settings: SessionSettings,
+        pool: Pool,
+        backend: Backend,
+        sid: str,
+        peer: str,
+        ct: asyncio.Transport,
+        wt: asyncio.Transport,
+        req: ClientRequest,
+        secure: bool,
+    ) -> None:
+        limits = settings.limits
+        self.state = state
+        self.settings = settings
+        self.pool = pool
+        self.backend = backend
+        self.sid = sid
+        self.peer = peer
+        self.ct = ct
+        self.wt = wt
+        self.since = state.loop.time()
+        self.started_wall = state.wall_time()
+        self.cs, self.ws = _scanners(limits)
+        for t in (ct, wt):
+            t.set_write_buffer_limits(high=limits.write_buffer_high)
+        self.req = req.for_resume()
+        self.secure = secure
+        # Migration: a bounded log of the client bytes sent on the current worker leg and where
+        # each client message ends in it, to replay what the old worker had not processed.
+        self.migrations = 0
+        # Seconds, one per migration, the last PAUSES_KEPT (a tuple: the empty one is shared).
+        self.pauses: tuple[float, ...] = ()
+        self.migrating = False
+        self.holding = False
+        self.clog: bytearray | None = bytearray() if settings.replay_limit else None
+        self.clog_base = 0  # absolute client-stream offset of clog[0]
+        self.leg_start_msg = 0  # client message index of the first one sent on this leg
+        if self.clog is not None:
+            self.cs.keep_message_ends()
+        # Counts of earlier worker legs (each leg has its own scanner).
+        self.prior_frames = 0
+        self.prior_messages = 0
+        self.prior_bytes = 0
+        self.client = Leg.OPEN
+        self.worker = Leg.OPEN
+        self.phase = Phase.RELAYING
+        self.pending_client_close: tuple[int, str] | None = None
+        self.timer: Bucket | None = None  # the wheel bucket this session is due in
+        self._awaiting_pong = False
+        self.paused_since = 0.0  # loop time backpressure paused a leg; 0 when flowing
+        self._last_msgs = 0
+        self._last_active = self.since
+        # For the access log: the close code each side was sent, why the session ended (the
+        # first cause) and the workers it left by migration (a tuple: the empty one is shared).
+        self.close_to_client: int | None = None
+        self.close_to_worker: int | None = None
+        self.ended: str | None = None
+        self.prior_backends: tuple[str, ...] = ()
+        pool.attach(sid, backend, state.loop.time())
+        state.session_started(self)
+        self._schedule_tick(settings.first_tick)
+
+    @property
+    def closing(self) -> bool:
+        """A close has been sent or received (the close timer runs), or the session is over."""
+        return self.phase is not Phase.RELAYING
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    # -- hot path --------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes from the worker."""
+        ws = self.ws
+        out = ws.feed(data)
+        if out and not self.ct.is_closing():  # uvloop raises on a write to a closed handle
+            self.ct.write(out)
+        if ws.notable:
+            # The one scanner field the relay writes: it takes the event the flag announces
+            # (a method call here would cost every read).
+            ws.notable = False
+            self._worker_event()
+
+    def client_data(self, data: bytes) -> None:
+        """Bytes from the client."""
+        cs = self.cs
+        out = cs.feed(data)
+        if out and not self.wt.is_closing():
+            self.wt.write(out)
+            if self.clog is not None:
+                self._log_client(out)
+        if cs.notable:
+            cs.notable = False
+            self._client_event()
+
+    def _log_client(self, out: bytes) -> None:
+        clog = self.clog
+        assert clog is not None
+        clog += out
+        excess = len(clog) - self.settings.replay_limit
+        if excess > 0:
+            del clog[:excess]
+            self.clog_base += excess
+            ends = self.cs.ends
+            if ends is not None and len(ends) > 1024:
+                del ends[:-1024]  # keep message ends bounded too
+
+    def replay_from(self, msg_index: int) -> bytes | None:
+        """Client bytes after the first ``msg_index`` messages of the session, or None when
+        they are no longer in the bounded log."""
+        ends = self.cs.ends
+        if ends is None or self.clog is None:
+            return None
+        start = 0
+        if msg_index > 0:
+            # ``ends`` holds the last message ends; index from the end.
+            back = self.cs.messages - msg_index
+            if back < 0 or back >= len(ends):
+                return None
+            start = ends[len(ends) - 1 - back]
+        if start < self.clog_base:
+            return None
+        return bytes(self.clog[start - self.clog_base :])
+
+    def hold(self) -> None:
+        """Stop reading the client (its bytes wait in the kernel: bounded by the socket)."""
+        self.holding = True
+        pause_reading(self.ct, True)
+
+    def release(self) -> None:
+        self.holding = False
+        pause_reading(self.ct, False)
+
+    def switch(
+        self,
+        target: Backend,
+        wt: asyncio.Transport,
+        proto: UpstreamHandshake,
+        trailing: bytes,
+        processed: int,
+    ) -> None:
+        """Move the worker leg to ``target``.
+
+        ``processed`` is how many client messages of the old leg the old worker handled; the
+        client messages after those are replayed on the new leg, before anything held.
+        """
+        replay = self.replay_from(self.leg_start_msg + processed)
+        if replay is None:
+            raise RuntimeError("client messages to replay are no longer buffered")
+        old_wt, old_backend = self.wt, self.backend
+        old_wt.set_protocol(Retired())
+        if self.cs.at_frame_boundary:
+            payload = close_payload(CloseCode.GOING_AWAY, "session moved")
+            old_wt.write(build_frame(OP_CLOSE, payload, mask=True))
+        old_wt.close()
+        self.prior_frames += self.ws.frames
+        self.prior_messages += self.ws.messages
+        self.prior_bytes += self.ws.bytes
+        limits = self.settings.limits
+        self.ws = _worker_scanner(limits)
+        self.leg_start_msg += processed
+        self.wt = wt
+        wt.set_write_buffer_limits(high=limits.write_buffer_high)
+        self.pool.detach(old_backend)
+        self.prior_backends += (old_backend.id,)
+        self.backend = target
+        self.pool.attach(self.sid, target, self.state.loop.time())
+        self.migrations += 1
+        wt.set_protocol(self)
+        data = trailing + bytes(proto.extra)
+        if replay:
+            wt.write(replay)
+        if data:
+            self.data_received(data)
+        if proto.eof:
+            self.connection_lost(None)
+        else:
+            pause_reading(wt, False)
+
+    # -- flow control (worker leg) ---------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        """The worker does not keep up: stop reading the client."""
+        self.paused_since = self.state.loop.time()
+        pause_reading(self.ct, True)
+
+    def resume_writing(self) -> None:
+        self.paused_since = 0.0
+        if not self.holding:
+            pause_reading(self.ct, False)
+
+    # -- events (the rules of the module docstring) ----------------------------------------
+
+    def _client_event(self) -> None:
+        cs = self.cs
+        if cs.error is not None:
+            self._client_violation(cs.error.code, cs.error.reason)
+        elif cs.close is not None and not self.worker.close_sent:
+            # Rule 1: the client's close was forwarded to the worker.
+            self.worker = self.worker.sent()
+            self.close_to_worker = cs.close[0]
+            self._end("client closed")
+            self.state.stats.closes["worker", cs.close[0]] += 1
+            self._begin_closing()
+        self._maybe_finish()
+
+    def _worker_event(self) -> None:
+        ws = self.ws
+        if ws.error is not None:  # Rule 3
+            log.warning(
+                "session %s: worker %s broke framing: %s", self.sid, self.backend.id, ws.error
+            )
+            self._end(f"worker broke framing: {ws.error.reason}")
+            self._send_worker_close(CloseCode.PROTOCOL_ERROR, ws.error.reason)
+            self._send_client_close(CloseCode.BAD_GATEWAY, "bad frame from worker")
+        elif ws.close is not None:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+                self._send_client_close(code, reason)
+            elif not self.client.close_sent:
+                # Rule 1: the worker's close went through to the client.
+                self.client = self.client.sent()
+                self.close_to_client = ws.close[0]
+                self._end("worker closed")
+                self.state.stats.closes["client", ws.close[0]] += 1
+            self._begin_closing()
+        self._maybe_finish()
+
+    def _client_violation(self, code: int, reason: str) -> None:
+        """Rule 3, the client's side."""
+        self._end(f"client broke the protocol: {reason}")
+        if self.worker is not Leg.OPEN:
+            self._send_client_close(code, reason)
+            return
+        # Let the worker's in-flight messages through first (answers to what the client sent
+        # before the bad frame), then give the client its code.
+        self.pending_client_close = (code, reason)
+        self.ws.drop_next_close()
+        self._begin_closing()
+        self.state.loop.call_later(
+            VIOLATION_GRACE,
+            self._send_worker_close,
+            CloseCode.GOING_AWAY,
+            "client protocol error",
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The worker leg closed (Rule 2)."""
+        self.worker = self.worker.lost()
+        if self.client is Leg.OPEN:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+            elif self.cs.close is not None:
+                # The client was closing anyway: complete its handshake with its own code.
+                code, reason = self.cs.close
+                code = CloseCode.NORMAL if code == CloseCode.NO_STATUS else code
+            elif self.backend.admin_state != ACTIVE:
+                code, reason = CloseCode.SERVICE_RESTART, "worker restarting"
+            else:
+                code, reason = CloseCode.INTERNAL_ERROR, "worker lost"
+            lost = code in (CloseCode.INTERNAL_ERROR, CloseCode.SERVICE_RESTART)
+            self._end(reason if lost else "worker closed")
+            self._send_client_close(code, reason)
+        self._maybe_finish()
+
+    def client_lost(self) -> None:
+        """The client leg closed (Rule 2)."""
+        self.client = self.client.lost()
+        if self.worker is Leg.OPEN:
+            self._end("client went away")
+            self._send_worker_close(CloseCode.GOING_AWAY, "client went away")
+        self._maybe_finish()
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _send_client_close(self, code: int, reason: str) -> None:
+        self.pending_client_close = None
+        if self.client is not Leg.OPEN:
+            return
+        self.client = Leg.CLOSING
+        self.close_to_client = code
+        self.ws.stop()  # nothing more goes to the client after our close
+        self.state.stats.closes["client", code] += 1
+        # Failing the connection (RFC 6455 7.1.7) after a client's violation: close TCP at
+        # once, without waiting for an answer.
+        failing = self.cs.error is not None
+        self._write_close(self.ct, self.ws, code, reason, mask=False, fail=failing)
+        self._begin_closing()
+
+    def _send_worker_close(self, code: int, reason: str) -> None:
+        if self.worker is not Leg.OPEN:
+            return
+        self.worker = Leg.CLOSING
+        self.close_to_worker = code
+        self.cs.stop()
+        self.state.stats.closes["worker", code] += 1
+        self._write_close(self.wt, self.cs, code, reason, mask=True, fail=False)
+        self._begin_closing()
+
+    @staticmethod
+    def _write_close(
+        t: asyncio.Transport, into: FrameScanner, code: int, reason: str, *, mask: bool, fail: bool
+    ) -> None:
+        """wslb's own close frame into a stream, at a frame boundary only (Rule 4)."""
+        if t.is_closing():
+            return
+        if into.at_frame_boundary:
+            t.write(build_frame(OP_CLOSE, close_payload(code, reason), mask=mask))
+            if fail:
+                t.close()
+        else:
+            t.abort()
+
+    def close(self, code: int, reason: str) -> None:
+        """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``
+        (the worker 1001 where the client gets 1012: it is the one going away)."""
+        self._end(reason)
+        self._send_client_close(code, reason)
+        worker_code = CloseCode.GOING_AWAY if code == CloseCode.SERVICE_RESTART else code
+        self._send_worker_close(worker_code, reason)
+        self._maybe_finish()
+
+    def _end(self, why: str) -> None:
+        """Record why the session ends, for the access log: the first cause wins."""
+        if self.ended is None:
+            self.ended = why
+
+    def _begin_closing(self) -> None:
+        if self.phase is not Phase.RELAYING:
+            return
+        self.phase = Phase.CLOSING
+        self._schedule_tick(self.settings.timeouts.close)
+
+    def _maybe_finish(self) -> None:
+        """Rule 1's TCP closes, and Rule 5's single FINISHED."""
+        # A close wslb sent on the worker's behalf waits for the client's answer (or the timer).
+        if self.client is Leg.CLOSING and self.cs.close is not None:
+            self.ct.close()
+        if self.worker is Leg.CLOSING and self.client.gone and self.ws.close is not None:
+            self.wt.close()
+        if self.client.gone and self.worker.gone and self.phase is not Phase.FINISHED:
+            self.phase = Phase.FINISHED
+            self.state.wheel.cancel(self)
+            self.pool.detach(self.backend, self.sid, self.state.loop.time())
+            self.state.session_finished(self)
+
+    def _close_timeout(self) -> None:
+        """Rule 5: the peers had ``timeouts.close`` to finish their close handshakes."""
+        if self.pending_client_close is not None:
+            code, reason = self.pending_client_close
+            self._send_client_close(code, reason)
+        if not self.client.gone:
+            self.ct.abort()
+        if not self.worker.gone:
+            self.wt.abort()
+
+    # -- heartbeat and idle timer ----------------------------------------------------------
+
+    def _schedule_tick(self, delay: float) -> None:
+        if delay > 0:
+            self.state.wheel.schedule(self, delay)
+        else:
+            self.state.wheel.cancel(self)
+
+    def _tick(self) -> None:
+        """Called by the wheel (which has cleared ``self.timer``)."""
+        if self.phase is Phase.FINISHED:
+            return
+        if self.phase is Phase.CLOSING:
+            self._close_timeout()
+            return
+        t = self.settings.timeouts
+        now = self.state.loop.time()
+        msgs = self.cs.messages + self.ws.messages
+        if msgs != self._last_msgs:
+            self._last_msgs = msgs
+            self._last_active = now
+        elif t.idle > 0 and now - self._last_active >= t.idle:
+            self.close(CloseCode.GOING_AWAY, "idle timeout")
+            return
+        if self.paused_since and t.backpressure > 0 and now - self.paused_since >= t.backpressure:
+            log.info("session %s: paused by backpressure for %.0fs", self.sid, t.backpressure)
+            self.state.stats.backpressure_closes += 1
+            self.close(CloseCode.POLICY, "peer not reading")
+            return
+        if t.ping_interval <= 0:
+            self._schedule_tick(self.settings.first_tick)
+            return
+        if self._awaiting_pong:
+            self._awaiting_pong = False
+            if self.cs.own_ping is not None:
+                log.info("session %s: client ping timeout", self.sid)
+                self._end("client ping timeout")
+                self._send_client_close(CloseCode.INTERNAL_ERROR, "ping timeout")
+                self._send_worker_close(CloseCode.GOING_AWAY, "client ping timeout")
+                self._maybe_finish()
+                return
+            if self.ws.own_ping is not None:
+                log.info("session %s: worker %s ping timeout", self.sid, self.backend.id)
+                self._end("worker ping timeout")
+                self._send_client_close(CloseCode.INTERNAL_ERROR, "worker ping timeout")
+                self.wt.abort()
+                return
+            self._schedule_tick(max(0.0, t.ping_interval - t.ping_timeout) or 0.001)
+            return
+        # Ping each leg whose outgoing stream is at a frame boundary (else skip it this round).
+        self._ping(self.ws, self.cs, self.ct, mask=False)
+        self._ping(self.cs, self.ws, self.wt, mask=True)
+        self._awaiting_pong = True
+        self._schedule_tick(t.ping_timeout)
+
+    @staticmethod
+    def _ping(into: FrameScanner, answers: FrameScanner, t: asyncio.Transport, mask: bool) -> None:
+        """A ping on transport ``t`` if the stream into it (``into``) is between frames; the
+        pong comes back through ``answers``, which consumes it."""
+        if into.at_frame_boundary and answers.own_ping is None:
+            payload = os.urandom(8)
+            answers.expect_pong(payload)
+            t.write(build_frame(OP_PING, payload, mask=mask))
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def pool_name(self) -> str:
+        return self.pool.name
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The workers the session was on, in order (more than one after migrations)."""
+        return (*self.prior_backends, self.backend.id)
+
+    @property
+    def totals(self) -> tuple[int, int, int, int]:
+        """Data messages client->worker and worker->client, then bytes each way."""
+        return (
+            self.cs.messages,
+            self.prior_messages + self.ws.messages,
+            self.cs.bytes,
+            self.prior_bytes + self.ws.bytes,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The session as the admin API shows it."""
+        return {
+            "id": self.sid,
+            "pool": self.pool.name,
+            "backend": self.backend.id,
+            "client": self.peer,
+            "since": self.started_wall,
+            "messages": {
+                "client_to_worker": self.cs.messages,
+                "worker_to_client": self.prior_messages + self.ws.messages,
+            },
+            "frames": {
+                "client_to_worker": self.cs.frames,
+                "worker_to_client": self.prior_frames + self.ws.frames,
+            },
+            "migrations": self.migrations,
+            "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses],
+        }

@@ -1,0 +1,222 @@
+"""The narrow shared state every connection and session of one serving process sees.
+
+uvicorn hands each protocol object a small ``ServerState`` (connections, tasks, default headers)
+rather than the server; wslb does the same. A ``ClientConnection``, a ``Session``, a migration
+and a drain get this object and nothing else of the balancer: the pools they route over, the
+live sessions and connection counts, the shared timer wheel, the counters, the TLS contexts
+towards workers and the handoff HTTP client. What operators change goes through ``control.py``;
+how the parts are built and run is ``app.py``'s business.
+
+Sessions get their timeouts and limits when they are built (``SessionSettings``, one object per
+pool shared by its sessions), so a session never reaches back for the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from balancer.aio.wheel import TimerWheel
+from balancer.auth import Authenticator
+from balancer.board import Board
+from balancer.config import Config, Limits, Timeouts
+from balancer.handshake import ClientRequest
+from balancer.logs import log_access
+from balancer.metrics import Stats
+from balancer.pool import Backend, Pool
+
+if TYPE_CHECKING:
+    from balancer.aio.session import Session
+
+__all__ = ["ServerState", "SessionSettings"]
+
+log = logging.getLogger("wslb")
+
+# Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
+# so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
+REPLAY_LIMIT = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """What a session needs of the config, fixed when it is built (shared by a pool's)."""
+
+    timeouts: Timeouts
+    limits: Limits
+    replay_limit: int  # 0: no replay log (the pool does not migrate)
+    first_tick: float  # the first heartbeat/idle/backpressure timer, 0 for none
+
+    @classmethod
+    def of(cls, config: Config, migrate: bool) -> SessionSettings:
+        t = config.timeouts
+        timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
+        return cls(t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0))
+
+
+class ServerState:
+    """Pools, live sessions, connection counts, closing, counters and timers of one process."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        config: Config,
+        pools: list[Pool],
+        stats: Stats,
+        board: Board | None = None,
+        processes: int = 1,
+    ) -> None:
+        """``board`` and ``processes``: a serving process of ``workers: N`` counts
+        ``max_connections`` over the board and enforces its share of the per-client limit."""
+        self.loop = loop
+        self.config = config
+        self.timeouts = config.timeouts
+        self.limits = config.limits
+        self.trusted_proxies = config.trusted_proxies
+        self.pools = pools
+        self.stats = stats
+        self.board = board
+        self.wheel = TimerWheel(loop)  # the sessions' timers (heartbeat, idle, close)
+        self.auth = Authenticator(config.auth)
+        # Per client address; the kernel spreads one client's connections over the serving
+        # processes of workers: N by port, so each enforces its share.
+        self.per_client_limit = -(-config.limits.max_connections_per_client // processes)
+        self.sessions: dict[Session, None] = {}
+        self.connections = 0
+        self.per_client: Counter[str] = Counter()  # open connections per client address
+        self.closing = False
+        self.handoff_http: aiohttp.ClientSession | None = None  # set while serving
+        self._routes = sorted(pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
+        self._settings: dict[str, SessionSettings] = {}
+        self._upstream_tls: dict[str, ssl.SSLContext] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- routing and admission -------------------------------------------------------------
+
+    def route(self, path: str) -> Pool | None:
+        """The pool whose path prefix is the longest match for the request path."""
+        for pool in self._routes:
+            if path.startswith(pool.cfg.path_prefix):
+                return pool
+        return None
+
+    def authorize(self, req: ClientRequest) -> str | None:
+        """Origin allow-list (403) and JWT (401); return the session key a claim gives, if any."""
+        return self.auth.session_key(self.auth.check(req))
+
+    def at_capacity(self) -> bool:
+        """``limits.max_connections`` reached, over every serving process of ``workers: N``."""
+        if self.board is not None:
+            return self.board.connections() >= self.limits.max_connections
+        return self.connections >= self.limits.max_connections
+
+    def settings(self, pool: Pool) -> SessionSettings:
+        """The settings a session of ``pool`` is built with."""
+        s = self._settings.get(pool.name)
+        if s is None:
+            s = self._settings[pool.name] = SessionSettings.of(self.config, pool.cfg.drain.migrate)
+        return s
+
+    def worker_failed(self, pool: Pool, backend: Backend) -> None:
+        """A connect or handshake to the worker failed: passive outlier detection."""
+        if pool.failed(backend, self.loop.time()):
+            self.stats.ejections[backend.id] += 1
+            log.warning(
+                "backend %s ejected for %.0fs after repeated failures",
+                backend.id,
+                backend.ejected_until - self.loop.time(),
+            )
+
+    def upstream_ssl(self, backend: Backend) -> ssl.SSLContext | None:
+        """TLS context for a ``wss://`` worker: its pool's CA and client certificate."""
+        if not backend.upstream.secure:
+            return None
+        found = self.find_backend(backend.id)
+        tls = found[0].cfg.upstream_tls if found is not None else None
+        key = found[0].name if found is not None else ""
+        ctx = self._upstream_tls.get(key)
+        if ctx is None:
+            ctx = ssl.create_default_context(cafile=tls.ca if tls else None)
+            if tls is not None and tls.cert and tls.key:
+                ctx.load_cert_chain(tls.cert, tls.key)
+            self._upstream_tls[key] = ctx
+        return ctx
+
+    def forget_upstream_tls(self) -> None:
+        """Reread upstream TLS files on the next connection (a reload)."""
+        self._upstream_tls.clear()
+
+    # -- counts ----------------------------------------------------------------------------
+
+    def connection_opened(self, peer: str) -> None:
+        self.connections += 1
+        self.per_client[peer] += 1
+        if self.board is not None:
+            self.board.publish_connections(self.connections)
+
+    def client_renamed(self, old: str, new: str) -> None:
+        """A trusted proxy named the client of a counted connection: count it under that."""
+        self._uncount(old)
+        self.per_client[new] += 1
+
+    def connection_closed(self, peer: str) -> None:
+        self.connections -= 1
+        if self.board is not None:
+            self.board.publish_connections(self.connections)
+        self._uncount(peer)
+
+    def _uncount(self, peer: str) -> None:
+        n = self.per_client[peer] - 1
+        if n > 0:
+            self.per_client[peer] = n
+        else:
+            del self.per_client[peer]
+
+    def session_started(self, s: Session) -> None:
+        self.sessions[s] = None
+        self._idle.clear()
+
+    def session_finished(self, s: Session) -> None:
+        self.sessions.pop(s, None)
+        self.connection_closed(s.peer)
+        self.stats.session_done(s)
+        if self.config.log.access:
+            log_access(s)
+        if not self.sessions:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Until no session is live."""
+        await self._idle.wait()
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def find_session(self, sid: str) -> Session | None:
+        return next((s for s in self.sessions if s.sid == sid), None)
+
+    def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:
+        for pool in self.pools:
+            b = pool.backends.get(backend_id)
+            if b is not None:
+                return pool, b
+        return None
+
+    def pool(self, name: str) -> Pool | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def backends(self) -> Iterator[tuple[Pool, Backend]]:
+        for pool in self.pools:
+            for b in pool.backends.values():
+                yield pool, b
+
+    @staticmethod
+    def wall_time() -> float:
+        return time.time()
