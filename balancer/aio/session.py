@@ -55,27 +55,75 @@ import asyncio
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
-from balancer.aio.state import ServerState, SessionSettings
+from balancer.aio.wheel import Bucket, TimerWheel
+from balancer.config import Config, Limits, Timeouts
 from balancer.frames import OP_CLOSE, OP_PING, CloseCode, FrameScanner, build_frame, close_payload
 from balancer.handshake import ClientRequest
-from balancer.pool import ACTIVE
+from balancer.metrics import Stats
+from balancer.pool import ACTIVE, Backend, Pool
 
-if TYPE_CHECKING:
-    from balancer.aio.proxy import UpstreamHandshake
-    from balancer.aio.wheel import Bucket
-    from balancer.pool import Backend, Pool
-
-__all__ = ["PAUSES_KEPT", "ClientLeg", "Leg", "Phase", "Retired", "Session", "pause_reading"]
+__all__ = [
+    "PAUSES_KEPT",
+    "ClientLeg",
+    "Leg",
+    "Phase",
+    "Retired",
+    "Session",
+    "SessionHost",
+    "SessionSettings",
+    "pause_reading",
+]
 
 PAUSES_KEPT = 20  # migration pauses a session remembers (GET /sessions)
+# Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
+# so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
+REPLAY_LIMIT = 256 * 1024
 # After a client's framing violation, the worker gets this long to send what it was answering
 # before wslb closes its leg (the client gets its close code after that).
 VIOLATION_GRACE = 0.05
 
 log = logging.getLogger("wslb.server")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """What a session needs of the config, fixed when it is built (shared by a pool's)."""
+
+    timeouts: Timeouts
+    limits: Limits
+    replay_limit: int  # 0: no replay log (the pool does not migrate)
+    first_tick: float  # the first heartbeat/idle/backpressure timer, 0 for none
+
+    @classmethod
+    def of(cls, config: Config, migrate: bool) -> SessionSettings:
+        t = config.timeouts
+        timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
+        return cls(t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0))
+
+
+class SessionHost(Protocol):
+    """What a session uses of the process it lives in (``state.ServerState``)."""
+
+    loop: asyncio.AbstractEventLoop
+    wheel: TimerWheel
+    stats: Stats
+
+    def session_started(self, s: Session) -> None: ...
+
+    def session_finished(self, s: Session) -> None: ...
+
+    def wall_time(self) -> float: ...
+
+
+class Upgraded(Protocol):
+    """A worker leg's handshake protocol once the 101 came (``proxy.UpstreamHandshake``)."""
+
+    extra: bytearray  # bytes that arrived after the 101, before the switch-over
+    eof: bool
 
 
 class Leg(IntEnum):
@@ -222,7 +270,7 @@ class Session(asyncio.Protocol):
 
     def __init__(
         self,
-        state: ServerState,
+        state: SessionHost,
         settings: SessionSettings,
         pool: Pool,
         backend: Backend,
@@ -361,7 +409,7 @@ class Session(asyncio.Protocol):
         self,
         target: Backend,
         wt: asyncio.Transport,
-        proto: UpstreamHandshake,
+        proto: Upgraded,
         trailing: bytes,
         processed: int,
     ) -> None:

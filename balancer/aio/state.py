@@ -7,8 +7,9 @@ live sessions and connection counts, the shared timer wheel, the counters, the T
 towards workers and the handoff HTTP client. What operators change goes through ``control.py``;
 how the parts are built and run is ``app.py``'s business.
 
-Sessions get their timeouts and limits when they are built (``SessionSettings``, one object per
-pool shared by its sessions), so a session never reaches back for the config.
+Sessions get their timeouts and limits when they are built (``session.SessionSettings``, one
+object per pool shared by its sessions), so a session never reaches back for the config; what
+a session uses of this object is ``session.SessionHost``.
 """
 
 from __future__ import annotations
@@ -19,46 +20,22 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
+from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
 from balancer.auth import Authenticator
 from balancer.board import Board
-from balancer.config import Config, Limits, Timeouts
+from balancer.config import Config
 from balancer.handshake import ClientRequest
 from balancer.logs import log_access
 from balancer.metrics import Stats
 from balancer.pool import Backend, Pool
 
-if TYPE_CHECKING:
-    from balancer.aio.session import Session
-
-__all__ = ["ServerState", "SessionSettings"]
+__all__ = ["ServerState"]
 
 log = logging.getLogger("wslb")
-
-# Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
-# so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
-REPLAY_LIMIT = 256 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SessionSettings:
-    """What a session needs of the config, fixed when it is built (shared by a pool's)."""
-
-    timeouts: Timeouts
-    limits: Limits
-    replay_limit: int  # 0: no replay log (the pool does not migrate)
-    first_tick: float  # the first heartbeat/idle/backpressure timer, 0 for none
-
-    @classmethod
-    def of(cls, config: Config, migrate: bool) -> SessionSettings:
-        t = config.timeouts
-        timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
-        return cls(t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0))
 
 
 class ServerState:

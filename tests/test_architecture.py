@@ -1,0 +1,114 @@
+"""The shape of the code: no import circle, one composition root, asyncio only in ``aio/``.
+
+The graph is read with ``ast`` from every module of ``balancer/`` and ``backends/``; every
+import counts, function-local ones and ``if TYPE_CHECKING:`` ones included (a circle that is
+broken only at run time is still a circle to a reader). docs/architecture.md states the rules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("balancer", "backends")
+COMPOSITION_ROOT = "balancer.aio.app"
+# The entry points: the console script (and python -m balancer) and a serving process's.
+ENTRY_POINTS = {"balancer.cli", "balancer.aio.serving"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imported(path: Path, known: dict[str, Path], me: str) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body."""
+    deps: set[str] = set()
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != me and not me.startswith(name + "."):
+                deps.add(name)
+    return deps
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: imported(p, known, m) for m, p in known.items()}
+
+
+def cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the path around it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(g.get(m, ())):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)) is not None:
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(g):
+        if m not in state and (found := visit(m)) is not None:
+            return found
+    return None
+
+
+def test_the_checker_finds_circles() -> None:
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    known = modules()
+    assert "balancer.aio.session" in graph()["balancer.aio.proxy"]
+    assert imported(known["balancer.aio.app"], known, "balancer.aio.app") >= {
+        "balancer.aio.admin",
+        "balancer.aio.control",
+    }
+
+
+def test_no_import_circle() -> None:
+    found = cycle(graph())
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_only_the_entry_points_import_the_composition_root() -> None:
+    importers = {m for m, deps in graph().items() if COMPOSITION_ROOT in deps}
+    assert importers == ENTRY_POINTS
+
+
+def test_asyncio_stays_in_aio() -> None:
+    """The sans-I/O core (frames, handshake, ring, weights, pool, config, ...) has no loop."""
+    known = modules()
+    for m, path in known.items():
+        if m.startswith("balancer.aio") or not m.startswith("balancer"):
+            continue
+        tree = ast.parse(path.read_text())
+        uses = [
+            n
+            for n in ast.walk(tree)
+            if (isinstance(n, ast.Import) and any(a.name == "asyncio" for a in n.names))
+            or (isinstance(n, ast.ImportFrom) and n.module == "asyncio")
+        ]
+        assert not uses, f"{m} imports asyncio"

@@ -1,0 +1,400 @@
+"""The session's, the drain's and the migration's state machines, without a network.
+
+As uvicorn's protocol tests do: the protocol objects are driven with bytes against mock
+transports and a fake host (``session.SessionHost``), and what they write is read back with
+wslb's own frame scanner. The rules under test are the ones at the top of ``aio/session.py``,
+``aio/drain.py`` and ``aio/migrate.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from balancer.aio import drain as drain_mod
+from balancer.aio import migrate as migrate_mod
+from balancer.aio.drain import Drainer, DrainProgress
+from balancer.aio.session import (
+    VIOLATION_GRACE,
+    ClientLeg,
+    Leg,
+    Phase,
+    Session,
+    SessionSettings,
+)
+from balancer.aio.state import ServerState
+from balancer.aio.wheel import TimerWheel
+from balancer.config import BackendCfg, Config, PoolCfg, Timeouts
+from balancer.frames import (
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    OP_TEXT,
+    CloseCode,
+    FrameScanner,
+    build_frame,
+    close_payload,
+)
+from balancer.handshake import ClientRequest
+from balancer.metrics import Stats
+from balancer.pool import ACTIVE, DRAINED, DRAINING, Pool
+
+
+class FakeTransport(asyncio.Transport):
+    """Records what the protocol does with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+        self.aborted = False
+        self.paused = False
+        self.protocol: asyncio.BaseProtocol | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def frames(self, masked: bool) -> list[tuple[int, bytes]]:
+        """(opcode, payload) of every frame written, read with wslb's scanner rules."""
+        out = []
+        bits = []
+        data = bytes(self.written)
+        pos = 0
+        while pos < len(data):
+            b1 = data[pos + 1]
+            n = b1 & 0x7F
+            at = pos + 2
+            if n == 126:
+                n, at = int.from_bytes(data[at : at + 2], "big"), at + 2
+            key = b""
+            bits.append(bool(b1 & 0x80))
+            if b1 & 0x80:
+                key, at = data[at : at + 4], at + 4
+            payload = data[at : at + n]
+            if key:
+                payload = bytes(c ^ key[i % 4] for i, c in enumerate(payload))
+            out.append((data[pos] & 0x0F, payload))
+            pos = at + n
+        assert all(bit == masked for bit in bits), "wslb masks towards the worker only"
+        return out
+
+
+class FakeHost:
+    """A ``SessionHost``: a real loop and timer wheel, counters, no sockets."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.wheel = TimerWheel(loop)
+        self.stats = Stats()
+        self.live: list[Session] = []
+        self.finished: list[Session] = []
+
+    def session_started(self, s: Session) -> None:
+        self.live.append(s)
+
+    def session_finished(self, s: Session) -> None:
+        self.live.remove(s)
+        self.finished.append(s)
+
+    def wall_time(self) -> float:
+        return 1000.0
+
+
+REQ = ClientRequest("/ws", "/ws", "", [], b"k", [], "h")
+
+
+def make(
+    host: FakeHost, timeouts: Timeouts | None = None, migrate: bool = True
+) -> tuple[Session, FakeTransport, FakeTransport, Pool]:
+    cfg = Config(timeouts=timeouts or Timeouts(ping_interval=0, idle=0, backpressure=0))
+    pool = Pool(PoolCfg("p", backends=(BackendCfg("w", "ws://127.0.0.1:1"),)))
+    ct, wt = FakeTransport(), FakeTransport()
+    settings = SessionSettings.of(cfg, migrate)
+    s = Session(host, settings, pool, pool.backends["w"], "sid", "1.2.3.4", ct, wt, REQ, False)
+    ct.set_protocol(ClientLeg(s))
+    return s, ct, wt, pool
+
+
+def text(payload: bytes, mask: bool) -> bytes:
+    return build_frame(OP_TEXT, payload, mask=mask)
+
+
+def close(code: int, reason: str = "", mask: bool = False) -> bytes:
+    return build_frame(OP_CLOSE, close_payload(code, reason), mask=mask)
+
+
+def closes(t: FakeTransport, masked: bool) -> list[int]:
+    return [
+        int.from_bytes(p[:2], "big") for op, p in t.frames(masked) if op == OP_CLOSE and len(p) >= 2
+    ]
+
+
+def test_leg_transitions() -> None:
+    assert Leg.OPEN.sent() is Leg.CLOSING and Leg.LOST.sent() is Leg.CLOSED
+    assert Leg.OPEN.lost() is Leg.LOST and Leg.CLOSING.lost() is Leg.CLOSED
+    assert not Leg.OPEN.close_sent and Leg.CLOSING.close_sent and not Leg.CLOSING.gone
+    assert Leg.LOST.gone and not Leg.LOST.close_sent and Leg.CLOSED.gone
+
+
+async def test_frames_pass_both_ways_unchanged() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, pool = make(host)
+    frame = text(b"hello", mask=True)
+    s.client_data(frame)
+    assert bytes(wt.written) == frame  # still masked: the worker unmasks it
+    s.data_received(text(b"token", mask=False))
+    assert ct.frames(False) == [(OP_TEXT, b"token")]
+    assert s.totals == (1, 1, len(frame), 7)
+    assert pool.backends["w"].sessions == 1 and host.live == [s]
+
+
+async def test_client_close_handshake_rule_1() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, pool = make(host)
+    s.client_data(close(1000, "bye", mask=True))
+    assert closes(wt, True) == [1000]  # forwarded
+    assert (s.client, s.worker, s.phase) == (Leg.OPEN, Leg.CLOSING, Phase.CLOSING)
+    s.data_received(close(1000, "bye"))  # the worker's answer
+    assert closes(ct, False) == [1000]
+    assert s.client is Leg.CLOSING and ct.closed  # the server closes TCP first
+    s.client_lost()
+    s.connection_lost(None)
+    assert (s.client, s.worker, s.phase) == (Leg.CLOSED, Leg.CLOSED, Phase.FINISHED)
+    assert host.finished == [s] and pool.backends["w"].sessions == 0
+    assert (s.close_to_client, s.close_to_worker, s.ended) == (1000, 1000, "client closed")
+
+
+@pytest.mark.parametrize(("admin_state", "code"), [(ACTIVE, 1011), (DRAINING, 1012)])
+async def test_worker_lost_rule_2(admin_state: Any, code: int) -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, _wt, pool = make(host)
+    pool.backends["w"].admin_state = admin_state
+    s.connection_lost(ConnectionResetError())
+    assert closes(ct, False) == [code]
+    assert s.worker is Leg.LOST and s.client is Leg.CLOSING
+    assert host.stats.closes["client", code] == 1
+    s.client_data(close(code, mask=True))  # the client answers
+    assert ct.closed
+    s.client_lost()
+    assert s.phase is Phase.FINISHED and s.ended in ("worker lost", "worker restarting")
+
+
+async def test_client_lost_gives_the_worker_1001() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, _ct, wt, _ = make(host)
+    s.client_lost()
+    assert closes(wt, True) == [1001] and s.worker is Leg.CLOSING
+    s.data_received(close(1001))
+    assert wt.closed  # the client is gone and the worker's close came: wslb closes its TCP
+    s.connection_lost(None)
+    assert s.phase is Phase.FINISHED and s.ended == "client went away"
+
+
+async def test_client_violation_rule_3() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, _ = make(host)
+    s.client_data(text(b"unmasked", mask=False))  # a client must mask
+    assert s.pending_client_close == (CloseCode.PROTOCOL_ERROR, "unmasked frame from client")
+    s.data_received(text(b"in flight", mask=False))  # still relayed
+    assert ct.frames(False) == [(OP_TEXT, b"in flight")]
+    await asyncio.sleep(VIOLATION_GRACE * 2)
+    assert closes(wt, True) == [1001]
+    s.data_received(close(1001))  # the worker's answer is dropped; the client gets its code
+    assert closes(ct, False) == [1002] and ct.closed  # failing the connection: TCP closed
+    assert s.ended == "client broke the protocol: unmasked frame from client"
+
+
+async def test_worker_violation_rule_3() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, _ = make(host)
+    s.data_received(text(b"masked", mask=True))  # a server must not mask
+    assert closes(wt, True) == [1002]
+    assert closes(ct, False) == [1014]
+
+
+async def test_a_close_waits_at_most_timeouts_close_rule_5() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    timeouts = Timeouts(ping_interval=0, idle=0, backpressure=0, close=0.05)
+    s, ct, wt, _ = make(host, timeouts)
+    s.close(CloseCode.SERVICE_RESTART, "worker draining")
+    assert closes(ct, False) == [1012] and closes(wt, True) == [1001]  # the worker goes away
+    for _ in range(100):
+        if ct.aborted and wt.aborted:
+            break
+        await asyncio.sleep(0.02)
+    assert ct.aborted and wt.aborted  # nobody answered within timeouts.close
+
+
+async def test_rule_4_no_frame_injected_mid_frame() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, _wt, _ = make(host)
+    big = text(b"x" * 1000, mask=False)
+    s.data_received(big[:100])  # the worker died mid-frame
+    s.connection_lost(None)
+    assert ct.aborted and closes(ct, False) == []
+
+
+async def test_heartbeat_pings_both_legs_and_times_out() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    timeouts = Timeouts(ping_interval=10, ping_timeout=10, idle=0, backpressure=0)
+    s, ct, wt, _ = make(host, timeouts)
+    s._tick()
+    assert [op for op, _ in ct.frames(False)] == [OP_PING]
+    assert [op for op, _ in wt.frames(True)] == [OP_PING]
+    ((_, to_worker),) = wt.frames(True)
+    s.data_received(build_frame(OP_PONG, to_worker))  # the worker answers; it is consumed
+    assert [op for op, _ in ct.frames(False)] == [OP_PING]  # nothing forwarded to the client
+    s._tick()  # the client never answered
+    assert closes(ct, False) == [1011] and closes(wt, True) == [1001]
+    assert s.ended == "client ping timeout"
+
+
+async def test_idle_timeout() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    timeouts = Timeouts(ping_interval=0, idle=0.01, backpressure=0)
+    s, ct, _wt, _ = make(host, timeouts)
+    await asyncio.sleep(0.02)
+    s._tick()
+    assert closes(ct, False) == [1001] and s.ended == "idle timeout"
+
+
+# --------------------------------------------------------------------------- the drain
+
+
+def drain_state(loop: asyncio.AbstractEventLoop, pool: Pool, close_s: float = 0.05) -> Any:
+    cfg = Config(pools=(pool.cfg,), timeouts=Timeouts(close=close_s))
+    return ServerState(loop, cfg, [pool], Stats())
+
+
+async def test_drain_without_migration_closes_after_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """active --drain--> draining --sessions gone--> drained (the diagram in drain.py)."""
+    monkeypatch.setattr(drain_mod, "QUIET", 0.02)
+    loop = asyncio.get_running_loop()
+    host = FakeHost(loop)
+    s, ct, _wt, pool = make(host, migrate=False)
+    state = drain_state(loop, pool)
+    state.sessions[s] = None
+    s.state = state  # the drainer and the session see one state
+    b = pool.backends["w"]
+    drainer = Drainer(state)
+    progress = drainer.start(pool, b, False, 5.0)
+    assert b.admin_state == DRAINING and isinstance(progress, DrainProgress)
+    await asyncio.sleep(0.1)
+    assert closes(ct, False) == [1012]  # the worker was quiet: its answer was over
+    s.client_lost()
+    s.connection_lost(None)
+    task = drainer.tasks.get(b.id)
+    if task is not None:
+        await asyncio.wait_for(task, 5)
+    assert b.admin_state == DRAINED and progress.closed_after_answer == 1
+    assert progress.finished is not None
+    await drainer.undrain(b)
+    assert b.admin_state == ACTIVE
+
+
+async def test_a_worker_that_drains_itself_is_undrained_when_back() -> None:
+    loop = asyncio.get_running_loop()
+    pool = Pool(PoolCfg("p", backends=(BackendCfg("w", "ws://127.0.0.1:1"),)))
+    drainer = Drainer(drain_state(loop, pool))
+    b = pool.backends["w"]
+    assert drainer.worker_drains(pool, b)
+    assert not drainer.worker_drains(pool, b)  # already draining
+    await asyncio.sleep(0.05)
+    assert b.admin_state == DRAINED
+    assert drainer.worker_back(b)
+    await asyncio.sleep(0.01)
+    assert b.admin_state == ACTIVE and not drainer.worker_back(b)
+    # An operator's drain is not undone by probes.
+    assert drainer.worker_drains(pool, b)
+    drainer.keep_drained(b)
+    assert not drainer.worker_back(b)
+    await drainer.stop()
+
+
+# --------------------------------------------------------------------------- the migration
+
+
+async def test_migration_steps_fail_back_to_the_old_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HOLDING -> FROZEN fails (no handoff API): the session stays, reading again."""
+    loop = asyncio.get_running_loop()
+    host = FakeHost(loop)
+    s, ct, _wt, pool = make(host)
+    state = drain_state(loop, pool)
+    calls: list[str] = []
+
+    async def post(st: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        calls.append(url.rsplit("/", 1)[-1])
+        return 404, None
+
+    monkeypatch.setattr(migrate_mod, "_post", post)
+    result = await migrate_mod.migrate(state, s)
+    assert (result.ok, result.reason) == (False, "no_api") and calls == ["freeze"]
+    assert not s.holding and not ct.paused and not s.migrating
+    assert s.phase is Phase.RELAYING and state.stats.migrations["no_api"] == 1
+
+
+async def test_migration_that_cannot_flush_ends_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FROZEN -> FLUSHED fails (the worker claims more than wslb forwarded): 1012."""
+    loop = asyncio.get_running_loop()
+    host = FakeHost(loop)
+    s, ct, _wt, pool = make(host)
+    state = drain_state(loop, pool)
+
+    async def post(st: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"state": {}, "sent": 5, "received": 0}
+
+    monkeypatch.setattr(migrate_mod, "_post", post)
+    monkeypatch.setattr(migrate_mod, "STEP_TIMEOUT", 0.05)
+    result = await migrate_mod.migrate(state, s)
+    assert (result.ok, result.reason) == (False, "flush_lost")
+    assert closes(ct, False) == [1012]
+
+
+async def test_a_pool_without_migration_refuses_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    host = FakeHost(loop)
+    s, _, _, pool = make(host, migrate=False)
+    result = await migrate_mod.migrate(drain_state(loop, pool), s)
+    assert (result.ok, result.reason) == (False, "disabled")
+
+
+def test_scanner_commands() -> None:
+    sc = FrameScanner(masked=False)
+    sc.expect_pong(b"12345678")
+    assert (sc.own_ping, sc.pong_received) == (b"12345678", False)
+    sc.feed(build_frame(OP_PONG, b"12345678"))
+    assert (sc.own_ping, sc.pong_received) == (None, True)
+    sc.drop_next_close()
+    assert sc.feed(close(1000)) == b"" and sc.close == (1000, "")
+    sc2 = FrameScanner(masked=False)
+    sc2.stop()
+    assert sc2.feed(text(b"late", mask=False)) == b""
