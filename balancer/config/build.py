@@ -187,20 +187,17 @@ _LOOPBACK_NAMES: Final = frozenset({"localhost", "localhost.", "ip6-localhost"})
 _HMAC_ALGORITHMS: Final = frozenset({"HS256", "HS384", "HS512"})
 
 
-class _Builder:
-    """Builds the dataclasses and records what the schema cannot check.
+class _Reader:
+    """Typed reads of the YAML data and the problems found, each at its YAML path.
 
-    It runs even when the schema found errors, so one pass reports everything: a value at or under
-    a path the schema rejected is replaced by its default and not looked at again. Every accessor
-    checks types itself, so no input can make it raise.
+    Absent, null, mistyped or schema-rejected values give the default: a value at or under a
+    path the schema rejected is not looked at again (it was reported once, by the schema). Every
+    accessor checks types itself, so no input can make it raise.
     """
 
     def __init__(self, rejected: set[_Path]) -> None:
         self._rejected = rejected
         self.problems: list[_Problem] = []
-        self.backend_paths: list[tuple[BackendCfg, _Path]] = []
-
-    # -- accessors: absent, null, mistyped or schema-rejected values give the default
 
     def is_rejected(self, path: _Path) -> bool:
         return any(path[:i] in self._rejected for i in range(len(path) + 1))
@@ -310,7 +307,17 @@ class _Builder:
         what = "is a directory" if os.path.isdir(name) else "file not found"
         self.error(path, f"{what}: {name!r}{where}")
 
-    # -- sections
+
+class _Builder(_Reader):
+    """Builds the dataclasses, section by section, and records what the schema cannot check
+    (uniqueness, address clashes, files, cross-field rules).
+
+    It runs even when the schema found errors, so one pass reports everything.
+    """
+
+    def __init__(self, rejected: set[_Path]) -> None:
+        super().__init__(rejected)
+        self.backend_paths: list[tuple[BackendCfg, _Path]] = []
 
     def config(self, data: object, source: str) -> Config:
         root: dict[object, object] = data if isinstance(data, dict) else {}
