@@ -205,6 +205,7 @@ class FrameScanner:
         "max_frame_size",
         "max_message_size",
         "messages",
+        "muted",
         "notable",
         "out_bytes",
         "own_ping",
@@ -233,6 +234,7 @@ class FrameScanner:
         self.pong_received = False
         self.close: tuple[int, str] | None = None
         self.closed = False
+        self.muted = False  # closed by the relay, but still reading for the peer's close
         self.drop_close = False
         self.error: ProtocolError | None = None
         self.notable = False
@@ -255,7 +257,21 @@ class FrameScanner:
         self.pong_received = False
 
     def stop(self) -> None:
-        """The relay sent its own close into this stream: forward nothing more."""
+        """The relay sent its own close into this stream: forward nothing more, but keep
+        reading for the peer's close (its answer completes the close handshake: RFC 6455 7.1.1
+        lets the server close TCP once both closes passed)."""
+        if not self.closed:
+            self.closed = True
+            self.muted = True
+
+    def _listen(self, data: bytes) -> None:
+        """A stopped stream: scan for the peer's close (or a violation), forward nothing."""
+        counts = self.frames, self.messages, self.out_bytes  # they count what is forwarded
+        self.closed = False
+        self._feed(data)
+        self.frames, self.messages, self.out_bytes = counts
+        if self.close is not None or self.error is not None:
+            self.muted = False  # nothing follows a close (RFC 6455 5.5.1)
         self.closed = True
 
     def drop_next_close(self) -> None:
@@ -277,6 +293,8 @@ class FrameScanner:
         # would have done with these frames, so ``feed`` and ``_feed`` (the general path alone)
         # agree on the output and on every counter, however the stream is chunked.
         if self.closed:
+            if self.muted:
+                self._listen(data)
             return b""
         n = len(data)
         self.bytes += n

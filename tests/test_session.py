@@ -248,6 +248,20 @@ async def test_a_close_waits_at_most_timeouts_close_rule_5() -> None:
     assert ct.aborted and wt.aborted  # nobody answered within timeouts.close
 
 
+async def test_the_clients_answer_to_wslbs_close_ends_it_at_once() -> None:
+    """wslb's own close (a drain's 1012): the client's answer closes its TCP then, not after
+    ``timeouts.close`` (a client reports the close only once TCP closes)."""
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, _ = make(host)
+    s.close(CloseCode.SERVICE_RESTART, "worker draining")
+    assert not ct.closed
+    s.client_data(text(b"late", mask=True) + close(1012, mask=True))
+    assert ct.closed and bytes(wt.written).count(b"late") == 0  # nothing forwarded after it
+    s.data_received(close(1001))  # the worker's answer, also seen though nothing is forwarded
+    s.client_lost()
+    assert wt.closed
+
+
 async def test_rule_4_no_frame_injected_mid_frame() -> None:
     host = FakeHost(asyncio.get_running_loop())
     s, ct, _wt, _ = make(host)
@@ -398,3 +412,5 @@ def test_scanner_commands() -> None:
     sc2 = FrameScanner(masked=False)
     sc2.stop()
     assert sc2.feed(text(b"late", mask=False)) == b""
+    assert sc2.feed(close(1000)) == b"" and sc2.close == (1000, "") and sc2.notable
+    assert sc2.feed(text(b"after the close", mask=False)) == b"" and sc2.messages == 0
