@@ -1,9 +1,12 @@
 """Run the Autobahn fuzzingclient against wslb and against its echo worker directly, and compare.
 
 The testsuite only runs on Python 2.7 (Twisted 19), so it lives in its own ``pip --target``
-directory (``.cache/autobahn``, git-ignored) and runs as a ``python2.7`` subprocess chosen by
+directory (``~/.cache/wslb/autobahn``: outside the checkout, so a fresh clone on the same machine,
+as CI makes, finds it installed) and runs as a ``python2.7`` subprocess chosen by
 ``PYENV_VERSION``. The echo worker is a conformant implementation, so the goal is not that every
-case passes but that no case ends worse through wslb than against the worker directly.
+case passes but that no case ends worse through wslb than against the worker directly. wslb runs
+with the config a new user writes (no ``health`` section, a path-less backend URL): the echo
+worker is a stock ``websockets`` server with no health route or ``/metrics``.
 
 By hand::
 
@@ -35,7 +38,8 @@ from tests.procs import ROOT, Wslb, free_port, stop, wait_port
 PYTHON2 = "python2.7"
 PYENV_VERSION = "2.7.18"
 PACKAGE = "autobahntestsuite==25.10.1"
-CACHE = ROOT / ".cache" / "autobahn"
+# Per user, not per checkout: CI runs each job in a fresh clone on the same machine.
+CACHE = Path.home() / ".cache" / "wslb" / "autobahn"
 # Written last into a fully installed tree; the tree only ever appears under its final name by an
 # atomic rename, so seeing the marker means a complete install, without any lock.
 MARKER = ".wslb-installed"
@@ -250,10 +254,12 @@ def summary(results: Results, base: str = "direct", other: str = "wslb") -> str:
 
 def wslb_config(echo_port: int) -> dict[str, Any]:
     """wslb in front of one echo worker, without heartbeat pings (they would be extra frames in
-    the fuzzer's transcript) and with limits above case 9's 16 MiB messages."""
+    the fuzzer's transcript) and with limits above case 9's 16 MiB messages. No ``health``
+    section and a path-less URL, as a new user writes it: the probe is a TCP connect, and the
+    fuzzer's path goes to the worker unchanged."""
     return {
         "pools": [
-            {"name": "echo", "backends": [{"id": "echo", "url": f"ws://127.0.0.1:{echo_port}/"}]}
+            {"name": "echo", "backends": [{"id": "echo", "url": f"ws://127.0.0.1:{echo_port}"}]}
         ],
         "limits": {"max_frame_size": "16MiB", "max_message_size": "64MiB"},
         "timeouts": {"ping_interval": "0s", "close": "2s"},

@@ -3,8 +3,9 @@
 The ``websockets`` library does the protocol work, so any case that ends worse through wslb than
 against this server directly points at wslb. Extensions are off (wslb never negotiates them), the
 message limit covers Autobahn's case 9 sizes, and the server never pings, so the only frames on
-the wire are the fuzzer's and their echoes. Plain HTTP requests get a 200, as wslb's health checks
-and load scrapes expect of a worker.
+the wire are the fuzzer's and their echoes. Otherwise it is a stock server: no health route, no
+``/metrics``, no request hook, so wslb runs with its defaults in front of it, as in front of any
+server written without wslb in mind.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from http import HTTPStatus
 
 import websockets.asyncio.messages
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 MAX_SIZE = 2**25
 # Cases 9.3 and 9.4 send 4 MiB in 64-byte fragments (65536 of them); websockets fails a message of
@@ -37,14 +36,6 @@ async def echo(ws: ServerConnection) -> None:
             await ws.send(message)
 
 
-def plain_http(ws: ServerConnection, request: Request) -> Response | None:
-    """Answer wslb's health checks (``/healthz``) and metric scrapes (``/metrics``, empty) with
-    200, so the backend stays up; upgrade requests go on to the WebSocket handshake."""
-    if "websocket" in request.headers.get("Upgrade", "").lower():
-        return None
-    return ws.respond(HTTPStatus.OK, "" if request.path.startswith("/metrics") else "ok\n")
-
-
 async def main(host: str, port: int) -> None:
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -53,7 +44,6 @@ async def main(host: str, port: int) -> None:
         echo,
         host,
         port,
-        process_request=plain_http,
         compression=None,
         max_size=MAX_SIZE,
         ping_interval=None,
