@@ -21,6 +21,9 @@ Rules of the state machine (each direction of a session has its own scanner):
 - The first violation sets ``error`` (a ``ProtocolError`` with its close code); the bytes before
   the offending frame are still returned, so the peer sees every valid message that preceded it.
   After an error or a close, ``feed`` returns nothing.
+- ``stop()`` (the relay sent its own close into the stream) forwards nothing more either, but
+  the stream is still read until the peer's close (or a violation) arrives: that answer ends the
+  close handshake. What is read then is not counted in ``frames`` or ``messages``.
 - ``messages`` counts complete data messages whose last byte has been returned for forwarding:
   the handoff protocol switches a session at these boundaries. With ``ends`` set to a list, the
   output offset of each message end is recorded too, so the relay can replay messages.
