@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import h11
@@ -66,15 +67,21 @@ _HOP_BY_HOP = frozenset(
 
 
 class HandshakeReject(Exception):
-    """The client's upgrade request is refused with ``status``."""
+    """The client's upgrade request is refused with ``status``; ``details`` makes the body JSON
+    (``{"error": message, **details}``)."""
 
     def __init__(
-        self, status: int, message: str, headers: Sequence[tuple[bytes, bytes]] = ()
+        self,
+        status: int,
+        message: str,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(f"{status} {message}")
         self.status = status
         self.message = message
         self.headers = list(headers)
+        self.details = details
 
 
 class RequestReader:

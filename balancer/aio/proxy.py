@@ -13,8 +13,10 @@ tunnelled. Once the worker's 101 is checked, both transports are handed to a ``S
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qsl
 
 import h11
 
@@ -42,6 +44,15 @@ __all__ = ["ClientConnection", "UpstreamHandshake", "http_response", "open_upstr
 
 log = logging.getLogger("wslb.server")
 
+
+def requested_model(query: str) -> str | None:
+    """The ``model`` query parameter (OpenAI Realtime clients name the model there)."""
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name == "model":
+            return value or None
+    return None
+
+
 _REASONS = {
     400: "Bad Request",
     403: "Forbidden",
@@ -58,15 +69,25 @@ _REASONS = {
 
 
 def http_response(
-    status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+    status: int,
+    message: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> bytes:
-    """A complete HTTP/1.1 response with a short text body, closing the connection."""
-    body = (message + "\n").encode("utf-8")
+    """A complete HTTP/1.1 response with a short text body, closing the connection.
+
+    With ``details`` the body is JSON instead: ``{"error": message, **details}`` (what an API
+    client such as the OpenAI SDK reads).
+    """
+    if details is None:
+        body, kind = (message + "\n").encode("utf-8"), b"text/plain; charset=utf-8"
+    else:
+        body, kind = json.dumps({"error": message, **details}).encode(), b"application/json"
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}".encode()]
     for name, value in headers or ():
         lines.append(name + b": " + value)
     lines += [
-        b"content-type: text/plain; charset=utf-8",
+        b"content-type: " + kind,
         b"content-length: " + str(len(body)).encode(),
         b"connection: close",
     ]
@@ -217,7 +238,7 @@ class ClientConnection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(http_response(rej.status, rej.message, rej.headers))
+            self.transport.write(http_response(rej.status, rej.message, rej.headers, rej.details))
             self.transport.close()
 
     async def _upgrade(self, event: h11.Request) -> None:
@@ -244,8 +265,13 @@ class ClientConnection(asyncio.Protocol):
                 self._client_is(named)
                 if self._over_limit_once_named():
                     return
-        pool = st.route(req.path)
+        model = requested_model(req.query)
+        pool = st.route(req.path, model)
         if pool is None:
+            served = st.models(req.path)
+            if served:  # pools here serve models, and not this one: say which they serve
+                why = "no ?model= given" if model is None else f"model {model!r} is not served"
+                raise HandshakeReject(404, why, details={"models": served})
             raise HandshakeReject(404, f"no pool serves {req.path}")
         sid = st.authorize(req) or session_key(pool.cfg.session_key, req) or new_session_id()
         tried: list[str] = []

@@ -70,7 +70,11 @@ class ServerState:
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
         self.handoff_http: aiohttp.ClientSession | None = None  # set while serving
-        self._routes = sorted(pools, key=lambda p: len(p.cfg.path_prefix), reverse=True)
+        # Longest prefix first; for one prefix, the pools naming a model before the one that
+        # names none.
+        self._routes = sorted(
+            pools, key=lambda p: (len(p.cfg.path_prefix), p.cfg.model is not None), reverse=True
+        )
         self._settings: dict[str, SessionSettings] = {}
         self._upstream_tls: dict[str, ssl.SSLContext] = {}
         self._idle = asyncio.Event()
@@ -78,12 +82,24 @@ class ServerState:
 
     # -- routing and admission -------------------------------------------------------------
 
-    def route(self, path: str) -> Pool | None:
-        """The pool whose path prefix is the longest match for the request path."""
+    def route(self, path: str, model: str | None = None) -> Pool | None:
+        """The pool whose path prefix is the longest match for the request path, among those
+        that serve ``model`` (the ``?model=`` parameter) or name no model."""
         for pool in self._routes:
-            if path.startswith(pool.cfg.path_prefix):
+            cfg = pool.cfg
+            if path.startswith(cfg.path_prefix) and cfg.model in (None, model):
                 return pool
         return None
+
+    def models(self, path: str) -> list[str]:
+        """The models pools serve on ``path`` (a 404 names them)."""
+        return sorted(
+            {
+                p.cfg.model
+                for p in self._routes
+                if p.cfg.model and path.startswith(p.cfg.path_prefix)
+            }
+        )
 
     def authorize(self, req: ClientRequest) -> str | None:
         """Origin allow-list (403) and JWT (401); return the session key a claim gives, if any."""

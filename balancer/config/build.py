@@ -442,12 +442,17 @@ class _Builder(_Reader):
             if pool.name:
                 self._unique(names, pool.name, (*p, "name"), "pool name")
             match = item.get("match")
+            # Two pools may share a prefix when they serve different models.
+            key: object = pool.path_prefix
+            what = "path_prefix"
+            if pool.model is not None:
+                key, what = (pool.path_prefix, pool.model), f"model {pool.model!r} on path_prefix"
             if isinstance(match, dict) and "path_prefix" in match:
                 self._unique(
-                    prefixes, pool.path_prefix, (*p, "match", "path_prefix"), "path_prefix"
+                    prefixes, key, (*p, "match", "path_prefix"), what, shown=pool.path_prefix
                 )
             else:
-                self._unique(prefixes, pool.path_prefix, p, "path_prefix", "the default; ")
+                self._unique(prefixes, key, p, what, "the default; ", shown=pool.path_prefix)
         ids: dict[object, _Path] = {}
         spawn_ports: dict[object, _Path] = {}
         for b, bp in self.backend_paths:
@@ -458,11 +463,19 @@ class _Builder(_Reader):
         return tuple(out)
 
     def _unique(
-        self, seen: dict[object, _Path], value: object, path: _Path, what: str, note: str = ""
+        self,
+        seen: dict[object, _Path],
+        value: object,
+        path: _Path,
+        what: str,
+        note: str = "",
+        *,
+        shown: object = None,
     ) -> None:
         if value in seen:
             also = _format_path(seen[value], "")
-            self.error(path, f"duplicate {what} {_show(value)} ({note}also {also})")
+            text = _show(value if shown is None else shown)
+            self.error(path, f"duplicate {what} {text} ({note}also {also})")
         else:
             seen[value] = path
 
@@ -474,6 +487,7 @@ class _Builder(_Reader):
         return PoolCfg(
             name=name,
             path_prefix=self.string(match, "path_prefix", (*p, "match"), "/"),
+            model=self.optional(match, "model", (*p, "match")),
             session_key=self.session_key(item, p),
             balance=self.string(item, "balance", p, "consistent"),
             hash_balance_factor=self.number(item, "hash_balance_factor", p, 1.25),

@@ -188,6 +188,7 @@ class PoolCfg:
 
     name: str
     path_prefix: str = "/"
+    model: str | None = None  # match: {model: NAME}: only requests with ?model=NAME
     session_key: tuple[KeySource, ...] = DEFAULT_SESSION_KEY
     balance: str = "consistent"
     hash_balance_factor: float = 1.25
