@@ -1,22 +1,19 @@
-"""Helpers the benchmark scripts share: ports and child processes, wslb's admin API,
-percentiles, CPU accounting from /proc, wslb's log.
+"""Helpers the benchmark scripts share: percentiles, CPU accounting from /proc, wslb's log,
+SIGTERM as Ctrl-C.
 
 Benchmarks only (not imported by ``balancer``); each script puts the repository root on
-``sys.path`` before importing this module as ``bench.common``.
+``sys.path`` before importing this module as ``bench.common``. The processes they start (wslb,
+reference workers, their own children), the ports and wslb's admin API are ``tests/procs.py``'s
+(``tests.procs``), the launcher the integration tests use.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import re
-import signal
-import socket
-import subprocess
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,69 +23,19 @@ import psutil
 
 __all__ = [
     "CpuSample",
-    "admin_get",
-    "admin_headers",
     "cpu_sample",
     "cpu_seconds",
     "cpu_window",
-    "die_with_parent",
-    "free_port",
     "log_problems",
     "pct",
     "sigterm_as_interrupt",
-    "wait_port",
 ]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """In a child (``preexec_fn``): SIGKILL if the script dies without cleaning up (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
     """A SIGTERM handler (``signal.signal(signal.SIGTERM, sigterm_as_interrupt)``): the script
     stops as on Ctrl-C, so its cleanup kills what it started."""
     raise KeyboardInterrupt
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """Until ``port`` on 127.0.0.1 accepts a connection; raises if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"port {port} not listening after {timeout:g}s")
-
-
-def admin_headers(token: str) -> dict[str, str]:
-    """What wslb's admin API requires on every request but ``GET /healthz`` and ``/readyz``.
-
-    A script's config names the token (``admin.token``, one per run from
-    ``secrets.token_urlsafe``): with none, wslb would generate one, write it to a file in
-    ``$WSLB_STATE_DIR`` and log a warning that the benchmarks' log summaries would count.
-    POSTs also need ``Content-Type: application/json`` (aiohttp's ``json=`` sets it).
-    """
-    return {"Authorization": f"Bearer {token}"}
-
-
-def admin_get(port: int, path: str, token: str, timeout: float = 5.0) -> str:
-    """The body of ``GET path`` on wslb's admin API at 127.0.0.1:``port``, with the token.
-
-    Raises ``urllib.error.HTTPError`` (an OSError) on a status >= 400, e.g. 401 for a wrong token.
-    """
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=admin_headers(token))
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return str(r.read().decode())
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -59,23 +59,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import (  # noqa: E402
-    admin_headers,
-    cpu_sample,
-    cpu_window,
-    die_with_parent,
-    free_port,
-    pct,
-    sigterm_as_interrupt,
-    wait_port,
-)
+from bench.common import cpu_sample, cpu_window, pct, sigterm_as_interrupt  # noqa: E402
+from tests.procs import Procs, Worker, Wslb  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 CONNECT_TIMEOUT = 30.0  # seconds to open every session
@@ -83,51 +74,6 @@ DRAIN_POLL = 0.02  # seconds between admin polls while waiting for "drained"
 STALL_SLACK = 0.3  # seconds after "drained" still searched for the migration gap
 LAG_TICK = 0.005  # the client's event-loop lag probe interval
 HASH_BALANCE_FACTOR = 1.5
-
-# -- processes -------------------------------------------------------------------------------
-
-
-class Procs:
-    """Child processes, each the leader of its own process group; all stopped on ``close``."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
-        with (self.logdir / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                list(cmd),
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def close(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        self.procs.clear()
-
 
 # -- statistics ------------------------------------------------------------------------------
 
@@ -297,12 +243,12 @@ class LagMonitor:
 
 
 class Admin:
-    """wslb's admin API at 127.0.0.1:``port``, every request with the bearer ``token``."""
+    """``wslb``'s admin API, every request with its bearer token."""
 
-    def __init__(self, http: aiohttp.ClientSession, port: int, token: str) -> None:
+    def __init__(self, http: aiohttp.ClientSession, wslb: Wslb) -> None:
         self.http = http
-        self.base = f"http://127.0.0.1:{port}"
-        self.headers = admin_headers(token)
+        self.base = f"http://127.0.0.1:{wslb.admin_port}"
+        self.headers = wslb.auth
 
     async def get(self, path: str) -> Any:
         async with self.http.get(
@@ -516,42 +462,39 @@ def load_bounds(after: dict[str, int], weights: dict[str, float], drained: str) 
     return {b: math.ceil(HASH_BALANCE_FACTOR * total * w / wsum - 1e-9) for b, w in ready.items()}
 
 
-def start_system(
-    procs: Procs, args: argparse.Namespace, logdir: Path, admin_token: str
-) -> tuple[list[tuple[str, int]], int, int]:
+def start_system(procs: Procs, args: argparse.Namespace) -> tuple[list[Worker], Wslb]:
+    """The workers (each listening before the next starts), then wslb (both its ports)."""
     workers = []
     for k in range(args.workers):
-        wid, port = f"w{k + 1}", free_port()
-        cmd = [
-            sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid,
+        wid = f"w{k + 1}"
+        wargs = [
             "--tokens-per-s", f"{args.rate:g}", "--max-batch", str(args.max_batch),
             "--handoff-kv", args.handoff_kv,
             "--prefill-ms-per-token", f"{args.prefill_ms_per_token:g}",
             "--kv-transfer-ms-per-token", f"{args.kv_transfer_ms_per_token:g}",
         ]  # fmt: skip
-        wait_port(port, procs.spawn(wid, cmd))
-        workers.append((wid, port))
-    port, admin_port = free_port(), free_port()
+        workers.append(Worker(wid, wargs, procs=procs, name=wid).start(timeout=20.0))
     config = {
-        "listen": f"127.0.0.1:{port}",
-        "admin": {"listen": f"127.0.0.1:{admin_port}", "token": admin_token},
         "pools": [
             {
                 "name": "chat",
                 "hash_balance_factor": HASH_BALANCE_FACTOR,
                 "drain": {"timeout": f"{args.drain_timeout:g}s", "migrate": True},
-                "backends": [{"id": w, "url": f"ws://127.0.0.1:{p}/ws"} for w, p in workers],
+                "backends": [{"id": w.id, "url": w.url} for w in workers],
             }
         ],
         "timeouts": {"ping_interval": "20s", "close": "2s"},
     }
-    path = logdir / "wslb.yaml"
-    path.write_text(yaml.safe_dump(config))
-    wslb = shlex.split(args.wslb_cmd) if args.wslb_cmd else [sys.executable, "-m", "balancer"]
-    proc = procs.spawn("wslb", [*wslb, "--config", str(path)])
-    wait_port(port, proc)
-    wait_port(admin_port, proc)
-    return workers, port, admin_port
+    command = shlex.split(args.wslb_cmd) if args.wslb_cmd else None
+    wslb = Wslb(
+        config,
+        procs.logdir,
+        procs=procs,
+        name="wslb",
+        token=secrets.token_urlsafe(32),
+        command=command,
+    )
+    return workers, wslb.start(wait_ready=False, timeout=20.0)
 
 
 async def wait_active(admin: Admin, timeout: float = 20.0) -> None:
@@ -578,13 +521,9 @@ def wait_idle(limit: float, busy_max: float = 15.0) -> float:
 
 
 async def run_once(args: argparse.Namespace, n: int, rep: int, logdir: Path) -> RunResult:
-    procs = Procs(logdir)
-    try:
-        admin_token = secrets.token_urlsafe(32)
-        workers, port, admin_port = start_system(procs, args, logdir, admin_token)
-        return await _measure(args, n, rep, procs, workers, port, admin_port, admin_token)
-    finally:
-        procs.close()
+    with Procs(logdir) as procs:
+        workers, wslb = start_system(procs, args)
+        return await _measure(args, n, rep, procs, workers, wslb)
 
 
 async def _measure(
@@ -592,28 +531,26 @@ async def _measure(
     n: int,
     rep: int,
     procs: Procs,
-    workers: list[tuple[str, int]],
-    port: int,
-    admin_port: int,
-    admin_token: str,
+    workers: list[Worker],
+    wslb: Wslb,
 ) -> RunResult:
     connector = aiohttp.TCPConnector(limit=0)
     async with (
         aiohttp.ClientSession(connector=connector) as http,
         aiohttp.ClientSession() as admin_http,
     ):
-        admin = Admin(admin_http, admin_port, admin_token)
+        admin = Admin(admin_http, wslb)
         await wait_active(admin)
         pids = {
-            "wslb": [procs.procs["wslb"].pid],
-            "workers": [procs.procs[w].pid for w, _ in workers],
+            "wslb": [wslb.pid],
+            "workers": [w.pid for w in workers],
             "client": [os.getpid()],
         }
         lag = LagMonitor()
         lag.start()
         streams = [Stream(f"mig{n}r{rep}s{i}", args.answer) for i in range(n)]
         gate = asyncio.Semaphore(CONNECT_PARALLEL)
-        url = f"ws://127.0.0.1:{port}"
+        url = wslb.url
         tasks = [asyncio.ensure_future(s.run(http, url, gate)) for s in streams]
         try:
             deadline = time.monotonic() + CONNECT_TIMEOUT
@@ -663,7 +600,7 @@ async def _measure(
             metrics = prom_samples(await admin.get("/metrics"))
             probe: dict[str, list[float]] = {}
             if args.probe > 0:
-                others = [p for w, p in workers if w != target]
+                others = [w.port for w in workers if w.id != target]
                 if len(others) >= 2:
                     probe = await probe_handoffs(
                         http, others[0], others[1], args.probe, f"{n}r{rep}"
@@ -720,7 +657,7 @@ async def _measure(
 
     cost = ModelCost(1e3 / args.rate, args.prefill_ms_per_token, args.kv_transfer_ms_per_token)
     steps, failure_lines = log_steps(
-        procs.log("wslb"), [procs.log(w) for w, _ in workers], cost, context_at
+        wslb.output(), [procs.log(w.name) for w in workers], cost, context_at
     )
     moved_steps = [st for st in steps if st.sid in moved_ids]
     return RunResult(

@@ -57,16 +57,14 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import psutil
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import free_port, sigterm_as_interrupt, wait_port  # noqa: E402
+from bench.common import sigterm_as_interrupt  # noqa: E402
 from bench.token_stream import (  # noqa: E402
     ClientProc,
-    Procs,
     Target,
     cpu_seconds,
     cpu_split,
@@ -74,6 +72,8 @@ from bench.token_stream import (  # noqa: E402
     rss_bytes,
     tree,
 )
+from tests.procs import Procs, free_port, wait_port  # noqa: E402
+from tests.procs import Wslb as WslbProcess  # noqa: E402
 
 # -- wire format: the few bits of RFC 6455 the raw worker and client need ----------------------
 
@@ -557,9 +557,13 @@ class Proxy(Target):
 
     def _launch(self, procs: Procs, cmd: Sequence[str]) -> None:
         self.logdir = procs.logdir
-        self.proc = procs.spawn(self.kind, cmd, term_timeout=5.0)
+        self.proc = proc = procs.spawn(self.kind, cmd, term_timeout=5.0)
+        self._ready(procs, lambda: wait_port(self.port, 20.0, proc))
+
+    def _ready(self, procs: Procs, listening: Callable[[], object]) -> None:
+        """Until ``listening()`` returns and a WebSocket upgrade through the proxy gets a 101."""
         try:
-            wait_port(self.port, self.proc)
+            listening()
             ws_probe("127.0.0.1", self.port, "/ws")
         except (RuntimeError, TimeoutError, OSError) as exc:
             tail = procs.log_tail(self.kind)
@@ -699,12 +703,7 @@ class Wslb(Proxy):
     kind = "wslb"
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
-        self.port, admin = free_port(), free_port()
         config = {
-            "listen": f"127.0.0.1:{self.port}",
-            # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and
-            # logs a warning, which problems() would report. Nothing here calls the admin API.
-            "admin": {"listen": f"127.0.0.1:{admin}", "token": secrets.token_urlsafe(32)},
             "pools": [
                 {
                     "name": "chat",
@@ -717,13 +716,21 @@ class Wslb(Proxy):
             "limits": {"max_connections": 60000, "max_connections_per_client": 60000},
             "workers": self.cores,
         }
-        path = procs.logdir / "wslb.yaml"
-        path.write_text(yaml.safe_dump(config))
-        # From the source tree's own directory: workers: N spawns ``python -m`` children there.
-        src = str(WSLB_SRC[0])
-        cmd = ["env", "-C", src, sys.executable, "-m", "balancer", "--config", str(path)]
-        cmd += ["--log-level", "warning"]
-        self._launch(procs, cmd)
+        # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and logs
+        # a warning, which problems() would report. Nothing here calls the admin API. From the
+        # source tree under test (--wslb-src), as its working directory.
+        wslb = WslbProcess(
+            config,
+            procs.logdir,
+            procs=procs,
+            name=self.kind,
+            token=secrets.token_urlsafe(32),
+            args=["--log-level", "warning"],
+            src=WSLB_SRC[0],
+        )
+        self.logdir, self.port = procs.logdir, wslb.port
+        self._ready(procs, lambda: wslb.start(wait_ready=False, timeout=20.0))
+        self.proc = wslb.proc
 
     def processes(self) -> int:
         return len(tree(self.pid))
@@ -1486,7 +1493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spec = json.dumps({"port": port})
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-spec", spec]
                 proc = procs.spawn(f"worker-{i + 1}", cmd)
-                wait_port(port, proc)
+                wait_port(port, 20.0, proc)
                 worker_pids.append(proc.pid)
                 backends.append(f"ws://127.0.0.1:{port}/ws")
             bench = Bench(args, backends, worker_pids, root)

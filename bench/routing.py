@@ -52,7 +52,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,6 @@ from typing import Any
 
 import aiohttp
 import psutil
-import yaml
 from websockets.asyncio.client import ClientConnection, connect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,8 +70,8 @@ sys.path.insert(0, str(ROOT))
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import load_bound  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
-from bench.common import admin_get, admin_headers, die_with_parent, pct  # noqa: E402
-from tests.procs import free_port, stop, wait_port  # noqa: E402
+from bench.common import pct  # noqa: E402
+from tests.procs import Procs, Worker, Wslb, free_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
 LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "tpot": 1.0, "min_factor": 0.05}
@@ -228,27 +226,6 @@ class SessionError(Exception):
 # -- processes ---------------------------------------------------------------------------------
 
 
-@dataclass
-class Lb:
-    """A running wslb: its ports."""
-
-    port: int
-    admin_port: int
-    token: str = field(default_factory=lambda: secrets.token_urlsafe(32))  # admin.token
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
-
-    @property
-    def admin(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return admin_headers(self.token)
-
-
 class Fleet:
     """Reference workers plus one wslb, started from ``code`` (a checkout), stopped on exit.
 
@@ -257,39 +234,23 @@ class Fleet:
     """
 
     def __init__(self, tmp: Path, code: Path) -> None:
-        self.tmp = tmp
+        self.procs = Procs(tmp, session=False, term_timeout=10.0)
         self.code = code
-        self.workers: list[tuple[str, int, subprocess.Popen[bytes]]] = []
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        with (self.tmp / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=self.code,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
-        self.procs.append(proc)
-        return proc
+        self.workers: list[Worker] = []
+        self.pids: list[int] = []
 
     def start_workers(self, params: WorkerParams, hot: set[str]) -> None:
         for i in range(params.count):
             wid, port = f"w{i + 1}", free_port()
-            cmd = [sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid]
-            proc = self._spawn(f"{wid}-{port}", [*cmd, *params.args(wid in hot)])
-            self.workers.append((wid, port, proc))
-        for _, port, proc in self.workers:
-            wait_port(port, timeout=30.0, proc=proc)
+            args = params.args(wid in hot)
+            w = Worker(wid, args, port, procs=self.procs, name=f"{wid}-{port}", src=self.code)
+            self.workers.append(w.start(wait=False))
+            self.pids.append(w.pid)
+        for w in self.workers:
+            w.wait(30.0)
 
-    def start_lb(self, mode: Mode, lbp: LbParams) -> Lb:
-        lb = Lb(free_port(), free_port())
+    def start_lb(self, mode: Mode, lbp: LbParams) -> Wslb:
         cfg: dict[str, Any] = {
-            "listen": f"127.0.0.1:{lb.port}",
-            "admin": {"listen": f"127.0.0.1:{lb.admin_port}", "token": lb.token},
             "pools": [
                 {
                     "name": "chat",
@@ -306,45 +267,33 @@ class Fleet:
                             else {}
                         ),
                     },
-                    "backends": [
-                        {"id": w, "url": f"ws://127.0.0.1:{p}/ws"} for w, p, _ in self.workers
-                    ],
+                    "backends": [{"id": w.id, "url": w.url} for w in self.workers],
                 }
             ],
             "timeouts": {"ping_interval": "20s"},
         }
-        path = self.tmp / f"wslb-{lb.port}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        name = f"wslb-{lb.port}"
-        proc = self._spawn(name, [sys.executable, "-m", "balancer", "--config", str(path)])
-        wait_port(lb.port, timeout=30.0, proc=proc)
-        wait_port(lb.admin_port, timeout=30.0, proc=proc)
-        deadline = time.monotonic() + 20.0
-        while True:  # every backend active and scraped once
-            with contextlib.suppress(OSError, ValueError):
-                data = json.loads(admin_get(lb.admin_port, "/backends", lb.token))
-                if all(b["state"] == "active" and not b.get("signals_stale") for b in data):
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"wslb backends not ready:\n{self.log_tail(name)}")
-            time.sleep(0.1)
+        tmp, token = self.procs.logdir, secrets.token_urlsafe(32)
+        lb = Wslb(cfg, tmp, procs=self.procs, token=token, src=self.code)
+        lb.start(wait_ready=False, timeout=30.0)
+        self.pids.append(lb.pid)
+        try:  # every backend active and scraped once
+            lb.wait_ready(20.0, until=scraped)
+        except TimeoutError:
+            raise TimeoutError(f"wslb backends not ready:\n{lb.log_tail(20)}") from None
         return lb
 
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        path = self.tmp / f"{name}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            stop(proc)
+        self.procs.close()
 
     def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def scraped(backends: list[dict[str, Any]]) -> bool:
+    return all(b["state"] == "active" and not b.get("signals_stale") for b in backends)
 
 
 class CpuMeter:
@@ -490,13 +439,13 @@ async def run_session(
     return rec
 
 
-async def poll_admin(lb: Lb, period: float, out: list[Poll], t0: float) -> None:
+async def poll_admin(lb: Wslb, period: float, out: list[Poll], t0: float) -> None:
     loop = asyncio.get_running_loop()
     timeout = aiohttp.ClientTimeout(total=5)
     async with aiohttp.ClientSession(timeout=timeout, headers=lb.auth) as http:
         while True:
             try:
-                async with http.get(f"{lb.admin}/backends") as r:
+                async with http.get(f"http://127.0.0.1:{lb.admin_port}/backends") as r:
                     r.raise_for_status()
                     data = await r.json()
                 out.append(
@@ -514,7 +463,7 @@ async def poll_admin(lb: Lb, period: float, out: list[Poll], t0: float) -> None:
 
 
 async def drive(
-    plans: list[SessionPlan], system: str, lb: Lb, poll_s: float, timeout: float
+    plans: list[SessionPlan], system: str, lb: Wslb, poll_s: float, timeout: float
 ) -> tuple[list[SessionRecord], list[Poll], float]:
     loop = asyncio.get_running_loop()
     polls: list[Poll] = []
@@ -1093,7 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with Fleet(Path(tmpdir), args.code.resolve()) as fleet:
                     fleet.start_workers(wp, hot)
                     lb = fleet.start_lb(mode, lbp)
-                    cpu = CpuMeter([p.pid for p in fleet.procs])
+                    cpu = CpuMeter(fleet.pids)
                     with asyncio.Runner(loop_factory=loop_factory) as runner:
                         records, polls, duration = runner.run(
                             drive(plans, system, lb, lbp.poll_s, w.turn_timeout_s)

@@ -48,7 +48,6 @@ import resource
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,24 +56,16 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import psutil
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    admin_get,
-    cpu_seconds,
-    die_with_parent,
-    free_port,
-    log_problems,
-    pct,
-)
+from bench.common import cpu_seconds, log_problems, pct, sigterm_as_interrupt  # noqa: E402
+from tests.procs import Procs, Wslb, die_with_parent, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 HANDSHAKE_IO_TIMEOUT = 10.0
@@ -95,137 +86,72 @@ def raise_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def kill_tree(
-    proc: subprocess.Popen[bytes], extra: Sequence[int] = (), timeout: float = 10.0
-) -> None:
-    """SIGTERM the process group of ``proc`` (then SIGKILL), and any ``extra`` pids left."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in extra:
-        with contextlib.suppress(psutil.Error):
-            p = psutil.Process(pid)
-            p.kill()
-            p.wait(5)
-
-
-class WslbProc:
-    """wslb with ``spawn: reference`` workers, started from a config written to ``tmp``."""
-
-    def __init__(
-        self,
-        tmp: Path,
-        workers: int,
-        handshake_timeout: float,
-        tokens_per_s: float,
-        per_client: int | None = None,
-    ) -> None:
-        self.port = free_port()
-        self.admin_port = free_port()
-        self.admin_token = secrets.token_urlsafe(32)
-        self.tmp = tmp
-        backends = [
-            {
-                "id": f"w{i + 1}",
-                "url": f"ws://{HOST}:{free_port()}/ws",
-                "spawn": "reference",
-                "args": ["--tokens-per-s", f"{tokens_per_s:g}"],
-            }
-            for i in range(workers)
-        ]
-        self.config: dict[str, Any] = {
-            "listen": f"{HOST}:{self.port}",
-            "admin": {"listen": f"{HOST}:{self.admin_port}", "token": self.admin_token},
-            "pools": [
-                {
-                    "name": "chat",
-                    "balance": "consistent",
-                    # The HTTP probe, not the default TCP connect: a worker that got SIGTERM
-                    # (soak's --kill-signal TERM) says "draining" there and wslb moves its
-                    # sessions away; HTTP_POOL_PER_WORKER counts these checks' connections.
-                    "health": {"path": "/healthz"},
-                    "backends": backends,
-                }
-            ],
-            "timeouts": {
-                "handshake": f"{handshake_timeout:g}s",
-                "ping_interval": "20s",
-                "idle": "1h",
-            },
-            "limits": {"max_connections": 10000},
+def spawning_wslb(
+    procs: Procs,
+    workers: int,
+    handshake_timeout: float,
+    tokens_per_s: float,
+    per_client: int | None = None,
+    command: Sequence[str] | None = None,
+) -> Wslb:
+    """wslb with ``spawn: reference`` workers, its config and log in ``procs.logdir``, not yet
+    started; ``command`` replaces ``python -m balancer`` (the soak's --tracemalloc wrapper)."""
+    backends = [
+        {
+            "id": f"w{i + 1}",
+            "url": f"ws://{HOST}:{free_port()}/ws",
+            "spawn": "reference",
+            "args": ["--tokens-per-s", f"{tokens_per_s:g}"],
         }
-        if per_client is not None:
-            self.config["limits"]["max_connections_per_client"] = per_client
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = tmp / "wslb.log"
-        # How wslb is started (the soak's --tracemalloc runs it through a wrapper).
-        self.command: list[str] = [sys.executable, "-m", "balancer"]
-        self.worker_pids: set[int] = set()
+        for i in range(workers)
+    ]
+    config: dict[str, Any] = {
+        "pools": [
+            {
+                "name": "chat",
+                "balance": "consistent",
+                # The HTTP probe, not the default TCP connect: a worker that got SIGTERM
+                # (soak's --kill-signal TERM) says "draining" there and wslb moves its
+                # sessions away; HTTP_POOL_PER_WORKER counts these checks' connections.
+                "health": {"path": "/healthz"},
+                "backends": backends,
+            }
+        ],
+        "timeouts": {
+            "handshake": f"{handshake_timeout:g}s",
+            "ping_interval": "20s",
+            "idle": "1h",
+        },
+        "limits": {"max_connections": 10000},
+    }
+    if per_client is not None:
+        config["limits"]["max_connections_per_client"] = per_client
+    token = secrets.token_urlsafe(32)
+    return Wslb(config, procs.logdir, procs=procs, name="wslb", token=token, command=command)
 
-    def start(self, timeout: float = 30.0) -> None:
-        path = self.tmp / "wslb.yaml"
-        path.write_text(yaml.safe_dump(self.config))
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [*self.command, "--config", str(path)],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"wslb exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError, ValueError):
-                backends = self.admin("/backends")
-                if backends and all(b["state"] == "active" and b["healthy"] for b in backends):
-                    self.worker_pids = {p.pid for p in self.children()}
-                    return
-            time.sleep(0.1)
-        raise TimeoutError(f"wslb not ready after {timeout:g}s:\n{self.log_tail()}")
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+def workers_up(backends: list[dict[str, Any]]) -> bool:
+    return bool(backends) and all(b["state"] == "active" and b["healthy"] for b in backends)
 
-    def port_names(self) -> dict[int, str]:
-        """Port -> role (listener, admin, worker id), to name wslb's sockets."""
-        names = {self.port: "listener", self.admin_port: "admin"}
-        for b in self.config["pools"][0]["backends"]:
-            names[int(b["url"].rsplit(":", 1)[1].split("/", 1)[0])] = f"worker {b['id']}"
-        return names
 
-    def children(self) -> list[psutil.Process]:
-        with contextlib.suppress(psutil.Error):
-            return list(psutil.Process(self.pid).children(recursive=True))
-        return []
+def start_ready(wslb: Wslb, timeout: float = 30.0) -> None:
+    """Start wslb; until its backends are active and healthy (its workers up), ``timeout`` s in
+    all at most. Raises with its log's tail."""
+    deadline = time.monotonic() + timeout
+    try:
+        wslb.start(wait_ready=False, timeout=timeout)
+        wslb.wait_ready(max(0.1, deadline - time.monotonic()), until=workers_up)
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{exc}:\n{wslb.log_tail()}") from None
+    wslb.children()  # its workers: stop() kills any left behind, even after wslb is gone
 
-    def admin(self, path: str, timeout: float = 5.0) -> Any:
-        body = admin_get(self.admin_port, path, self.admin_token, timeout)
-        return body if path == "/metrics" else json.loads(body)
 
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.worker_pids |= {p.pid for p in self.children()}
-            kill_tree(self.proc, sorted(self.worker_pids), timeout=15.0)
+def port_names(wslb: Wslb) -> dict[int, str]:
+    """Port -> role (listener, admin, worker id), to name wslb's sockets."""
+    names = {wslb.port: "listener", wslb.admin_port: "admin"}
+    for b in wslb.config["pools"][0]["backends"]:
+        names[int(b["url"].rsplit(":", 1)[1].split("/", 1)[0])] = f"worker {b['id']}"
+    return names
 
 
 # -- measuring wslb from outside -------------------------------------------------------------
@@ -242,7 +168,7 @@ class ProcStats:
     connections: int | None  # live client connections per wslb
 
 
-def proc_stats(wslb: WslbProc) -> ProcStats:
+def proc_stats(wslb: Wslb) -> ProcStats:
     p = psutil.Process(wslb.pid)
     rss = p.memory_info().rss / 2**20
     fds = p.num_fds()
@@ -323,7 +249,7 @@ def fd_diff(before: Counter[str], after: Counter[str]) -> str:
     return "; ".join(parts) or "none"
 
 
-def metric(wslb: WslbProc, name: str, labels: str = "") -> int | None:
+def metric(wslb: Wslb, name: str, labels: str = "") -> int | None:
     """A sample of wslb's Prometheus metrics, e.g. ``wslb_handshake_rejections_total``,
     ``{status="408"}``; None when absent."""
     try:
@@ -436,9 +362,7 @@ class HandshakeFailed(Exception):
     pass
 
 
-async def measure(
-    name: str, wslb: WslbProc, rate: float, seconds: float, concurrency: int
-) -> Latency:
+async def measure(name: str, wslb: Wslb, rate: float, seconds: float, concurrency: int) -> Latency:
     """Handshakes at ``rate``/s for ``seconds`` (at most ``concurrency`` in flight)."""
     out = Latency(name)
     sem = asyncio.Semaphore(concurrency)
@@ -764,7 +688,7 @@ def fmt_stats(s: ProcStats) -> str:
     return f"rss {s.rss_mb:.1f} MB, fds {s.fds}, {tasks}, connections {s.connections}"
 
 
-async def run(args: argparse.Namespace, wslb: WslbProc) -> dict[str, Any]:
+async def run(args: argparse.Namespace, wslb: Wslb) -> dict[str, Any]:
     res: dict[str, Any] = {}
     say = print
     # Warm up (imports, first upstream connections, the admin's HTTP pool to the workers), let
@@ -772,7 +696,7 @@ async def run(args: argparse.Namespace, wslb: WslbProc) -> dict[str, Any]:
     await measure("warmup", wslb, args.rate, 5.0, args.concurrency)
     await asyncio.sleep(2.0)
     before = proc_stats(wslb)
-    fds_before = fd_table(wslb.pid, wslb.port_names())
+    fds_before = fd_table(wslb.pid, port_names(wslb))
     say(f"wslb before:       {fmt_stats(before)}")
     unloaded = await measure("unloaded", wslb, args.rate, args.measure, args.concurrency)
     say(unloaded.line())
@@ -802,7 +726,7 @@ async def run(args: argparse.Namespace, wslb: WslbProc) -> dict[str, Any]:
     say(recovered.line())
     await asyncio.sleep(1.0)
     after = proc_stats(wslb)
-    fds_after = fd_table(wslb.pid, wslb.port_names())
+    fds_after = fd_table(wslb.pid, port_names(wslb))
     say(f"wslb after:        {fmt_stats(after)}")
 
     u99 = unloaded.figures()["p99"]
@@ -940,10 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if soft < need:
         print(f"warning: RLIMIT_NOFILE {soft} < {need}: wslb or the attacker may run out of FDs")
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     _set_loop_policy()
     with contextlib.ExitStack() as stack:
         if args.logdir:
@@ -951,20 +872,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(tmp).mkdir(parents=True, exist_ok=True)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="wslb-slowloris-"))
-        wslb = WslbProc(Path(tmp), args.workers, args.handshake_timeout, 50, args.per_client)
+        procs = stack.enter_context(Procs(Path(tmp), term_timeout=15.0))
+        wslb = spawning_wslb(procs, args.workers, args.handshake_timeout, 50, args.per_client)
         try:
-            wslb.start()
-            print(f"wslb pid {wslb.pid}, workers {sorted(wslb.worker_pids)}")
+            start_ready(wslb)
+            print(f"wslb pid {wslb.pid}, workers {sorted(p.pid for p in wslb.children())}")
             result = asyncio.run(run(args, wslb))
-            problems = log_problems(wslb.log.read_text(errors="replace"))
+            problems = log_problems(wslb.output())
             for msg, n in problems.most_common(8):
                 print(f"wslb log: {n} x {msg}")
             result["wslb_log_problems"] = dict(problems)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
-        finally:
-            wslb.stop()
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     return 0 if result["target_ok"] and result["cut_ok"] else 1

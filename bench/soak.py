@@ -67,17 +67,20 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import log_problems  # noqa: E402
+from bench.common import log_problems, sigterm_as_interrupt  # noqa: E402
 from bench.slowloris import (  # noqa: E402
     HTTP_POOL_PER_WORKER,
-    WslbProc,
     fd_diff,
     fd_table,
     fds_settled,
     machine,
+    port_names,
     proc_stats,
     raise_nofile,
+    spawning_wslb,
+    start_ready,
 )
+from tests.procs import Procs, Wslb  # noqa: E402
 
 SESSION_TIMEOUT = 120.0  # a session that takes longer than this counts as hung
 MIN_TOKENS, MAX_TOKENS = 20, 80
@@ -114,7 +117,7 @@ class Sample:
         )
 
 
-def sample_wslb(wslb: WslbProc, t: float, phase: str, live: int) -> Sample:
+def sample_wslb(wslb: Wslb, t: float, phase: str, live: int) -> Sample:
     s = proc_stats(wslb)
     sessions: int | None = None
     with contextlib.suppress(Exception):
@@ -332,7 +335,7 @@ class Kill:
     gave_up: bool = False  # not back within KILL_WAIT (else: the run ended first)
 
 
-def spawned_workers(wslb: WslbProc) -> dict[str, int]:
+def spawned_workers(wslb: Wslb) -> dict[str, int]:
     """Worker id -> pid of wslb's spawned reference workers."""
     out: dict[str, int] = {}
     for p in wslb.children():
@@ -344,7 +347,7 @@ def spawned_workers(wslb: WslbProc) -> dict[str, int]:
 
 
 async def killer(
-    wslb: WslbProc, every: tuple[float, float], sig: str, kills: list[Kill], t0: float
+    wslb: Wslb, every: tuple[float, float], sig: str, kills: list[Kill], t0: float
 ) -> None:
     loop = asyncio.get_running_loop()
     rng = random.Random(7)
@@ -407,7 +410,7 @@ def tracemalloc_wrapper(dumpdir: str, argv: list[str]) -> int:
 class Snapshots:
     """Snapshots requested from the wrapped wslb, by name."""
 
-    def __init__(self, wslb: WslbProc, dumpdir: Path) -> None:
+    def __init__(self, wslb: Wslb, dumpdir: Path) -> None:
         self.wslb = wslb
         self.dir = dumpdir
         self.n = 0
@@ -471,7 +474,7 @@ def _short(filename: str) -> str:
 
 
 async def run(
-    args: argparse.Namespace, wslb: WslbProc, snaps: Snapshots | None = None
+    args: argparse.Namespace, wslb: Wslb, snaps: Snapshots | None = None
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     samples: list[Sample] = []
@@ -483,7 +486,7 @@ async def run(
         return s
 
     await asyncio.sleep(3.0)  # the admin's first scrapes and health checks
-    names = wslb.port_names()
+    names = port_names(wslb)
     idle = await take(-1.0, "idle", 0)
     fds_idle = fd_table(wslb.pid, names)
     if idle.tasks is None:
@@ -725,10 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"RLIMIT_NOFILE {soft}/{hard}"
     )
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -739,26 +739,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(tmp).mkdir(parents=True, exist_ok=True)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="wslb-soak-"))
-        wslb = WslbProc(Path(tmp), args.workers, 10.0, args.tokens_per_s)
+        procs = stack.enter_context(Procs(Path(tmp), term_timeout=15.0))
+        command = None
+        if args.tracemalloc:
+            command = [sys.executable, str(Path(__file__).resolve()), "--tracemalloc-wrapper", tmp]
+        wslb = spawning_wslb(procs, args.workers, 10.0, args.tokens_per_s, command=command)
         snaps: Snapshots | None = None
         if args.tracemalloc:
-            wslb.command = [sys.executable, str(Path(__file__).resolve()), "--tracemalloc-wrapper"]
-            wslb.command.append(tmp)
             snaps = Snapshots(wslb, Path(tmp))
             print("tracemalloc on in wslb: its RSS includes the tracing, CPU is higher")
         try:
-            wslb.start()
+            start_ready(wslb)
             print(f"wslb pid {wslb.pid}, workers {spawned_workers(wslb)}")
             result = asyncio.run(run(args, wslb, snaps))
-            problems = log_problems(wslb.log.read_text(errors="replace"))
+            problems = log_problems(wslb.output())
             for msg, n in problems.most_common(10):
                 print(f"wslb log: {n} x {msg}")
             result["wslb_log_problems"] = dict(problems)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
-        finally:
-            wslb.stop()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     failed = [k for k, v in result["ok"].items() if not v]

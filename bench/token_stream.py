@@ -48,97 +48,25 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, cast
 
 import psutil
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    admin_get,
-    die_with_parent,
-    free_port,
-    sigterm_as_interrupt,
-    wait_port,
-)
+from bench.common import sigterm_as_interrupt  # noqa: E402
+from tests.procs import Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
 
 GAP_BIN_S = 1e-4  # inter-token gaps are histogrammed in 0.1 ms bins
 
 
 # -- processes -------------------------------------------------------------------------------
 
-
-class Procs:
-    """Child processes, each the leader of its own process group; all killed on exit.
-
-    Own sessions keep a terminal's Ctrl-C away from the children: the script gets it and
-    kills them itself, newest first (clients, then the proxy, then the workers).
-    """
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self._procs: list[tuple[subprocess.Popen[bytes], float]] = []
-
-    def spawn(
-        self, name: str, cmd: Sequence[str], *, pipes: bool = False, term_timeout: float = 5.0
-    ) -> subprocess.Popen[bytes]:
-        """Start ``cmd`` in the repository root; stderr (and stdout unless ``pipes``) to a log.
-
-        ``term_timeout``: seconds between SIGTERM and SIGKILL at cleanup (0: SIGKILL at once).
-        """
-        with (self.logdir / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                list(cmd),
-                cwd=ROOT,
-                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if pipes else log,
-                stderr=log,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            )
-        self._procs.append((proc, term_timeout))
-        return proc
-
-    def log_tail(self, name: str, lines: int = 20) -> str:
-        path = self.logdir / f"{name}.log"
-        if not path.exists():
-            return ""
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-    def close(self) -> None:
-        for proc, term_timeout in reversed(self._procs):
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-            if proc.poll() is None:
-                sig = signal.SIGTERM if term_timeout > 0 else signal.SIGKILL
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(term_timeout if term_timeout > 0 else 5.0)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            # Whatever the leader left behind in its group goes too.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            if proc.stdout is not None:
-                proc.stdout.close()
-        self._procs.clear()
-
-    def __enter__(self) -> Procs:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+# Children start through ``tests.procs.Procs``: each leads its own session, its output goes to
+# the run's log directory, and they are killed newest first (clients, then the proxy, then the
+# workers) when the run ends.
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -235,14 +163,10 @@ class WslbTarget(Target):
         self.port = 0
         self.admin_port = 0
         self.admin_token = secrets.token_urlsafe(32)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._procs: Procs | None = None
+        self._wslb: Wslb | None = None
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
-        self.port, self.admin_port = free_port(), free_port()
         config = {
-            "listen": f"127.0.0.1:{self.port}",
-            "admin": {"listen": f"127.0.0.1:{self.admin_port}", "token": self.admin_token},
             "pools": [
                 {
                     "name": "chat",
@@ -252,30 +176,21 @@ class WslbTarget(Target):
             ],
             "timeouts": {"ping_interval": "20s"},
         }
-        path = procs.logdir / "wslb.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self._procs = procs
-        self._proc = proc = procs.spawn(
-            "wslb",
-            [sys.executable, "-m", "balancer", "--config", str(path), "--log-level", "warning"],
+        self._wslb = wslb = Wslb(
+            config,
+            procs.logdir,
+            procs=procs,
+            name="wslb",
+            token=self.admin_token,
+            args=["--log-level", "warning"],
             term_timeout=10.0,
         )
+        self.port, self.admin_port = wslb.port, wslb.admin_port
         try:
-            wait_port(self.port, proc)
-            wait_port(self.admin_port, proc)
-            deadline = time.monotonic() + 20
-            while True:
-                backends_state = json.loads(self._admin("/backends"))
-                if all(b.get("state") == "active" for b in backends_state):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"wslb backends not active: {backends_state}")
-                time.sleep(0.05)
+            wslb.start(wait_ready=False, timeout=20.0)
+            wslb.wait_ready(20.0)
         except (RuntimeError, TimeoutError, OSError) as exc:
             raise RuntimeError(f"wslb did not start: {exc}\n{procs.log_tail('wslb')}") from None
-
-    def _admin(self, path: str) -> str:
-        return admin_get(self.admin_port, path, self.admin_token)
 
     @property
     def url(self) -> str:
@@ -283,12 +198,13 @@ class WslbTarget(Target):
 
     @property
     def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
+        assert self._wslb is not None
+        return self._wslb.pid
 
     def frames(self) -> FrameCounts:
+        assert self._wslb is not None
         counts = {"worker_to_client": 0.0, "client_to_worker": 0.0}
-        for line in self._admin("/metrics").splitlines():
+        for line in self._wslb.admin("/metrics").splitlines():
             if line.startswith("wslb_frames_total{"):
                 labels, value = line.rsplit(" ", 1)
                 for direction in counts:
@@ -297,9 +213,9 @@ class WslbTarget(Target):
         return FrameCounts(int(counts["worker_to_client"]), int(counts["client_to_worker"]))
 
     def problems(self) -> list[str]:
-        if self._procs is None:
+        if self._wslb is None:
             return []
-        text = self._procs.log_tail("wslb", lines=10_000)
+        text = self._wslb.log_tail(lines=10_000)
         keys = ("WARNING", "ERROR", "CRITICAL", "Traceback")
         return [line for line in text.splitlines() if any(k in line for k in keys)]
 
@@ -328,7 +244,7 @@ class RelayTarget(Target):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--relay-spec", spec]
         self._proc = proc = procs.spawn("relay", cmd)
         try:
-            wait_port(self.port, proc)
+            wait_port(self.port, 20.0, proc)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"relay did not start: {exc}\n{procs.log_tail('relay')}") from None
 
@@ -426,25 +342,23 @@ TARGETS: dict[str, type[Target]] = {"wslb": WslbTarget, "relay": RelayTarget}
 
 def start_workers(procs: Procs, n: int, tokens_per_s: float) -> tuple[list[int], list[str]]:
     """Start ``n`` reference workers; return their pids and ``ws://`` URLs."""
-    started: list[tuple[str, int, subprocess.Popen[bytes]]] = []
+    started: list[Worker] = []
     for i in range(n):
-        wid, port = f"w{i + 1}", free_port()
-        cmd = [
-            sys.executable, "-m", "backends.worker", "--port", str(port), "--id", wid,
+        args = [
             "--tokens-per-s", repr(float(tokens_per_s)),
             "--max-batch", "1000000",  # never slow a stream down for batch size
             "--prefill-ms-per-token", "0",  # re-prompts start decoding at once
             "--kv-capacity-tokens", str(10**9),  # no eviction work
             "--log-level", "warning",
         ]  # fmt: skip
-        started.append((wid, port, procs.spawn(f"worker-{wid}", cmd)))
-    for wid, port, proc in started:
+        started.append(Worker(f"w{i + 1}", args, procs=procs).start(wait=False))
+    for w in started:
         try:
-            wait_port(port, proc)
+            w.wait(20.0)
         except (RuntimeError, TimeoutError) as exc:
-            tail = procs.log_tail(f"worker-{wid}")
-            raise RuntimeError(f"worker {wid} did not start: {exc}\n{tail}") from None
-    return [p.pid for _, _, p in started], [f"ws://127.0.0.1:{port}/ws" for _, port, _ in started]
+            tail = procs.log_tail(w.name)
+            raise RuntimeError(f"worker {w.id} did not start: {exc}\n{tail}") from None
+    return [w.pid for w in started], [w.url for w in started]
 
 
 # -- load-generator client (runs in its own process) -----------------------------------------
