@@ -4,6 +4,10 @@ One aiohttp server on one port (docs/protocol.md):
 
 - ``GET /healthz``: 200 ``{"status":"ok"}``, 503 ``{"status":"draining"}`` once shutting down.
 - ``GET /metrics``: Prometheus text from the worker's own registry (see ``METRIC_NAMES``).
+- The OpenAI Realtime protocol (GA events, text) over WebSocket on ``/v1/realtime``
+  (``backends.protocol.realtime``; the official ``openai`` SDK is a client), on the same
+  sessions, turns and handoff as the chat protocol: ``response.create`` is a ``messages``
+  prompt of the conversation so far, each token a ``response.output_text.delta``.
 - The chat protocol over WebSocket on ``/`` and ``/ws`` (and, leniently, any other path).
   The session id is the ``X-Session-Id`` request header, else the ``session`` query
   parameter, else a generated one; it is returned in the 101's ``X-Session-Id`` header and in
@@ -71,6 +75,7 @@ import socket
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -94,8 +99,11 @@ from backends.model import (
     Prompt,
     QueuedPrompt,
     SessionSnapshot,
+    Token,
     Turn,
+    TurnResult,
 )
+from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
 
 __all__ = [
     "MAX_QUEUED_PROMPTS",
@@ -114,6 +122,7 @@ log = logging.getLogger("wslb.worker")
 
 READY_PREFIX = "wslb-worker ready"
 RESUME_HEADER = "X-WSLB-Resume"
+REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
 MAX_QUEUED_PROMPTS = 16
 MAX_SESSION_ID_LEN = 256
 MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
@@ -254,6 +263,7 @@ class _Connection:
         self.worker = worker
         self.ws = ws
         self.session = session
+        self.turn_words = 0  # prompt tokens of the current turn (Realtime usage)
         self.queue: asyncio.Queue[tuple[Prompt, int]] = asyncio.Queue(MAX_QUEUED_PROMPTS)
         self.current: Turn | None = None
         self.cancelled = False
@@ -277,6 +287,35 @@ class _Connection:
     async def error(self, message: str) -> None:
         with contextlib.suppress(ConnectionError):
             await self.send({"type": "error", "error": message})
+
+    async def greet(self) -> None:
+        """The first message of a new (not resumed) connection."""
+        await self.send({"type": "hello", "worker": self.worker.worker_id, "session": self.session})
+
+    async def on_binary(self) -> None:
+        await self.error("binary messages are not supported; send JSON text")
+
+    async def emit_token(self, token: Token) -> None:
+        await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
+
+    async def emit_done(self, result: TurnResult) -> None:
+        await self.send(
+            {
+                "type": "done",
+                "turn": result.turn,
+                "tokens": result.tokens,
+                "cached_tokens": result.cached_tokens,
+                "prefill_ms": round(result.prefill_ms, 3),
+                "worker": self.worker.worker_id,
+            }
+        )
+
+    def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        """The handoff state of a frozen connection's session."""
+        return snapshot_to_json(snapshot)
+
+    def abandon(self) -> None:
+        """The connection ended without a freeze (the session stays for a reconnect)."""
 
     async def on_text(self, data: str) -> None:
         try:
@@ -353,6 +392,7 @@ class _Connection:
             model = self.worker.model
             while True:
                 prompt, max_tokens = await self.queue.get()
+                self.turn_words = len(prompt.words)
                 turn = model.start_turn(self.session, prompt, max_tokens, time.monotonic())
                 self.current, self.cancelled = turn, False
                 await self.run_turn(turn)
@@ -383,16 +423,7 @@ class _Connection:
         finally:
             result = model.finish(turn)
             self.current = None
-        await self.send(
-            {
-                "type": "done",
-                "turn": result.turn,
-                "tokens": result.tokens,
-                "cached_tokens": result.cached_tokens,
-                "prefill_ms": round(result.prefill_ms, 3),
-                "worker": worker.worker_id,
-            }
-        )
+        await self.emit_done(result)
 
     async def _decode(
         self, turn: Turn, loop: asyncio.AbstractEventLoop, due_now: bool = False
@@ -431,7 +462,88 @@ class _Connection:
             if last is not None:
                 itl.observe(now - last)
             last = now
-            await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
+            await self.emit_token(token)
+
+
+class _RealtimeConnection(_Connection):
+    """A connection speaking the OpenAI Realtime protocol (``backends.protocol.realtime``).
+
+    The protocol session (``rt``) turns client events into server events and actions; this
+    shell runs the actions on the same turn machinery as the chat protocol: a ``Respond`` is
+    queued as a ``messages`` prompt at once (before any await, so a freeze finds it in the
+    queue), each token becomes a ``response.output_text.delta``, the end ``finish``. Server
+    events go through ``outbox``, written in order by whoever flushes; a freeze exports what is
+    still in it with the session, and the new worker writes it first.
+    """
+
+    def __init__(
+        self, worker: Worker, ws: web.WebSocketResponse, session: str, rt: RealtimeSession
+    ) -> None:
+        super().__init__(worker, ws, session)
+        self.rt = rt
+        self.outbox: deque[Send] = deque()
+
+    async def flush(self) -> None:
+        # Popped and written with no await between: a freeze finds each event either in the
+        # outbox (then it moves with the session) or sent (counted in ``sent``).
+        while self.outbox:
+            event = self.outbox.popleft()
+            await self.send(event.event)
+
+    async def queue_events(self, events: list[Send]) -> None:
+        self.outbox.extend(events)
+        with contextlib.suppress(ConnectionError):
+            await self.flush()
+
+    async def greet(self) -> None:
+        await self.queue_events(self.rt.opened())
+
+    async def error(self, message: str) -> None:
+        await self.queue_events(self.rt.error(message))
+
+    async def on_binary(self) -> None:
+        await self.queue_events(self.rt.binary())
+
+    async def on_text(self, data: str) -> None:
+        for out in self.rt.receive(data):
+            if isinstance(out, Send):
+                self.outbox.append(out)
+            elif isinstance(out, Respond):
+                contents = [m["content"] for m in out.messages]
+                try:
+                    self.queue.put_nowait((Prompt.from_messages(contents), out.max_tokens))
+                except asyncio.QueueFull:  # one response at a time: the protocol forbids more
+                    self.outbox.extend(self.rt.finish("incomplete"))
+            elif isinstance(out, Cancel):
+                self.cancel(None)
+        with contextlib.suppress(ConnectionError):
+            await self.flush()
+
+    async def emit_token(self, token: Token) -> None:
+        # Words joined by spaces: the next turn's messages() split into the same tokens, so the
+        # conversation's KV prefix still matches.
+        self.outbox.extend(self.rt.delta(("" if token.i == 0 else " ") + token.text))
+        await self.flush()
+
+    async def emit_done(self, result: TurnResult) -> None:
+        self.outbox.extend(
+            self.rt.finish(
+                input_tokens=self.turn_words,
+                cached_tokens=result.cached_tokens,
+                output_tokens=result.tokens,
+            )
+        )
+        await self.flush()
+
+    def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        state = snapshot_to_json(snapshot)
+        state["realtime"] = self.rt.snapshot(unsent=self.outbox)
+        self.outbox.clear()
+        return state
+
+    def abandon(self) -> None:
+        if self.rt.response_id is not None:
+            self.rt.finish()  # the answer died with the connection; the next one starts fresh
 
 
 class Histogram:
@@ -530,6 +642,7 @@ class _Thawed:
 
     snapshot: SessionSnapshot
     transfer_s: float
+    realtime: RealtimeSession | None = None
 
 
 class Worker:
@@ -551,6 +664,8 @@ class Worker:
         # Per session, its open connections, oldest first: a freeze takes the newest live one.
         self._by_session: dict[str, list[_Connection]] = {}
         self._thawed: dict[str, _Thawed] = {}
+        # Realtime protocol sessions by session id, kept like the model's (--session-ttl).
+        self._realtime: dict[str, RealtimeSession] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -673,11 +788,11 @@ class Worker:
         for other in live[:-1]:
             other.retire()
         self._thawed.pop(sid, None)
+        state = conn.export(snapshot)
+        self._realtime.pop(sid, None)  # the conversation lives on where it is thawed
         self.handoffs["freeze"] += 1
         log.info("froze session %s: sent=%d received=%d", sid, conn.sent, conn.received)
-        return web.json_response(
-            {"state": snapshot_to_json(snapshot), "sent": conn.sent, "received": conn.received}
-        )
+        return web.json_response({"state": state, "sent": conn.sent, "received": conn.received})
 
     async def _thaw(self, request: web.Request) -> web.Response:
         if not self.config.handoff:
@@ -700,13 +815,24 @@ class Worker:
                 max_queued=MAX_QUEUED_PROMPTS,
                 max_tokens_limit=self.config.max_tokens_limit,
             )
+            raw_rt = body["state"].get("realtime") if isinstance(body["state"], dict) else None
+            realtime = (
+                None
+                if raw_rt is None
+                else RealtimeSession.restore(
+                    raw_rt,
+                    session=sid,
+                    default_max_tokens=self.config.max_tokens_default,
+                    max_tokens_limit=self.config.max_tokens_limit,
+                )
+            )
         except StateError as exc:
             return _error(400, str(exc))
         if self.model.connected(sid):
             return _error(409, f"session {sid!r} has an open connection here")
         transfer = self.config.handoff_kv == "transfer"
         transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
-        self._thawed[sid] = _Thawed(snapshot, transfer_s)
+        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime)
         # Thaws never resumed would pile up: keep only those the model still holds (ttl).
         for stale in [s for s in self._thawed if self.model.session(s) is None]:
             del self._thawed[stale]
@@ -758,7 +884,13 @@ class Worker:
         ws.headers["X-Session-Id"] = session
         await ws.prepare(request)
         self.connections_total += 1
-        conn = _Connection(self, ws, session)
+        conn: _Connection
+        if request.path == REALTIME_PATH:
+            conn = _RealtimeConnection(
+                self, ws, session, self._realtime_session(request, session, thawed)
+            )
+        else:
+            conn = _Connection(self, ws, session)
         self._connections.add(conn)
         self._idle.clear()
         self._by_session.setdefault(session, []).append(conn)
@@ -768,7 +900,9 @@ class Worker:
         try:
             conn.answers = asyncio.create_task(conn.answer_loop())
             if resume is None:
-                await conn.send({"type": "hello", "worker": self.worker_id, "session": session})
+                await conn.greet()
+            elif isinstance(conn, _RealtimeConnection):
+                await conn.queue_events(conn.rt.resumed())
             async for msg in ws:
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     break
@@ -778,7 +912,7 @@ class Worker:
                 if msg.type == WSMsgType.TEXT:
                     await conn.on_text(msg.data)
                 else:
-                    await conn.error("binary messages are not supported; send JSON text")
+                    await conn.on_binary()
         except ConnectionError:
             pass
         finally:
@@ -788,8 +922,28 @@ class Worker:
                     await conn.answers
             if conn.attached:
                 self.model.detach(session, time.monotonic())
+                conn.abandon()
             self._forget(conn)
         return ws
+
+    def _realtime_session(
+        self, request: web.Request, session: str, thawed: _Thawed | None
+    ) -> RealtimeSession:
+        """The session's Realtime conversation: thawed here, held since an earlier connection
+        (a reconnect continues it), or new."""
+        for stale in [s for s in self._realtime if self.model.session(s) is None]:
+            del self._realtime[stale]  # expired with the model's session (--session-ttl)
+        rt = thawed.realtime if thawed is not None else None
+        rt = rt or self._realtime.get(session)
+        if rt is None:
+            rt = RealtimeSession(
+                session,
+                model=request.query.get("model") or None,
+                default_max_tokens=self.config.max_tokens_default,
+                max_tokens_limit=self.config.max_tokens_limit,
+            )
+        self._realtime[session] = rt
+        return rt
 
     def _resume(self, conn: _Connection, thawed: _Thawed) -> None:
         """Set a resumed connection up to continue exactly where the old worker stopped."""
