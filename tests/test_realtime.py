@@ -267,3 +267,15 @@ async def test_wslb_restarted_between_turns_the_sdk_reconnects_and_continues(
         lb.stop()
         for w in workers:
             w.stop()
+
+
+def test_the_example_client(lb: Wslb) -> None:
+    base = f"http://127.0.0.1:{lb.port}/v1"
+    out = subprocess.run(
+        [sys.executable, "examples/realtime_client.py", "--base-url", base,
+         "--session", "rt-example", "hello there", "tell me more"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("[completed; cached input tokens:") == 2, out.stdout
+    assert "> tell me more" in out.stdout
