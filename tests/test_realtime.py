@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
+from websockets.exceptions import InvalidStatus
 
 from tests.procs import ROOT, Worker, Wslb, free_port, pool_config, wait_port
 
@@ -279,3 +280,38 @@ def test_the_example_client(lb: Wslb) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("[completed; cached input tokens:") == 2, out.stdout
     assert "> tell me more" in out.stdout
+
+
+async def test_two_pools_matched_by_model(tmp_path: Path) -> None:
+    g, q = Worker("gemma-w").start(), Worker("qwen-w").start()
+    pools = [
+        {
+            "name": name,
+            "match": {"path_prefix": "/v1/realtime", "model": name},
+            "backends": [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"}],
+        }
+        for name, w in (("gemma", g), ("qwen", q))
+    ]
+    lb = Wslb({"pools": pools}, tmp_path).start()
+    try:
+        for model, worker in (("gemma", g.id), ("qwen", q.id)):
+            async with client(lb.port).realtime.connect(
+                model=model, extra_query={"session": f"rt-{model}"}
+            ) as conn:
+                created = await next_event(conn, "session.created")
+                assert created.session.model == model
+                (s,) = lb.admin("/sessions")
+                assert s["backend"] == worker
+                await say(conn, "which worker are you")
+                await conn.response.create()
+                assert (await answer(conn)).status == "completed"
+        with pytest.raises(InvalidStatus) as refused:  # the SDK lets websockets' error through
+            async with client(lb.port).realtime.connect(model="llama") as conn:
+                await conn.recv()
+        response = refused.value.response
+        assert response.status_code == 404
+        assert json.loads(response.body)["models"] == ["gemma", "qwen"]
+    finally:
+        lb.stop()
+        g.stop()
+        q.stop()
