@@ -127,14 +127,14 @@ def parse_close_payload(payload: bytes) -> tuple[int, str]:
     if not payload:
         return CLOSE_NO_STATUS, ""
     if len(payload) == 1:
-        raise ProtocolError(1002, "close frame with a 1-byte payload")
+        raise ProtocolError(CloseCode.PROTOCOL_ERROR, "close frame with a 1-byte payload")
     code = _U16.unpack_from(payload)[0]
     if not valid_close_code(code):
-        raise ProtocolError(1002, f"invalid close code {code}")
+        raise ProtocolError(CloseCode.PROTOCOL_ERROR, f"invalid close code {code}")
     try:
         reason = payload[2:].decode("utf-8")
     except UnicodeDecodeError:
-        raise ProtocolError(1007, "close reason is not valid UTF-8") from None
+        raise ProtocolError(CloseCode.INVALID_DATA, "close reason is not valid UTF-8") from None
     return code, reason
 
 
@@ -425,26 +425,60 @@ class FrameScanner:
                     break
                 length = _U64.unpack_from(data, pos + 2)[0]
                 if length >> 63:
-                    return self._fail(data, start, pos, parts, 1002, "payload length with MSB set")
+                    return self._fail(
+                        data,
+                        start,
+                        pos,
+                        parts,
+                        CloseCode.PROTOCOL_ERROR,
+                        "payload length with MSB set",
+                    )
             if b1 & 0x80:
                 if not masked:
-                    return self._fail(data, start, pos, parts, 1002, "masked frame from server")
+                    return self._fail(
+                        data,
+                        start,
+                        pos,
+                        parts,
+                        CloseCode.PROTOCOL_ERROR,
+                        "masked frame from server",
+                    )
                 hlen += 4
             elif masked:
-                return self._fail(data, start, pos, parts, 1002, "unmasked frame from client")
+                return self._fail(
+                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "unmasked frame from client"
+                )
             if avail < hlen:
                 break
             if b0 & 0x70:
-                return self._fail(data, start, pos, parts, 1002, "reserved bits set")
+                return self._fail(
+                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "reserved bits set"
+                )
             opcode = b0 & 0x0F
             fin = b0 & 0x80
             if opcode >= 8:
                 if opcode > 10:
-                    return self._fail(data, start, pos, parts, 1002, f"reserved opcode {opcode}")
+                    return self._fail(
+                        data,
+                        start,
+                        pos,
+                        parts,
+                        CloseCode.PROTOCOL_ERROR,
+                        f"reserved opcode {opcode}",
+                    )
                 if not fin:
-                    return self._fail(data, start, pos, parts, 1002, "fragmented control frame")
+                    return self._fail(
+                        data,
+                        start,
+                        pos,
+                        parts,
+                        CloseCode.PROTOCOL_ERROR,
+                        "fragmented control frame",
+                    )
                 if length > 125:
-                    return self._fail(data, start, pos, parts, 1002, "control frame too long")
+                    return self._fail(
+                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "control frame too long"
+                    )
                 end = pos + hlen + length
                 if end > n:
                     break
@@ -478,18 +512,24 @@ class FrameScanner:
                 continue
             if opcode == OP_CONT:
                 if not self._in_message:
-                    return self._fail(data, start, pos, parts, 1002, "unexpected continuation")
+                    return self._fail(
+                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "unexpected continuation"
+                    )
                 size = self._msg_size + length
             elif opcode in (OP_TEXT, OP_BINARY):
                 if self._in_message:
-                    return self._fail(data, start, pos, parts, 1002, "expected a continuation")
+                    return self._fail(
+                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "expected a continuation"
+                    )
                 size = length
             else:
-                return self._fail(data, start, pos, parts, 1002, f"reserved opcode {opcode}")
+                return self._fail(
+                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, f"reserved opcode {opcode}"
+                )
             if length > self.max_frame_size:
-                return self._fail(data, start, pos, parts, 1009, "frame too big")
+                return self._fail(data, start, pos, parts, CloseCode.TOO_BIG, "frame too big")
             if size > self.max_message_size:
-                return self._fail(data, start, pos, parts, 1009, "message too big")
+                return self._fail(data, start, pos, parts, CloseCode.TOO_BIG, "message too big")
             self._msg_size = size
             self._in_message = not fin
             self.frames += 1
