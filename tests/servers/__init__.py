@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from tests.procs import ROOT, free_port, stop, wait_port
+from tests.procs import free_port, spawn, stop, wait_port
 
 # The canned answer the chat servers stream, one word per message, DELAY seconds apart:
 # 18 words, so one answer takes about a second.
@@ -63,13 +63,7 @@ class Server:
         return self.proc.pid
 
     def start(self, extra: Sequence[str] = ()) -> Server:
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [*command(self.kind, self.port), *extra],
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        self.proc = spawn([*command(self.kind, self.port), *extra], log=self.log)
         try:
             wait_port(self.port, proc=self.proc)
         except BaseException:
