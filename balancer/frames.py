@@ -86,6 +86,8 @@ class CloseCode(IntEnum):
 
 
 CLOSE_NO_STATUS = CloseCode.NO_STATUS
+_PROTOCOL = CloseCode.PROTOCOL_ERROR  # short names for the scanner's many failure sites
+_TOO_BIG = CloseCode.TOO_BIG
 
 _U16 = struct.Struct("!H")
 _U64 = struct.Struct("!Q")
@@ -426,59 +428,33 @@ class FrameScanner:
                 length = _U64.unpack_from(data, pos + 2)[0]
                 if length >> 63:
                     return self._fail(
-                        data,
-                        start,
-                        pos,
-                        parts,
-                        CloseCode.PROTOCOL_ERROR,
-                        "payload length with MSB set",
+                        data, start, pos, parts, _PROTOCOL, "payload length with MSB set"
                     )
             if b1 & 0x80:
                 if not masked:
                     return self._fail(
-                        data,
-                        start,
-                        pos,
-                        parts,
-                        CloseCode.PROTOCOL_ERROR,
-                        "masked frame from server",
+                        data, start, pos, parts, _PROTOCOL, "masked frame from server"
                     )
                 hlen += 4
             elif masked:
-                return self._fail(
-                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "unmasked frame from client"
-                )
+                return self._fail(data, start, pos, parts, _PROTOCOL, "unmasked frame from client")
             if avail < hlen:
                 break
             if b0 & 0x70:
-                return self._fail(
-                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "reserved bits set"
-                )
+                return self._fail(data, start, pos, parts, _PROTOCOL, "reserved bits set")
             opcode = b0 & 0x0F
             fin = b0 & 0x80
             if opcode >= 8:
                 if opcode > 10:
                     return self._fail(
-                        data,
-                        start,
-                        pos,
-                        parts,
-                        CloseCode.PROTOCOL_ERROR,
-                        f"reserved opcode {opcode}",
+                        data, start, pos, parts, _PROTOCOL, f"reserved opcode {opcode}"
                     )
                 if not fin:
                     return self._fail(
-                        data,
-                        start,
-                        pos,
-                        parts,
-                        CloseCode.PROTOCOL_ERROR,
-                        "fragmented control frame",
+                        data, start, pos, parts, _PROTOCOL, "fragmented control frame"
                     )
                 if length > 125:
-                    return self._fail(
-                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "control frame too long"
-                    )
+                    return self._fail(data, start, pos, parts, _PROTOCOL, "control frame too long")
                 end = pos + hlen + length
                 if end > n:
                     break
@@ -512,24 +488,18 @@ class FrameScanner:
                 continue
             if opcode == OP_CONT:
                 if not self._in_message:
-                    return self._fail(
-                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "unexpected continuation"
-                    )
+                    return self._fail(data, start, pos, parts, _PROTOCOL, "unexpected continuation")
                 size = self._msg_size + length
             elif opcode in (OP_TEXT, OP_BINARY):
                 if self._in_message:
-                    return self._fail(
-                        data, start, pos, parts, CloseCode.PROTOCOL_ERROR, "expected a continuation"
-                    )
+                    return self._fail(data, start, pos, parts, _PROTOCOL, "expected a continuation")
                 size = length
             else:
-                return self._fail(
-                    data, start, pos, parts, CloseCode.PROTOCOL_ERROR, f"reserved opcode {opcode}"
-                )
+                return self._fail(data, start, pos, parts, _PROTOCOL, f"reserved opcode {opcode}")
             if length > self.max_frame_size:
-                return self._fail(data, start, pos, parts, CloseCode.TOO_BIG, "frame too big")
+                return self._fail(data, start, pos, parts, _TOO_BIG, "frame too big")
             if size > self.max_message_size:
-                return self._fail(data, start, pos, parts, CloseCode.TOO_BIG, "message too big")
+                return self._fail(data, start, pos, parts, _TOO_BIG, "message too big")
             self._msg_size = size
             self._in_message = not fin
             self.frames += 1
