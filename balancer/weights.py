@@ -74,6 +74,20 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
         # Renamed in vLLM 0.10 (V1); the old name stayed as a deprecated alias for a while.
         "tpot": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     },
+    "sglang": {
+        "kv_cache_usage": ("sglang:token_usage",),
+        "running": ("sglang:num_running_reqs",),
+        "waiting": ("sglang:num_queue_reqs",),
+        # Older releases exported the per-token histogram under vLLM's old name.
+        "tpot": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+    },
+    # llama.cpp's llama-server with --metrics: slot counts only. It exports no KV-cache gauge
+    # and no inter-token histogram (its tokens_predicted_seconds_total and
+    # tokens_predicted_total counters are not a _sum/_count pair), so no kv_cache_usage or tpot.
+    "llamacpp": {
+        "running": ("llamacpp:requests_processing",),
+        "waiting": ("llamacpp:requests_deferred",),
+    },
     "dcgm": {"gpu_util": ("DCGM_FI_DEV_GPU_UTIL",)},
 }
 

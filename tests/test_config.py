@@ -648,7 +648,8 @@ TWO_POOLS = with_(
         ),
         (
             with_(BASE, "pools.0.weights", {"metrics": "vlm"}),
-            "pools[0].weights.metrics: 'vlm' is not a metrics preset (reference, vllm, dcgm) "
+            "pools[0].weights.metrics: 'vlm' is not a metrics preset (reference, vllm, sglang, "
+            "llamacpp, dcgm) "
             "(did you mean 'vllm'?)",
         ),
         (

@@ -107,6 +107,103 @@ def test_vllm_preset_prefers_new_name_and_falls_back_to_old() -> None:
     assert (s.kv_cache_usage, s.waiting, s.running) == (0.75, 4, None)
 
 
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 5.0
+sglang:num_running_reqs{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="1"} 5.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 0.42
+sglang:token_usage{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="1"} 0.44
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 3.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 0.5
+# HELP sglang:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE sglang:inter_token_latency_seconds histogram
+sglang:inter_token_latency_seconds_bucket{le="0.02",model_name="Qwen/Qwen3-8B"} 700.0
+sglang:inter_token_latency_seconds_bucket{le="+Inf",model_name="Qwen/Qwen3-8B"} 1000.0
+sglang:inter_token_latency_seconds_count{model_name="Qwen/Qwen3-8B"} 1000.0
+sglang:inter_token_latency_seconds_sum{model_name="Qwen/Qwen3-8B"} 18.5
+"""
+
+# GET /metrics of llama.cpp's llama-server (--metrics, 2 slots) serving three streams: two in
+# the slots, one waiting for a slot (tests/engines.py's server, captured).
+LLAMACPP = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 93
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 4
+# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 0.860496
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 129
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 6.71818
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 135
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 78
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 0
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 0
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total 0
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 0
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 0
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 1.00741
+"""  # noqa: E501 (its help texts as served)
+
+
+def test_sglang_preset() -> None:
+    s = parse_signals(SGLANG, PRESETS["sglang"], at=1.0)
+    assert s.kv_cache_usage == pytest.approx(0.43)  # a fraction: averaged over the TP ranks
+    assert (s.running, s.waiting, s.gpu_util) == (10, 3, None)  # counts: summed
+    assert (s.tpot_sum, s.tpot_count) == (18.5, 1000.0)
+    old = parse_signals(itl(2.0, 50, "sglang:time_per_output_token_seconds"), PRESETS["sglang"], 0)
+    assert (old.tpot_sum, old.tpot_count) == (2.0, 50.0)  # older releases' name
+
+
+def test_llamacpp_preset_reads_slots_and_queue_of_a_real_llama_server() -> None:
+    s = parse_signals(LLAMACPP, PRESETS["llamacpp"], at=2.0)
+    assert (s.running, s.waiting) == (2, 1)
+    # No KV-cache gauge and no inter-token histogram: no signal, no penalty.
+    assert (s.kv_cache_usage, s.gpu_util, s.tpot_sum, s.tpot_count) == (None,) * 4
+    w, stale = effective_weight(1.0, s, 2.0, 5.0, Coefficients(queue=0.25))
+    assert w == pytest.approx(1 / 1.25) and not stale  # the queued request costs weight
+
+
+def test_preset_names() -> None:
+    assert set(PRESETS) == {"reference", "vllm", "sglang", "llamacpp", "dcgm"}
+    assert all(resolve_mapping(name) is PRESETS[name] for name in PRESETS)
+
+
 def test_dcgm_percent_is_scaled_and_averaged_over_gpus() -> None:
     text = 'DCGM_FI_DEV_GPU_UTIL{gpu="0"} 90\nDCGM_FI_DEV_GPU_UTIL{gpu="1"} 50\n'
     assert parse_signals(text, PRESETS["dcgm"], 0).gpu_util == pytest.approx(0.7)

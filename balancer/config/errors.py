@@ -20,6 +20,8 @@ from typing import Any, Final
 
 import jsonschema
 
+from balancer.weights import PRESETS
+
 __all__ = ["ConfigError"]
 
 
@@ -186,7 +188,7 @@ _JSON_TYPES: Final = {
     "array": "a list",
     "null": "null",
 }
-_PRESETS: Final = ("reference", "vllm", "dcgm")
+_PRESETS: Final = tuple(PRESETS)  # the names balancer.weights resolves
 # Messages for schema patterns, by the "title" of the schema holding the pattern.
 _PATTERN_MESSAGES: Final = {
     "duration": f"is not a duration ({_DURATION_HINT})",
