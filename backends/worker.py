@@ -978,6 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wslb-worker",
         description="Reference model worker for wslb: a simulated LLM that streams tokens "
         "over WebSocket, with a per-session KV cache and Prometheus metrics.",
+        epilog="With --engine openai --engine-url URL: the engine bridge in front of a real "
+        "OpenAI-compatible server (wslb-worker --engine openai --help).",
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -1144,8 +1146,19 @@ def _announce(worker: Worker) -> None:
     )
 
 
+def _wants_bridge(argv: Sequence[str]) -> bool:
+    """``--engine`` given: the engine bridge (``backends.bridge``), not the simulated model."""
+    return any(arg == "--engine" or arg.startswith("--engine=") for arg in argv)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point of ``wslb-worker``."""
+    """Console entry point of ``wslb-worker``; ``--engine openai ...`` runs the engine bridge."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if _wants_bridge(args):
+        from backends import bridge  # imports this module: loaded only when asked for
+
+        bridge.main(args)
+        return
     config, level = config_from_args(argv)
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

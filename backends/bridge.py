@@ -1,0 +1,1817 @@
+"""The engine bridge (``wslb-worker --engine openai``): a real inference server as a wslb worker.
+
+``wslb-worker --engine openai --engine-url URL [--model NAME] --port P --id ID`` puts any
+OpenAI-compatible server (vLLM, SGLang, llama.cpp's ``llama-server``, TGI) behind wslb with live
+migration. The bridge holds each session's conversation, serves the reference worker's chat
+protocol and the OpenAI Realtime protocol to wslb, and streams ``POST URL/v1/chat/completions``
+(``stream: true``) from the engine: one chat ``token`` message, or one
+``response.output_text.delta``, per streamed chunk with non-empty content (``i`` counts chunks).
+
+Routes, on one port (as ``backends.worker``):
+
+- WebSocket ``/v1/realtime``: the OpenAI Realtime protocol (``backends.protocol.realtime``); a
+  ``response.create`` is a streamed chat completion of the conversation's messages.
+- WebSocket ``/``, ``/ws`` (and any other path): the chat protocol (docs/protocol.md section 3).
+  The session id: ``X-Session-Id``, else ``?session=``, else a generated one.
+- ``GET /healthz``: 200 ``{"status":"ok","flavor":F,"model":M}`` while the engine's own
+  ``GET /health`` answers 200 (polled every ``--health-interval`` s), else 503
+  ``{"status":"engine down","error":WHY}``; 503 ``{"status":"draining"}`` after SIGTERM.
+- ``GET /metrics``: the bridge's gauges and counters (``METRIC_NAMES``).
+- ``POST /wslb/sessions/{sid}/freeze`` and ``/thaw``: the handoff API; a WebSocket upgrade with
+  ``X-WSLB-Resume: SID`` continues a thawed session (no ``hello``). 404 with ``--no-handoff``.
+
+Chat protocol, as the reference worker's, plus:
+
+- a ``prompt`` may carry ``temperature`` (a number in 0..2), passed to the engine; without it
+  ``--temperature`` if set, else the engine's default.
+- ``token`` messages carry ``ids`` (the chunk's token ids) when the engine returns them.
+- ``done``: ``tokens`` is the engine's ``usage.completion_tokens`` (over every bridge the
+  answer ran on) when it reports usage, else the number of chunks; ``cached_tokens`` the
+  engine's ``usage.prompt_tokens_details.cached_tokens`` or llama-server's ``timings.cache_n``
+  (0 when it reports neither); ``prefill_ms`` llama-server's ``timings.prompt_ms``, else the time
+  to the first chunk as measured here.
+- **An engine failure** (it cannot be reached, answers an HTTP error, sends an error event or
+  malformed data, ends the stream early, or sends nothing for ``--engine-timeout`` s) ends the
+  turn with ``{"type":"error","error":"engine: WHY","turn":K}`` and no ``done``; the tokens sent
+  before it stay sent, the conversation is left as it was before that prompt (so the client may
+  send it again) and the next queued prompt goes on. On the Realtime protocol: an ``error``
+  event (type ``server_error``, code ``engine_error``, message ``engine: WHY``), then the
+  response ends with status ``incomplete``.
+- A ``cancel`` aborts the engine request at once (its HTTP connection is closed, which vLLM,
+  SGLang, llama-server and TGI take as an abort); the answer ends with ``done``.
+- Backpressure: each chunk is written to the client (and the write drained) before the next is
+  read from the engine, so a slow client slows the engine's stream over TCP: nothing is
+  buffered without bound.
+
+Continuation (a thawed answer): the engine is asked for the same messages plus a final
+assistant message holding the text sent so far, with ``max_tokens`` lowered by the tokens
+already sent (their ids' count when the engine returned ids, else the chunks). Per flavour
+(``--engine-flavor``; ``auto`` asks the engine's ``/v1/models``' ``owned_by``, then TGI's
+``/info``, then llama-server's ``/props``):
+
+- ``vllm``, ``sglang``: ``continue_final_message: true, add_generation_prompt: false``;
+  ``vllm`` also gets ``return_token_ids: true`` (ids carried when the engine sends them).
+- ``llamacpp``: the same pair; llama-server also continues a trailing assistant message by
+  itself, and where it repeats that prefix at the start of its output the repeat is dropped.
+- ``tgi``: nothing added: TGI continues a final assistant message by itself.
+
+Handoff state (``state_version`` 2): the open transcript form of docs/protocol.md (which this
+bridge accepts from wslb for crash failover), with additions a reader may ignore::
+
+    {"v": 2, "session": SID, "protocol": "wslb-chat" | "openai-realtime",
+     "messages": [{"role": R, "content": STR}, ...],   # the conversation before the answer
+     "answer": null | {"turn": K, "i": I, "text": SENT, "max_tokens": M,
+                       # additions, all optional on thaw:
+                       "tokens": N, "ids": [ID, ...], "cached_tokens": C, "prefill_ms": F,
+                       "prompt_tokens": P, "cancelled": false, "finished": null | REASON,
+                       "temperature": null | T},
+     "queued": [PROMPT, ...],      # wslb-chat: prompt messages ({"text"|"messages",
+                                   # "max_tokens", "temperature"}); openai-realtime: client
+                                   # events to act on after the resume
+     "turns": K,                   # optional: turns started (default: answer.turn, else the
+                                   # assistant messages)
+     "realtime": {...},            # optional: the Realtime session (RealtimeSession.snapshot);
+                                   # without it one is rebuilt from the messages (new ids)
+     "worker": ID}                 # informative
+
+``messages`` holds the conversation up to the unfinished answer's prompt, never the answer's
+partial text (that is ``answer.text``); ``answer.i`` is the index of the next chunk to send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, cast
+
+import aiohttp
+from aiohttp import WSMsgType, web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from backends.handoff import StateError
+from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+
+__all__ = [
+    "FLAVORS",
+    "METRIC_NAMES",
+    "STATE_VERSION",
+    "Bridge",
+    "BridgeConfig",
+    "EngineError",
+    "build_parser",
+    "config_from_args",
+    "main",
+    "serve",
+]
+
+log = logging.getLogger("wslb.bridge")
+
+# The same as backends.worker's (the worker's main() imports this module, so this one cannot
+# import it back; tests/test_bridge.py checks they agree).
+READY_PREFIX = "wslb-worker ready"
+RESUME_HEADER = "X-WSLB-Resume"
+REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
+MAX_QUEUED_PROMPTS = 16
+MAX_SESSION_ID_LEN = 256
+MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+STATE_VERSION = 2
+Flavor: TypeAlias = Literal["vllm", "sglang", "llamacpp", "tgi"]
+FLAVORS: tuple[Flavor, ...] = ("vllm", "sglang", "llamacpp", "tgi")
+PROTOCOLS = ("wslb-chat", "openai-realtime")
+MAX_TEMPERATURE = 2.0
+METRIC_NAMES = (
+    "wslb_worker_active_sessions",
+    "wslb_worker_sessions",
+    "wslb_worker_streams",
+    "wslb_worker_queue_depth",
+    "wslb_worker_engine_up",
+    "wslb_worker_connections_total",
+    "wslb_worker_handoffs_total",
+    "wslb_worker_engine_errors_total",
+    "wslb_worker_inter_token_latency_seconds_sum",  # a histogram: also _count and _bucket
+    "wslb_worker_inter_token_latency_seconds_count",
+)
+_ERROR_BODY = 2048  # bytes of an engine's error answer quoted in the message
+HEALTH_TIMEOUT = 2.0  # seconds for one probe of the engine's /health
+
+Msg: TypeAlias = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeConfig:
+    """Everything the bridge's options set."""
+
+    engine_url: str
+    host: str = "127.0.0.1"
+    port: int = 9001
+    worker_id: str | None = None
+    """None: ``bridge-PORT`` with the port actually bound."""
+    model: str | None = None
+    """None: the first model the engine's ``/v1/models`` lists."""
+    flavor: Flavor | Literal["auto"] = "auto"
+    api_key: str | None = None
+    subprotocols: tuple[str, ...] = ()
+    handoff: bool = True
+    max_tokens_default: int = 64
+    max_tokens_limit: int = 1_000_000
+    temperature: float | None = None
+    session_ttl: float = 300.0
+    health_interval: float = 1.0
+    engine_timeout: float = 60.0
+    """Seconds an engine stream may send nothing before the answer fails."""
+    connect_timeout: float = 5.0
+    close_timeout: float = 5.0
+    drain_grace: float = 30.0
+
+
+class EngineError(Exception):
+    """The engine failed an answer; the message says how (sent as ``engine: MESSAGE``)."""
+
+
+class PromptError(Exception):
+    """A client message the bridge cannot act on; reported as an ``error`` message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt waiting for its answer: a chat-protocol ``prompt`` or a Realtime response.
+
+    ``text``: a user message continuing the held conversation; ``messages``: the whole
+    conversation (it replaces the held one; for a Realtime response, its input).
+    """
+
+    max_tokens: int
+    text: str | None = None
+    messages: tuple[Msg, ...] | None = None
+    temperature: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        if self.text is not None:
+            obj["text"] = self.text
+        else:
+            obj["messages"] = [dict(m) for m in self.messages or ()]
+        obj["max_tokens"] = self.max_tokens
+        if self.temperature is not None:
+            obj["temperature"] = self.temperature
+        return obj
+
+
+def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> Prompt:
+    """Validate a ``prompt`` message (the reference worker's rules, plus ``temperature``).
+
+    Raises:
+        PromptError: with the reference worker's messages (docs/protocol.md).
+    """
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise PromptError("max_tokens must be a non-negative integer")
+    if max_tokens > limit:
+        raise PromptError(f"max_tokens must be at most {limit}")
+    temperature = _temperature(obj.get("temperature"))
+    has_text, has_messages = "text" in obj, "messages" in obj
+    if has_text and has_messages:
+        raise PromptError("a prompt takes 'text' or 'messages', not both")
+    if has_text:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise PromptError("'text' must be a string")
+        return Prompt(max_tokens, text=text, temperature=temperature)
+    if has_messages:
+        return Prompt(
+            max_tokens, messages=tuple(parse_messages(obj["messages"])), temperature=temperature
+        )
+    raise PromptError("a prompt needs 'text' or 'messages'")
+
+
+def _temperature(value: object) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_TEMPERATURE
+    ):
+        raise PromptError(f"temperature must be a number in 0..{MAX_TEMPERATURE:g}")
+    return float(value)
+
+
+def parse_messages(messages: object, where: str = "messages") -> list[Msg]:
+    """Chat messages as ``{"role", "content"}`` with string content (parts' texts joined)."""
+    if not isinstance(messages, list):
+        raise PromptError(f"'{where}' must be a list")
+    out: list[Msg] = []
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptError(f"{where}[{n}] must be an object")
+        role = message.get("role", "user")
+        if not isinstance(role, str) or not role:
+            raise PromptError(f"{where}[{n}].role must be a non-empty string")
+        content = message.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = "".join(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        else:
+            raise PromptError(f"{where}[{n}].content must be a string or a list of parts")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
+    return float(value)
+
+
+def _ids(value: object) -> list[int] | None:
+    if isinstance(value, list) and value and all(_count(v) is not None for v in value):
+        return cast(list[int], value)
+    return None
+
+
+@dataclass(slots=True)
+class Answer:
+    """One turn's answer: what was sent of it, and what the engine reported."""
+
+    turn: int
+    base: list[Msg]
+    """The messages the answer continues (its prompt included, its own text not)."""
+    max_tokens: int
+    temperature: float | None = None
+    parts: list[str] = field(default_factory=list)
+    """The texts of the chunks sent (over every bridge): ``text`` joined."""
+    i: int = 0
+    """Chunks sent: the index of the next one."""
+    ids: list[int] | None = None
+    tokens_before: int = 0
+    """Engine tokens of the text a thaw brought (sent by another bridge)."""
+    chunks_here: int = 0
+    usage_tokens: int | None = None
+    """This bridge's segment as the engine counted it (``usage.completion_tokens``)."""
+    cached_tokens: int | None = None
+    prefill_ms: float | None = None
+    prompt_tokens: int | None = None
+    keep_stats: bool = False
+    """Thawed with the first segment's cached_tokens/prefill_ms: report those."""
+    cancelled: bool = False
+    finished: str | None = None
+    """The engine's finish_reason once it gave one (the answer is complete)."""
+    rollback: list[Msg] | None = None
+    """The conversation before this turn's prompt (restored if the engine fails it)."""
+
+    @property
+    def text(self) -> str:
+        """The answer's text sent so far."""
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    def tokens(self) -> int:
+        """The answer's tokens over every bridge so far (``done``'s ``tokens``)."""
+        here = self.usage_tokens if self.usage_tokens is not None else self.chunks_here
+        return self.tokens_before + here
+
+    def sent_tokens(self) -> int:
+        """Tokens the sent text holds, as far as known (ids, else chunks)."""
+        if self.ids is not None:
+            return len(self.ids)
+        return self.tokens_before + self.chunks_here
+
+    def remaining(self) -> int:
+        return self.max_tokens - self.sent_tokens()
+
+    def advance(self, text: str, ids: list[int] | None) -> int:
+        """Account one chunk about to be sent; its index."""
+        i = self.i
+        self.i += 1
+        self.chunks_here += 1
+        self.parts.append(text)
+        if ids is not None:
+            if self.ids is None:
+                self.ids = list(ids) if self.i == 1 else None
+            else:
+                self.ids.extend(ids)
+        elif self.ids is not None:
+            self.ids = None  # a chunk without ids: the count is no longer known exactly
+        return i
+
+    def account(self, obj: dict[str, Any]) -> None:
+        """Usage and timings of a streamed chunk (usually the last)."""
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            tokens = _count(usage.get("completion_tokens"))
+            if tokens is not None:
+                self.usage_tokens = tokens
+            prompt = _count(usage.get("prompt_tokens"))
+            if prompt is not None:
+                self.prompt_tokens = prompt
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and not self.keep_stats:
+                cached = _count(details.get("cached_tokens"))
+                if cached is not None:
+                    self.cached_tokens = cached
+        timings = obj.get("timings")  # llama-server
+        if isinstance(timings, dict) and not self.keep_stats:
+            cached = _count(timings.get("cache_n"))
+            if cached is not None and self.cached_tokens is None:
+                self.cached_tokens = cached
+            prompt_ms = _number(timings.get("prompt_ms"))
+            if prompt_ms is not None:
+                self.prefill_ms = prompt_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "i": self.i,
+            "text": self.text,
+            "max_tokens": self.max_tokens,
+            "tokens": self.sent_tokens(),
+            "ids": self.ids,
+            "cached_tokens": self.cached_tokens,
+            "prefill_ms": self.prefill_ms,
+            "prompt_tokens": self.prompt_tokens,
+            "cancelled": self.cancelled,
+            "finished": self.finished,
+            "temperature": self.temperature,
+        }
+
+
+class _Echo:
+    """Drops a continuation's repeat of the text it continues (llama-server's prefill echo).
+
+    Chunks are held while their text so far is a prefix of the continued text; once it covers
+    all of it, the prefix is cut and the rest goes on, else the held chunks go on unchanged.
+    """
+
+    __slots__ = ("done", "held", "prefix")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.held: list[tuple[str, list[int] | None]] = []
+        self.done = False
+
+    def feed(self, text: str, ids: list[int] | None) -> list[tuple[str, list[int] | None]]:
+        if self.done:
+            return [(text, ids)]
+        self.held.append((text, ids))
+        seen = "".join(t for t, _ in self.held)
+        if len(seen) < len(self.prefix) and self.prefix.startswith(seen):
+            return []
+        self.done = True
+        held, self.held = self.held, []
+        if seen.startswith(self.prefix):
+            rest = seen[len(self.prefix) :]
+            log.debug("dropped the engine's repeat of %d continued characters", len(self.prefix))
+            return [(rest, None)] if rest else []
+        return held
+
+    def flush(self) -> list[tuple[str, list[int] | None]]:
+        held, self.held = self.held, []
+        self.done = True
+        return held
+
+
+async def _sse(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event (lines joined), in order."""
+    data: list[str] = []
+    while True:
+        raw = await content.readline()
+        if not raw:
+            break
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def _error_text(obj: object) -> str:
+    """An engine's error body as one line: OpenAI's ``{"error":{"message"}}``, vLLM's
+    ``{"message"}``, TGI's ``{"error": STR}``; else the JSON itself."""
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return cast(str, err["message"])
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return cast(str, obj["message"])
+        if isinstance(obj.get("detail"), str):
+            return cast(str, obj["detail"])
+    return json.dumps(obj)[:_ERROR_BODY]
+
+
+async def _http_error(resp: aiohttp.ClientResponse) -> str:
+    raw = await resp.content.read(_ERROR_BODY)
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        detail = _error_text(json.loads(text))
+    except ValueError:
+        detail = text or (resp.reason or "")
+    return f"HTTP {resp.status}: {detail}" if detail else f"HTTP {resp.status}"
+
+
+class _Engine:
+    """The engine's address, flavour and model, found out once it answers."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        self.url = config.engine_url.rstrip("/")
+        self.flavor: Flavor | None = None if config.flavor == "auto" else config.flavor
+        self.model = config.model
+        self.headers = {"Accept": "text/event-stream"}
+        if config.api_key:
+            self.headers["Authorization"] = f"Bearer {config.api_key}"
+        self.up = False
+        self.why = "not checked yet"
+
+    async def _json(self, http: aiohttp.ClientSession, path: str) -> Any:
+        timeout = aiohttp.ClientTimeout(total=3)
+        async with http.get(self.url + path, headers=self.headers, timeout=timeout) as r:
+            if r.status != 200:
+                return None
+            with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
+                return await r.json(content_type=None)
+        return None
+
+    async def discover(self, http: aiohttp.ClientSession) -> None:
+        """Learn the model and, for ``auto``, the flavour (best effort; retried while unknown)."""
+        models: Any = None
+        if self.model is None or self.flavor is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                models = await self._json(http, "/v1/models")
+        data = models.get("data") if isinstance(models, dict) else None
+        first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+        if self.model is None and isinstance(first.get("id"), str):
+            self.model = first["id"]
+            log.info("engine model: %s", self.model)
+        if self.flavor is not None:
+            return
+        owner = str(first.get("owned_by", "")).lower()
+        for name in ("vllm", "sglang", "llamacpp"):
+            if name in owner.replace(".", "").replace("_", ""):
+                self.flavor = name
+        if self.flavor is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                info = await self._json(http, "/info")
+                if isinstance(info, dict) and "text-generation" in str(info.get("router", "")):
+                    self.flavor = "tgi"
+        if self.flavor is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                props = await self._json(http, "/props")
+                if isinstance(props, dict) and "default_generation_settings" in props:
+                    self.flavor = "llamacpp"
+        if self.flavor is not None:
+            log.info("engine flavour: %s", self.flavor)
+
+    async def check(self, http: aiohttp.ClientSession) -> None:
+        """One health probe: ``GET /health``."""
+        why: str | None = None
+        try:
+            timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)
+            async with http.get(self.url + "/health", headers=self.headers, timeout=timeout) as r:
+                if r.status != 200:
+                    why = f"GET /health: {await _http_error(r)}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            why = f"GET /health: {_describe(exc) or type(exc).__name__}"
+        if why is None and (self.flavor is None or self.model is None):
+            await self.discover(http)
+        self.mark(why)
+
+    def mark(self, why: str | None) -> None:
+        if why is None:
+            if not self.up:
+                log.info("engine %s is up", self.url)
+            self.up, self.why = True, ""
+        else:
+            if self.up or why != self.why:
+                log.warning("engine %s is down: %s", self.url, why)
+            self.up, self.why = False, why
+
+    def body(self, ans: Answer, default_temperature: float | None) -> dict[str, Any]:
+        """The chat completion request that produces the rest of ``ans``."""
+        messages: list[Msg] = [dict(m) for m in ans.base]
+        body: dict[str, Any] = {
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": ans.remaining(),
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        temperature = ans.temperature if ans.temperature is not None else default_temperature
+        if temperature is not None:
+            body["temperature"] = temperature
+        flavor = self.flavor or "vllm"
+        if ans.text:  # a continuation: the engine goes on with the final assistant message
+            messages.append({"role": "assistant", "content": ans.text})
+            if flavor != "tgi":
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+        if flavor == "vllm":
+            body["return_token_ids"] = True
+        return body
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error.strerror or exc.os_error}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass(slots=True)
+class _Session:
+    """A session's conversation, held while connected and ``--session-ttl`` after."""
+
+    sid: str
+    messages: list[Msg] = field(default_factory=list)
+    turns: int = 0
+    realtime: RealtimeSession | None = None
+    connections: int = 0
+    idle_since: float = 0.0
+
+
+@dataclass(slots=True)
+class _Thawed:
+    """A session installed by ``thaw``, waiting for its resumed connection."""
+
+    protocol: str
+    answer: Answer | None
+    queued: list[Prompt]
+    events: list[dict[str, Any]]
+    """openai-realtime: client events to act on after the resume."""
+    since: float
+
+
+class _Connection:
+    """One chat-protocol WebSocket: reads client messages, answers prompts one at a time.
+
+    ``sent`` and ``received`` count data messages as the handoff API reports them. A frozen
+    connection sends nothing more and drops client messages unread, until the peer closes it.
+    """
+
+    protocol = "wslb-chat"
+
+    def __init__(self, bridge: Bridge, ws: web.WebSocketResponse, session: _Session) -> None:
+        self.bridge = bridge
+        self.ws = ws
+        self.session = session
+        self.queue: asyncio.Queue[Prompt] = asyncio.Queue(MAX_QUEUED_PROMPTS)
+        self.current: Answer | None = None
+        self.stop = asyncio.Event()
+        self.answers: asyncio.Task[None] | None = None
+        self.sent = 0
+        self.received = 0
+        self.frozen = False
+        self.attached = True
+        self.resumed: Answer | None = None
+        self.last_chunk: float | None = None
+
+    @property
+    def sid(self) -> str:
+        return self.session.sid
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        # Counted before the write, which aiohttp makes synchronously (no compression) before
+        # its first await: a freeze runs either before the frame is written or after.
+        if self.frozen:
+            raise ConnectionResetError("session frozen")
+        self.sent += 1
+        await self.ws.send_str(_dumps(obj))
+
+    async def error(self, message: str) -> None:
+        with contextlib.suppress(ConnectionError):
+            await self.send({"type": "error", "error": message})
+
+    async def greet(self) -> None:
+        await self.send({"type": "hello", "worker": self.bridge.worker_id, "session": self.sid})
+
+    async def on_binary(self) -> None:
+        await self.error("binary messages are not supported; send JSON text")
+
+    async def on_text(self, data: str) -> None:
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            await self.error(f"invalid JSON: {exc}")
+            return
+        if not isinstance(obj, dict):
+            await self.error("a message must be a JSON object")
+            return
+        kind = obj.get("type")
+        if kind == "prompt":
+            cfg = self.bridge.config
+            try:
+                prompt = parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
+            except PromptError as exc:
+                await self.error(str(exc))
+                return
+            try:
+                self.queue.put_nowait(prompt)
+            except asyncio.QueueFull:
+                await self.error(f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})")
+        elif kind == "cancel":
+            self.cancel(obj.get("turn"))
+        else:
+            await self.error(f"unknown message type: {kind!r}")
+
+    def cancel(self, turn: object) -> None:
+        current = self.current
+        if current is None or (turn is not None and turn != current.turn):
+            return
+        current.cancelled = True
+        self.stop.set()
+
+    def begin(self, prompt: Prompt) -> Answer:
+        """Start the turn of ``prompt`` (synchronous: the conversation takes its prompt)."""
+        s = self.session
+        before = list(s.messages)
+        if prompt.text is not None:
+            base = [*before, {"role": "user", "content": prompt.text}]
+        else:
+            base = [dict(m) for m in prompt.messages or ()]
+        s.turns += 1
+        s.messages = base
+        return Answer(s.turns, list(base), prompt.max_tokens, prompt.temperature, rollback=before)
+
+    async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None:
+        msg: dict[str, Any] = {"type": "token", "turn": ans.turn, "i": ans.i, "text": text}
+        if ids is not None:
+            msg["ids"] = ids
+        ans.advance(text, ids)
+        await self.send(msg)
+
+    def commit(self, ans: Answer) -> None:
+        self.session.messages = [*ans.base, {"role": "assistant", "content": ans.text}]
+
+    async def emit_done(self, ans: Answer) -> None:
+        self.commit(ans)
+        await self.send(
+            {
+                "type": "done",
+                "turn": ans.turn,
+                "tokens": ans.tokens(),
+                "cached_tokens": ans.cached_tokens or 0,
+                "prefill_ms": round(ans.prefill_ms or 0.0, 3),
+                "worker": self.bridge.worker_id,
+            }
+        )
+
+    async def emit_failure(self, ans: Answer, why: str) -> None:
+        if ans.rollback is not None:
+            self.session.messages = ans.rollback
+        else:  # a thawed answer: keep what the client saw
+            self.commit(ans)
+        await self.send({"type": "error", "error": f"engine: {why}", "turn": ans.turn})
+
+    def pending(self) -> tuple[Answer | None, list[Prompt]]:
+        """The unfinished answer and the queued prompts, taken out of this connection."""
+        queued: list[Prompt] = []
+        while not self.queue.empty():
+            queued.append(self.queue.get_nowait())
+        answer, self.current = self.current, None
+        return answer, queued
+
+    def export(self) -> dict[str, Any]:
+        """Freeze: the session's handoff state (synchronous, see ``Bridge._freeze``)."""
+        answer, queued = self.pending()
+        s = self.session
+        return {
+            "v": STATE_VERSION,
+            "session": s.sid,
+            "protocol": self.protocol,
+            "messages": [dict(m) for m in (answer.base if answer is not None else s.messages)],
+            "answer": None if answer is None else answer.to_json(),
+            "queued": [p.to_json() for p in queued],
+            "turns": s.turns,
+            "worker": self.bridge.worker_id,
+        }
+
+    def abandon(self) -> None:
+        """The connection ended without a freeze; the session stays for a reconnect."""
+        ans, self.current = self.current, None
+        if ans is None:
+            return
+        if ans.text or ans.rollback is None:
+            self.commit(ans)
+        else:
+            self.session.messages = ans.rollback
+
+    def freeze(self) -> dict[str, Any]:
+        self.frozen = True
+        self.attached = False
+        if self.answers is not None:
+            self.answers.cancel()
+        return self.export()
+
+    def retire(self) -> None:
+        """Another connection of the session was frozen: stop this one and close it (1012)."""
+        self.frozen = True
+        self.attached = False
+        if self.answers is not None:
+            self.answers.cancel()
+        self.bridge.background(
+            asyncio.create_task(self.ws.close(code=1012, message=b"session moved"))
+        )
+
+    async def answer_loop(self) -> None:
+        """A thawed answer if any, then the queued prompts in order, until the end."""
+        try:
+            resumed, self.resumed = self.resumed, None
+            if resumed is not None:
+                await self.run(resumed)
+            while True:
+                prompt = await self.queue.get()
+                ans = self.begin(prompt)
+                self.current = ans
+                await self.run(ans)
+        except ConnectionError:
+            pass  # the client left; the reader notices and cleans up
+        except Exception:
+            log.exception("answer failed on session %s", self.sid)
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=1011, message=b"internal error")
+
+    async def run(self, ans: Answer) -> None:
+        """Stream the answer from the engine, then end it with done (or the failure)."""
+        self.current = ans
+        why: str | None = None
+        if not (ans.cancelled or ans.finished is not None or ans.remaining() <= 0):
+            why = await self.bridge.generate(self, ans)
+        self.current = None
+        if why is None:
+            await self.emit_done(ans)
+        else:
+            await self.emit_failure(ans, why)
+
+
+class _RealtimeConnection(_Connection):
+    """A connection speaking the OpenAI Realtime protocol (as the reference worker's).
+
+    A ``Respond`` is queued as a prompt of its messages at once (before any await, so a freeze
+    finds it); each chunk is a ``delta``, the end ``finish``. Server events go through
+    ``outbox``, written in order by whoever flushes; a freeze exports what is still in it.
+    """
+
+    protocol = "openai-realtime"
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        ws: web.WebSocketResponse,
+        session: _Session,
+        rt: RealtimeSession,
+    ) -> None:
+        super().__init__(bridge, ws, session)
+        self.rt = rt
+        self.outbox: deque[Send] = deque()
+
+    async def flush(self) -> None:
+        while self.outbox:
+            event = self.outbox.popleft()
+            await self.send(event.event)
+
+    async def queue_events(self, events: list[Send]) -> None:
+        self.outbox.extend(events)
+        with contextlib.suppress(ConnectionError):
+            await self.flush()
+
+    async def greet(self) -> None:
+        await self.queue_events(self.rt.opened())
+
+    async def error(self, message: str) -> None:
+        await self.queue_events(self.rt.error(message))
+
+    async def on_binary(self) -> None:
+        await self.queue_events(self.rt.binary())
+
+    async def on_text(self, data: str) -> None:
+        for out in self.rt.receive(data):
+            if isinstance(out, Send):
+                self.outbox.append(out)
+            elif isinstance(out, Respond):
+                prompt = Prompt(
+                    out.max_tokens,
+                    messages=tuple(dict(m) for m in out.messages),
+                    temperature=self.bridge.config.temperature,
+                )
+                try:
+                    self.queue.put_nowait(prompt)
+                except asyncio.QueueFull:  # one response at a time: the protocol forbids more
+                    self.outbox.extend(self.rt.finish("incomplete"))
+            elif isinstance(out, Cancel):
+                self.cancel(None)
+        with contextlib.suppress(ConnectionError):
+            await self.flush()
+
+    def begin(self, prompt: Prompt) -> Answer:
+        s = self.session
+        s.turns += 1
+        ans = Answer(s.turns, [dict(m) for m in prompt.messages or ()], prompt.max_tokens)
+        ans.temperature = prompt.temperature
+        ans.cancelled = self.rt.cancel_requested
+        return ans
+
+    async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None:
+        ans.advance(text, ids)
+        self.outbox.extend(self.rt.delta(text))
+        await self.flush()
+
+    def commit(self, ans: Answer) -> None:
+        pass  # the Realtime session holds the conversation
+
+    def _finish(self, ans: Answer, status: Literal["incomplete"] | None = None) -> None:
+        if self.rt.response_id is None:
+            return
+        self.outbox.extend(
+            self.rt.finish(
+                status,
+                input_tokens=ans.prompt_tokens or 0,
+                cached_tokens=min(ans.cached_tokens or 0, ans.prompt_tokens or 0),
+                output_tokens=ans.tokens(),
+            )
+        )
+
+    async def emit_done(self, ans: Answer) -> None:
+        self._finish(ans)
+        await self.flush()
+
+    async def emit_failure(self, ans: Answer, why: str) -> None:
+        self.outbox.extend(self.rt.error(f"engine: {why}", code="engine_error"))
+        self._finish(ans, "incomplete")
+        await self.flush()
+
+    def pending(self) -> tuple[Answer | None, list[Prompt]]:
+        answer, queued = super().pending()
+        if answer is None and queued:  # a response created but not started yet
+            answer, queued = self.begin(queued[0]), queued[1:]
+        return answer, queued
+
+    def export(self) -> dict[str, Any]:
+        state = super().export()
+        state["queued"] = []
+        if state["answer"] is None:
+            state["messages"] = self.rt.messages()
+        state["realtime"] = self.rt.snapshot(unsent=self.outbox)
+        self.outbox.clear()
+        return state
+
+    def abandon(self) -> None:
+        self.current = None
+        if self.rt.response_id is not None:
+            self.rt.finish()  # the answer died with the connection; the next one starts fresh
+
+
+class Histogram:
+    """Inter-chunk latencies, lock-free for one event loop (as the reference worker's)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out
+
+
+class _BridgeCollector(Collector):
+    """Reads the bridge at scrape time."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge = bridge
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.bridge
+        yield GaugeMetricFamily(
+            "wslb_worker_active_sessions",
+            "Sessions with at least one open WebSocket connection",
+            value=sum(1 for s in b.sessions.values() if s.connections > 0),
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_sessions",
+            "Sessions held (open, or closed within --session-ttl, or thawed)",
+            value=len(b.sessions),
+        )
+        yield GaugeMetricFamily("wslb_worker_streams", "Engine streams in flight", value=b.streams)
+        yield GaugeMetricFamily(
+            "wslb_worker_queue_depth",
+            "Prompts waiting behind another answer on their connection",
+            value=sum(c.queue.qsize() for c in b.connections),
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_engine_up",
+            "1 while the engine's health route answers 200",
+            value=1.0 if b.engine.up else 0.0,
+        )
+        yield CounterMetricFamily(
+            "wslb_worker_connections", "WebSocket connections accepted", value=b.connections_total
+        )
+        handoffs = CounterMetricFamily(
+            "wslb_worker_handoffs",
+            "Sessions frozen here (moved away) and thawed here (moved in)",
+            labels=["direction"],
+        )
+        for direction, count in b.handoffs.items():
+            handoffs.add_metric([direction], count)
+        yield handoffs
+        yield CounterMetricFamily(
+            "wslb_worker_engine_errors", "Answers the engine failed", value=b.engine_errors
+        )
+        yield HistogramMetricFamily(
+            "wslb_worker_inter_token_latency_seconds",
+            "Time between a stream's successive chunks",
+            buckets=b.itl.cumulative(),
+            sum_value=b.itl.sum,
+        )
+
+
+class Bridge:
+    """The bridge's HTTP/WebSocket server in front of one engine."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        self.config = config
+        self.engine = _Engine(config)
+        self.worker_id = config.worker_id or f"bridge-{config.port}"
+        self.port = config.port
+        self.sessions: dict[str, _Session] = {}
+        self.connections: set[_Connection] = set()
+        self._by_session: dict[str, list[_Connection]] = {}
+        self._thawed: dict[str, _Thawed] = {}
+        self.streams = 0
+        self.connections_total = 0
+        self.engine_errors = 0
+        self.handoffs = {"freeze": 0, "thaw": 0}
+        self.itl = Histogram(ITL_BUCKETS)
+        self.draining = False
+        self.registry = CollectorRegistry()
+        self.registry.register(_BridgeCollector(self))
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._wake_poller = asyncio.Event()
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None, "Bridge.start() first"
+        return self._http
+
+    def background(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_STATE_BYTES)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/wslb/sessions/{sid}/freeze", self._freeze)
+        app.router.add_post("/wslb/sessions/{sid}/thaw", self._thaw)
+        app.router.add_get("/{tail:.*}", self._websocket)
+        return app
+
+    async def start(self) -> None:
+        """Bind and listen (``self.port`` is the bound port), and start polling the engine."""
+        cfg = self.config
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((cfg.host, cfg.port))
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        if cfg.worker_id is None:
+            self.worker_id = f"bridge-{self.port}"
+        # No pool limit: each stream holds a connection for its whole answer.
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self.engine.check(self.http)
+        self._poller = asyncio.create_task(self._poll())
+        runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        self._runner = runner
+
+    async def _poll(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_poller.wait(), self.config.health_interval)
+            self._wake_poller.clear()
+            try:
+                await self.engine.check(self.http)
+            except Exception:  # the poller must outlive any surprise
+                log.exception("engine health check failed")
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        ttl = self.config.session_ttl
+        for sid in [
+            sid
+            for sid, s in self.sessions.items()
+            if s.connections == 0 and now - s.idle_since > ttl
+        ]:
+            del self.sessions[sid]
+            self._thawed.pop(sid, None)
+
+    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
+        """Health 503; wait until no WebSocket is open, at most ``grace`` s (see worker)."""
+        self.draining = True
+        waits = [asyncio.ensure_future(self._idle.wait())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, grace), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._idle.is_set()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop: close every WebSocket with 1001, stop the server and the engine client."""
+        self.draining = True
+        limit = self.config.close_timeout if timeout is None else timeout
+        if self.connections:
+            await asyncio.gather(
+                *(self._close_ws(c.ws, limit) for c in list(self.connections)),
+                return_exceptions=True,
+            )
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    @staticmethod
+    async def _close_ws(ws: web.WebSocketResponse, limit: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            await asyncio.wait_for(
+                ws.close(code=1001, message=b"worker shutting down"), timeout=limit
+            )
+
+    # -- the engine -------------------------------------------------------------------------
+
+    async def generate(self, conn: _Connection, ans: Answer) -> str | None:
+        """Stream the rest of ``ans`` to ``conn``; None when it ended (or was cancelled), else
+        why the engine failed. A cancel (``conn.stop``) or a cancellation of the caller (a
+        freeze, a closed connection) aborts the engine request before this returns."""
+        if self.engine.flavor is None and ans.text:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                await self.engine.discover(self.http)
+        conn.stop.clear()
+        if ans.cancelled:
+            return None
+        stream = asyncio.create_task(self._stream(conn, ans))
+        stopper = asyncio.create_task(conn.stop.wait())
+        self.streams += 1
+        try:
+            await asyncio.wait({stream, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            stream.cancel()
+            await asyncio.wait({stream})
+            self.streams -= 1
+        if stream.cancelled():
+            return None  # the client cancelled
+        exc = stream.exception()
+        if exc is None:
+            return None
+        if isinstance(exc, EngineError):
+            self.engine_errors += 1
+            log.warning("engine failed turn %d of session %s: %s", ans.turn, conn.sid, exc)
+            return str(exc)
+        raise exc
+
+    async def _stream(self, conn: _Connection, ans: Answer) -> None:
+        engine = self.engine
+        cfg = self.config
+        body = engine.body(ans, cfg.temperature)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        echo = _Echo(ans.text) if ans.text and engine.flavor == "llamacpp" else None
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.connect_timeout, sock_read=cfg.engine_timeout
+        )
+        last: float | None = None
+        try:
+            async with self.http.post(
+                engine.url + "/v1/chat/completions",
+                json=body,
+                headers=engine.headers,
+                timeout=timeout,
+            ) as resp:
+                if resp.status != 200:
+                    raise EngineError(await _http_error(resp))
+                complete = False
+                try:
+                    async for data in _sse(resp.content):
+                        if data.strip() == "[DONE]":
+                            complete = True
+                            break
+                        try:
+                            obj = json.loads(data)
+                        except ValueError:
+                            raise EngineError(
+                                f"a stream event is not JSON: {data[:80]!r}"
+                            ) from None
+                        if not isinstance(obj, dict):
+                            raise EngineError(f"a stream event is not an object: {data[:80]!r}")
+                        if obj.get("error") is not None:
+                            raise EngineError(_error_text(obj))
+                        ans.account(obj)
+                        choices = obj.get("choices")
+                        if not isinstance(choices, list) or not choices:
+                            continue
+                        choice = choices[0]
+                        if not isinstance(choice, dict):
+                            continue
+                        delta = choice.get("delta")
+                        text = delta.get("content") if isinstance(delta, dict) else None
+                        if isinstance(text, str) and text:
+                            ids = _ids(choice.get("token_ids"))
+                            if ans.prefill_ms is None:
+                                ans.prefill_ms = (loop.time() - started) * 1e3
+                            pieces = echo.feed(text, ids) if echo is not None else [(text, ids)]
+                            for piece, piece_ids in pieces:
+                                now = loop.time()
+                                if last is not None:
+                                    self.itl.observe(now - last)
+                                last = now
+                                await conn.emit_chunk(ans, piece, piece_ids)
+                        reason = choice.get("finish_reason")
+                        if isinstance(reason, str) and reason:
+                            ans.finished = reason
+                    if echo is not None:
+                        for piece, piece_ids in echo.flush():
+                            await conn.emit_chunk(ans, piece, piece_ids)
+                    if not complete and ans.finished is None:
+                        raise EngineError("the engine's stream ended before the answer did")
+                    complete = True
+                    ans.finished = ans.finished or "stop"  # a freeze from here on: just done
+                finally:
+                    if not complete:
+                        resp.close()  # drop the connection: the engine aborts the request
+        except EngineError:
+            raise
+        except aiohttp.ConnectionTimeoutError:
+            raise EngineError(
+                f"cannot connect to {engine.url} within {cfg.connect_timeout:g} s"
+            ) from None
+        except TimeoutError:
+            raise EngineError(f"no data from the engine for {cfg.engine_timeout:g} s") from None
+        except aiohttp.ClientConnectorError as exc:
+            why = _describe(exc)
+            engine.mark(why)
+            self._wake_poller.set()
+            raise EngineError(why) from None
+        except aiohttp.ClientError as exc:
+            self._wake_poller.set()
+            raise EngineError(_describe(exc)) from None
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        engine = self.engine
+        if not engine.up:
+            return web.json_response({"status": "engine down", "error": engine.why}, status=503)
+        return web.json_response({"status": "ok", "flavor": engine.flavor, "model": engine.model})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
+
+    # -- handoff ----------------------------------------------------------------------------
+
+    async def _freeze(self, request: web.Request) -> web.Response:
+        # No await before the export: the freeze is one step of the event loop.
+        if not self.config.handoff:
+            return _error(404, "this worker has no handoff API")
+        sid = request.match_info["sid"]
+        conns = self._by_session.get(sid, [])
+        live = [c for c in conns if not c.frozen]
+        if not live:
+            if conns:
+                return _error(409, f"session {sid!r} is already frozen")
+            return _error(404, f"no open connection for session {sid!r}")
+        conn = live[-1]
+        state = conn.freeze()
+        for other in live[:-1]:
+            other.retire()
+        self._thawed.pop(sid, None)
+        self.sessions.pop(sid, None)  # the conversation lives on where it is thawed
+        self.handoffs["freeze"] += 1
+        log.info("froze session %s: sent=%d received=%d", sid, conn.sent, conn.received)
+        return web.json_response({"state": state, "sent": conn.sent, "received": conn.received})
+
+    async def _thaw(self, request: web.Request) -> web.Response:
+        if not self.config.handoff:
+            return _error(404, "this worker has no handoff API")
+        if self.draining:
+            return _error(503, "worker shutting down")
+        sid = request.match_info["sid"]
+        if len(sid) > MAX_SESSION_ID_LEN:
+            return _error(400, "session id too long")
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"invalid JSON: {exc}")
+        if not isinstance(body, dict) or "state" not in body:
+            return _error(400, "expected an object with 'state'")
+        try:
+            session, thawed = self._parse_state(body["state"], sid)
+        except StateError as exc:
+            return _error(400, str(exc))
+        if self._by_session.get(sid):
+            return _error(409, f"session {sid!r} has an open connection here")
+        now = time.monotonic()
+        session.idle_since = now
+        thawed.since = now
+        self.sessions[sid] = session
+        self._thawed[sid] = thawed
+        self.handoffs["thaw"] += 1
+        log.info("thawed session %s (%s)", sid, thawed.protocol)
+        return web.json_response({"ok": True})
+
+    def _parse_state(self, value: object, sid: str) -> tuple[_Session, _Thawed]:
+        """Validate a handoff state (the transcript form, or this bridge's superset of it)."""
+        cfg = self.config
+        if not isinstance(value, dict):
+            raise StateError("state must be an object")
+        if value.get("v") != STATE_VERSION:
+            raise StateError(f"state.v must be {STATE_VERSION}, got {value.get('v')!r}")
+        if value.get("session") != sid:
+            raise StateError(f"state.session is {value.get('session')!r}, not {sid!r}")
+        protocol = value.get("protocol")
+        if protocol not in PROTOCOLS:
+            raise StateError(f"state.protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        try:
+            messages = parse_messages(value.get("messages"), "state.messages")
+        except PromptError as exc:
+            raise StateError(str(exc).replace("'state.messages'", "state.messages")) from None
+        answer = None
+        if value.get("answer") is not None:
+            answer = _parse_answer(value["answer"], messages, cfg.max_tokens_limit)
+        raw_queued = value.get("queued", [])
+        if not isinstance(raw_queued, list):
+            raise StateError("state.queued must be a list")
+        if len(raw_queued) > MAX_QUEUED_PROMPTS:
+            raise StateError(f"state.queued holds more than {MAX_QUEUED_PROMPTS} prompts")
+        queued: list[Prompt] = []
+        events: list[dict[str, Any]] = []
+        for n, item in enumerate(raw_queued):
+            if not isinstance(item, dict):
+                raise StateError(f"state.queued[{n}] must be an object")
+            if protocol == "openai-realtime":
+                events.append(item)
+                continue
+            try:
+                queued.append(parse_prompt(item, cfg.max_tokens_default, cfg.max_tokens_limit))
+            except PromptError as exc:
+                raise StateError(f"state.queued[{n}]: {exc}") from None
+        turns = value.get("turns")
+        if turns is None:
+            turns = (
+                answer.turn
+                if answer is not None
+                else sum(1 for m in messages if m["role"] == "assistant")
+            )
+        if _count(turns) is None:
+            raise StateError("state.turns must be a non-negative integer")
+        if answer is not None and answer.turn != turns:
+            raise StateError("state.answer.turn must be the last turn started (state.turns)")
+        session = _Session(sid, messages=messages, turns=turns)
+        if protocol == "openai-realtime":
+            session.realtime = self._realtime_state(value, sid, messages, answer)
+        return session, _Thawed(protocol, answer, queued, events, 0.0)
+
+    def _realtime_state(
+        self, value: dict[str, Any], sid: str, messages: list[Msg], answer: Answer | None
+    ) -> RealtimeSession:
+        cfg = self.config
+        raw = value.get("realtime")
+        if raw is None:
+            raw = _realtime_snapshot(sid, messages, answer, cfg.max_tokens_limit)
+        rt = RealtimeSession.restore(
+            raw,
+            session=sid,
+            default_max_tokens=cfg.max_tokens_default,
+            max_tokens_limit=cfg.max_tokens_limit,
+        )
+        if (rt.response_id is None) != (answer is None):
+            raise StateError("state.answer and state.realtime.response must both be set or null")
+        if answer is not None and isinstance(raw, dict):
+            response = raw.get("response")
+            text = response.get("text") if isinstance(response, dict) else None
+            if text != answer.text:
+                raise StateError("state.answer.text differs from state.realtime.response.text")
+        return rt
+
+    # -- WebSocket --------------------------------------------------------------------------
+
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return web.json_response({"error": "worker shutting down"}, status=503)
+        named = (
+            request.headers.get("X-Session-Id", "").strip()
+            or request.query.get("session", "").strip()
+        )
+        resume = request.headers.get(RESUME_HEADER)
+        if resume is not None:
+            sid = resume.strip()
+            if named and named != sid:
+                return _error(400, f"{RESUME_HEADER} and X-Session-Id name different sessions")
+        else:
+            sid = named or uuid.uuid4().hex
+        if not sid or len(sid) > MAX_SESSION_ID_LEN:
+            return _error(400, "session id empty or too long")
+        ws = web.WebSocketResponse(
+            protocols=self.config.subprotocols, compress=False, timeout=self.config.close_timeout
+        )
+        if not ws.can_prepare(request).ok:
+            return web.json_response(
+                {"error": "expected a WebSocket upgrade"},
+                status=426,
+                headers={"Upgrade": "websocket", "Connection": "Upgrade"},
+            )
+        self._expire(time.monotonic())
+        thawed = self._thawed.pop(sid, None)
+        if resume is not None and thawed is None:
+            return _error(409, f"session {sid!r} was not thawed here")
+        session = self.sessions.get(sid)
+        if session is None:
+            session = self.sessions[sid] = _Session(sid)
+        if thawed is not None and resume is None:
+            _drop_thawed(session, thawed)  # a plain connection: the pending answer is dropped
+            thawed = None
+        ws.headers["X-Session-Id"] = sid
+        await ws.prepare(request)
+        self.connections_total += 1
+        conn: _Connection
+        if request.path == REALTIME_PATH:
+            if session.realtime is None:
+                cfg = self.config
+                session.realtime = RealtimeSession(
+                    sid,
+                    model=request.query.get("model") or None,
+                    default_max_tokens=cfg.max_tokens_default,
+                    max_tokens_limit=cfg.max_tokens_limit,
+                )
+            conn = _RealtimeConnection(self, ws, session, session.realtime)
+        else:
+            conn = _Connection(self, ws, session)
+        self.connections.add(conn)
+        self._idle.clear()
+        self._by_session.setdefault(sid, []).append(conn)
+        session.connections += 1
+        if thawed is not None:
+            conn.resumed = thawed.answer
+            for prompt in thawed.queued:
+                conn.queue.put_nowait(prompt)
+        try:
+            conn.answers = asyncio.create_task(conn.answer_loop())
+            if resume is None:
+                await conn.greet()
+            elif isinstance(conn, _RealtimeConnection):
+                await conn.queue_events(conn.rt.resumed())
+                for event in thawed.events if thawed is not None else ():
+                    await conn.on_text(_dumps(event))
+            async for msg in ws:
+                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    break
+                if conn.frozen:
+                    continue  # the balancer replays it to the session's new worker
+                conn.received += 1
+                if msg.type == WSMsgType.TEXT:
+                    await conn.on_text(msg.data)
+                else:
+                    await conn.on_binary()
+        except ConnectionError:
+            pass
+        finally:
+            if conn.answers is not None:
+                conn.answers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await conn.answers
+            if conn.attached:
+                conn.abandon()
+            self._forget(conn)
+        return ws
+
+    def _forget(self, conn: _Connection) -> None:
+        self.connections.discard(conn)
+        siblings = self._by_session.get(conn.sid)
+        if siblings is not None:
+            with contextlib.suppress(ValueError):
+                siblings.remove(conn)
+            if not siblings:
+                del self._by_session[conn.sid]
+        if conn.attached:
+            session = conn.session
+            session.connections -= 1
+            if session.connections == 0:
+                session.idle_since = time.monotonic()
+        if not self.connections:
+            self._idle.set()
+
+
+def _drop_thawed(session: _Session, thawed: _Thawed) -> None:
+    """A plain connection to a thawed session: keep the conversation, drop the pending answer
+    (its sent text stays as the assistant's reply) and the queue."""
+    ans = thawed.answer
+    if ans is None:
+        return
+    if session.realtime is not None:
+        if session.realtime.response_id is not None:
+            session.realtime.finish()
+    else:
+        session.messages = [*ans.base, {"role": "assistant", "content": ans.text}]
+
+
+def _parse_answer(value: object, messages: list[Msg], limit: int) -> Answer:
+    if not isinstance(value, dict):
+        raise StateError("state.answer must be an object")
+
+    def count(key: str, default: int | None = None) -> int:
+        raw = value.get(key, default)
+        n = _count(raw)
+        if n is None:
+            raise StateError(f"state.answer.{key} must be a non-negative integer")
+        return n
+
+    turn = count("turn")
+    if turn < 1:
+        raise StateError("state.answer.turn must be at least 1")
+    i = count("i")
+    max_tokens = count("max_tokens")
+    if max_tokens > limit:
+        raise StateError(f"state.answer.max_tokens must be at most {limit}")
+    text = value.get("text")
+    if not isinstance(text, str):
+        raise StateError("state.answer.text must be a string")
+    if i == 0 and text:
+        raise StateError("state.answer.text must be empty before any chunk (state.answer.i 0)")
+    raw_ids = value.get("ids")
+    ids = None if raw_ids is None else _ids(raw_ids)
+    if raw_ids is not None and ids is None and raw_ids != []:
+        raise StateError("state.answer.ids must be a list of token ids")
+    tokens = count("tokens", len(ids) if ids is not None else i)
+    if tokens > max_tokens:
+        raise StateError("state.answer.tokens exceeds state.answer.max_tokens")
+    ans = Answer(turn, messages, max_tokens, parts=[text] if text else [], i=i, ids=ids or None)
+    ans.tokens_before = tokens
+    if ans.ids is not None:
+        ans.tokens_before = len(ans.ids)
+    for key in ("cached_tokens", "prompt_tokens"):
+        if value.get(key) is not None:
+            setattr(ans, key, count(key))
+    if value.get("prefill_ms") is not None:
+        prefill = _number(value["prefill_ms"])
+        if prefill is None:
+            raise StateError("state.answer.prefill_ms must be a non-negative number")
+        ans.prefill_ms = prefill
+    ans.keep_stats = ans.cached_tokens is not None or ans.prefill_ms is not None
+    for key in ("cancelled",):
+        flag = value.get(key, False)
+        if not isinstance(flag, bool):
+            raise StateError(f"state.answer.{key} must be a boolean")
+        ans.cancelled = flag
+    finished = value.get("finished")
+    if finished is not None and not isinstance(finished, str):
+        raise StateError("state.answer.finished must be null or a string")
+    ans.finished = finished
+    try:
+        ans.temperature = _temperature(value.get("temperature"))
+    except PromptError as exc:
+        raise StateError(f"state.answer.{exc}") from None
+    return ans
+
+
+def _realtime_snapshot(
+    sid: str, messages: list[Msg], answer: Answer | None, limit: int
+) -> dict[str, Any]:
+    """A Realtime session state rebuilt from a transcript (ids made up here)."""
+    tag = hashlib.blake2b(sid.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    roles = ("user", "system", "assistant")
+    items: list[dict[str, Any]] = [
+        {
+            "id": f"item_{tag}_t{n}",
+            "role": m["role"] if m["role"] in roles else "user",
+            "content": [m["content"]],
+            "status": "completed",
+        }
+        for n, m in enumerate(messages)
+    ]
+    response = None
+    responses = 0
+    if answer is not None:
+        responses = 1
+        item_id = f"item_{tag}_t{len(items)}"
+        items.append({"id": item_id, "role": "assistant", "content": [], "status": "in_progress"})
+        response = {
+            "id": f"resp_{tag}_t{answer.turn}",
+            "item_id": item_id,
+            "max_output_tokens": "inf",
+            "max_tokens": min(answer.max_tokens, limit),
+            "limited": False,
+            "metadata": None,
+            "text": answer.text,
+            "deltas": answer.i,
+            "cancelling": answer.cancelled,
+        }
+    return {
+        "v": 1,
+        "session": sid,
+        "model": None,
+        "instructions": "",
+        "max_output_tokens": "inf",
+        "counters": {"events": 0, "items": 0, "responses": responses},
+        "items": items,
+        "response": response,
+        "unsent": [],
+    }
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wslb-worker --engine openai",
+        description="Engine bridge for wslb: an OpenAI-compatible inference server (vLLM, "
+        "SGLang, llama-server, TGI) as a wslb worker with the chat and Realtime protocols and "
+        "live migration.",
+    )
+    add = parser.add_argument
+    add("--engine", choices=["openai"], required=True, help="the engine's API (openai)")
+    add("--engine-url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    add("--model", default=None, help="model name to request (default: the engine's first)")
+    add(
+        "--engine-flavor",
+        choices=["auto", *FLAVORS],
+        default="auto",
+        help="how the engine continues an answer (default: %(default)s: asked from the engine)",
+    )
+    add(
+        "--engine-api-key",
+        default=None,
+        help="sent as 'Authorization: Bearer KEY' to the engine (default: none)",
+    )
+    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    add("--port", type=int, default=9001, help="port; 0 picks a free one (default: %(default)s)")
+    add("--id", dest="worker_id", default=None, help="worker id (default: bridge-PORT)")
+    add(
+        "--session-ttl",
+        type=float,
+        default=300.0,
+        help="seconds a session is kept after its last connection closes (default: %(default)s)",
+    )
+    add(
+        "--max-tokens-default",
+        type=int,
+        default=64,
+        help="max_tokens of a prompt that gives none (default: %(default)s)",
+    )
+    add(
+        "--temperature",
+        type=float,
+        default=None,
+        help="temperature of a prompt that gives none, and of Realtime responses "
+        "(default: the engine's)",
+    )
+    add("--subprotocols", default="", help="comma-separated subprotocols to accept (default: none)")
+    add("--no-handoff", action="store_true", help="no handoff API (no live migration)")
+    add(
+        "--health-interval",
+        type=float,
+        default=1.0,
+        help="seconds between probes of the engine's /health (default: %(default)s)",
+    )
+    add(
+        "--engine-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an engine stream may send nothing before its answer fails "
+        "(default: %(default)s)",
+    )
+    add(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds after SIGTERM that live sessions are still served (default: %(default)s)",
+    )
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, str]:
+    """Parse options into a config (exiting with status 2 on bad values) and the log level."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.engine_url.startswith(("http://", "https://")):
+        parser.error("--engine-url must be an http:// or https:// URL")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    if args.max_tokens_default < 0:
+        parser.error("--max-tokens-default must be >= 0")
+    if args.temperature is not None and not 0 <= args.temperature <= MAX_TEMPERATURE:
+        parser.error(f"--temperature must be in 0..{MAX_TEMPERATURE:g}")
+    for name in ("session_ttl", "drain_grace"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("health_interval", "engine_timeout"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    config = BridgeConfig(
+        engine_url=args.engine_url,
+        host=args.host,
+        port=args.port,
+        worker_id=args.worker_id,
+        model=args.model,
+        flavor=args.engine_flavor,
+        api_key=args.engine_api_key,
+        subprotocols=tuple(p.strip() for p in args.subprotocols.split(",") if p.strip()),
+        handoff=not args.no_handoff,
+        max_tokens_default=args.max_tokens_default,
+        temperature=args.temperature,
+        session_ttl=args.session_ttl,
+        health_interval=args.health_interval,
+        engine_timeout=args.engine_timeout,
+        drain_grace=args.drain_grace,
+    )
+    return config, args.log_level
+
+
+async def serve(config: BridgeConfig, ready: Callable[[Bridge], None] | None = None) -> None:
+    """Run a bridge until SIGTERM or SIGINT, drain it, then close it; a second signal hurries."""
+    bridge = Bridge(config)
+    await bridge.start()
+    log.info(
+        "bridge %s on %s:%d in front of %s (%s)",
+        bridge.worker_id,
+        config.host,
+        bridge.port,
+        bridge.engine.url,
+        "up" if bridge.engine.up else f"down: {bridge.engine.why}",
+    )
+    if ready is not None:
+        ready(bridge)
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        await bridge.drain(config.drain_grace, hurry)
+    finally:
+        await bridge.close(timeout=0.1 if hurry.is_set() else None)
+
+
+def _announce(bridge: Bridge) -> None:
+    host = bridge.config.host
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"{READY_PREFIX} id={bridge.worker_id} port={bridge.port} url=ws://{shown}:{bridge.port}/ws",
+        flush=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``wslb-worker --engine openai ...`` (``backends.worker.main`` dispatches here)."""
+    config, level = config_from_args(argv)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config, ready=_announce))
+    except OSError as exc:
+        print(f"wslb-worker: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
