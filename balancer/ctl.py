@@ -187,6 +187,7 @@ def parser() -> argparse.ArgumentParser:
     ad.add_argument("url", help="ws:// or wss:// URL of the worker")
     ad.add_argument("--weight", type=float)
     ad.add_argument("--pool", help="pool name (default: the first)")
+    ad.add_argument("--metrics-url", help="scrape load signals here (an engine's /metrics)")
     ad.add_argument("--exist-ok", action="store_true", help="succeed if the id exists")
     rm = sub.add_parser("remove", help="remove a drained backend")
     rm.add_argument("id")
@@ -267,6 +268,8 @@ def main(argv: Sequence[str]) -> int:
                 body["weight"] = args.weight
             if args.pool:
                 body["pool"] = args.pool
+            if args.metrics_url:
+                body["metrics_url"] = args.metrics_url
             try:
                 data = client.call("POST", "/backends", body)
             except ApiError as exc:

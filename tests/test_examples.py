@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from backends.bridge import config_from_args as bridge_config_from_args
 from backends.worker import config_from_args
 from balancer import config as configmod
 from balancer import ctl
@@ -29,6 +30,7 @@ from tests.procs import ROOT
 K8S = ROOT / "examples" / "k8s"
 ENV = {"WSLB_ADMIN_TOKEN": "t0ken", "POD_NAME": "model-abc", "POD_IP": "10.1.2.3"}
 IMAGE = "wslb:0.1.0"
+ENGINE_IMAGES = ("quay.io/coreos/etcd:", "vllm/vllm-openai:")  # what wslb runs beside
 
 
 def documents() -> list[dict[str, Any]]:
@@ -124,7 +126,7 @@ def test_references_resolve() -> None:
             ref = env.get("valueFrom", {}).get("secretKeyRef")
             if ref is not None:
                 assert ref["key"] in secrets[ref["name"]]["stringData"], ref
-        assert c["image"] == IMAGE or c["image"].startswith("quay.io/coreos/etcd:"), c["image"]
+        assert c["image"] == IMAGE or c["image"].startswith(ENGINE_IMAGES), c["image"]
     labels = {id(w): w["spec"]["template"]["metadata"]["labels"] for w in workloads()}
     for name, svc in services.items():
         selector = svc["spec"]["selector"]
@@ -157,7 +159,7 @@ def service_port(host: str, port: int) -> None:
 
 def test_config_endpoints_and_ports_agree() -> None:
     wslb = [(w, c) for w, c in containers() if c["name"] == "wslb"]
-    assert len(wslb) == 2  # its own tier, and a sidecar
+    assert len(wslb) == 3  # its own tier, a sidecar, a sidecar beside an engine
     for w, c in wslb:
         cfg = config_of(w, c)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -209,6 +211,18 @@ def test_hooks_and_commands_parse() -> None:
             assert cfg.port in [p["containerPort"] for p in c["ports"]]
             grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             assert grace > cfg.drain_grace
+        if c["name"] == "bridge":  # the engine bridge in front of the pod's engine
+            assert c["command"] == ["wslb-worker"] and "wslb-worker" in scripts
+            args = [a.replace("$(POD_NAME)", ENV["POD_NAME"]) for a in c["args"]]
+            bcfg, _ = bridge_config_from_args(args)
+            assert bcfg.host == "0.0.0.0" and bcfg.drain_grace > 0
+            assert bcfg.port in [p["containerPort"] for p in c["ports"]]
+            engine_port = urlsplit(bcfg.engine_url).port
+            engine = next(x for x in w["spec"]["template"]["spec"]["containers"]
+                          if x["name"] == "engine")  # fmt: skip
+            assert engine_port in [p["containerPort"] for p in engine["ports"]]
+            grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert grace > bcfg.drain_grace
         if c["name"] == "wslb":
             assert "command" not in c and "wslb" in scripts  # the image's ENTRYPOINT
         for when, hook in c.get("lifecycle", {}).items():
@@ -229,7 +243,7 @@ def test_hooks_and_commands_parse() -> None:
                     assert when == "postStart" and args.exist_ok and args.wait_admin > 0
                     port = urlsplit(args.url).port
                     worker = next(x for x in w["spec"]["template"]["spec"]["containers"]
-                                  if x["name"] == "worker")  # fmt: skip
+                                  if x["name"] in ("worker", "bridge"))  # fmt: skip
                     assert port in [p["containerPort"] for p in worker["ports"]]
     assert hooks >= 4
 
@@ -255,7 +269,7 @@ def test_dockerfile_copies_what_exists_and_exposes_the_ports() -> None:
     assert f"-t {IMAGE}" in text  # the tag the manifests use
 
 
-@pytest.mark.parametrize("name", ["deployment.yaml", "sidecar.yaml"])
+@pytest.mark.parametrize("name", ["deployment.yaml", "sidecar.yaml", "sidecar-engine.yaml"])
 def test_manifest_readme_commands_use_real_ctl(name: str) -> None:
     """The ``wslb ctl`` lines in a manifest's header comment parse too."""
     found = 0
