@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import contextlib
 import hashlib
 import json
@@ -110,6 +109,17 @@ from prometheus_client.registry import Collector
 
 from backends.handoff import StateError
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+from backends.wire import (
+    ITL_BUCKETS,
+    MAX_QUEUED_PROMPTS,
+    MAX_SESSION_ID_LEN,
+    MAX_STATE_BYTES,
+    METRICS_CONTENT_TYPE,
+    READY_PREFIX,
+    REALTIME_PATH,
+    RESUME_HEADER,
+    Histogram,
+)
 
 __all__ = [
     "FLAVORS",
@@ -126,16 +136,6 @@ __all__ = [
 
 log = logging.getLogger("wslb.bridge")
 
-# The same as backends.worker's (the worker's main() imports this module, so this one cannot
-# import it back; tests/test_bridge.py checks they agree).
-READY_PREFIX = "wslb-worker ready"
-RESUME_HEADER = "X-WSLB-Resume"
-REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
-MAX_QUEUED_PROMPTS = 16
-MAX_SESSION_ID_LEN = 256
-MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 STATE_VERSION = 2
 Flavor: TypeAlias = Literal["vllm", "sglang", "llamacpp", "tgi"]
@@ -948,29 +948,6 @@ class _RealtimeConnection(_Connection):
         self.current = None
         if self.rt.response_id is not None:
             self.rt.finish()  # the answer died with the connection; the next one starts fresh
-
-
-class Histogram:
-    """Inter-chunk latencies, lock-free for one event loop (as the reference worker's)."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
-        out, running = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
-            running += n
-            out.append((bound, float(running)))
-        return out
 
 
 class _BridgeCollector(Collector):

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import contextlib
 import json
 import logging
@@ -104,6 +103,17 @@ from backends.model import (
     TurnResult,
 )
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+from backends.wire import (
+    ITL_BUCKETS,
+    MAX_QUEUED_PROMPTS,
+    MAX_SESSION_ID_LEN,
+    MAX_STATE_BYTES,
+    METRICS_CONTENT_TYPE,
+    READY_PREFIX,
+    REALTIME_PATH,
+    RESUME_HEADER,
+    Histogram,
+)
 
 __all__ = [
     "MAX_QUEUED_PROMPTS",
@@ -120,13 +130,6 @@ __all__ = [
 
 log = logging.getLogger("wslb.worker")
 
-READY_PREFIX = "wslb-worker ready"
-RESUME_HEADER = "X-WSLB-Resume"
-REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
-MAX_QUEUED_PROMPTS = 16
-MAX_SESSION_ID_LEN = 256
-MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRIC_NAMES = (
     "wslb_worker_gpu_utilization",
     "wslb_worker_kv_cache_usage",
@@ -141,7 +144,6 @@ METRIC_NAMES = (
     "wslb_worker_inter_token_latency_seconds_count",
 )
 # vLLM's inter-token latency buckets, cut at 10 s (a token slower than that is a stall).
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
 
 
@@ -544,30 +546,6 @@ class _RealtimeConnection(_Connection):
     def abandon(self) -> None:
         if self.rt.response_id is not None:
             self.rt.finish()  # the answer died with the connection; the next one starts fresh
-
-
-class Histogram:
-    """A lock-free histogram for one event loop (prometheus-client's takes a lock per
-    observation, and this one is observed once per token)."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
-        out, running = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
-            running += n
-            out.append((bound, float(running)))
-        return out
 
 
 class _WorkerCollector(Collector):

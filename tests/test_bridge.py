@@ -31,8 +31,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 
-from backends import bridge, worker
-from backends.bridge import METRIC_NAMES, READY_PREFIX, STATE_VERSION
+from backends import bridge, wire, worker
+from backends.bridge import METRIC_NAMES, STATE_VERSION
+from backends.wire import READY_PREFIX
 from tests.engines import LlamaServer
 from tests.engines import chat as engine_chat
 from tests.engines import content as engine_content
@@ -307,7 +308,7 @@ async def uninterrupted(
 
 
 def test_the_bridge_speaks_the_workers_protocol() -> None:
-    """The constants the bridge keeps a copy of (it cannot import the worker) agree."""
+    """The bridge and the reference worker take their wire constants from one module."""
     for name in (
         "READY_PREFIX",
         "RESUME_HEADER",
@@ -317,8 +318,9 @@ def test_the_bridge_speaks_the_workers_protocol() -> None:
         "MAX_STATE_BYTES",
         "METRICS_CONTENT_TYPE",
         "ITL_BUCKETS",
+        "Histogram",
     ):
-        assert getattr(bridge, name) == getattr(worker, name), name
+        assert getattr(bridge, name) is getattr(wire, name) is getattr(worker, name), name
 
 
 def test_cli_dispatch() -> None:

@@ -1,0 +1,56 @@
+"""What the reference worker and the engine bridge share: the wire constants and the
+inter-token latency histogram, so the two workers cannot drift apart.
+
+A leaf module: ``backends.worker`` (whose ``main`` dispatches to the bridge) and
+``backends.bridge`` both import it, neither imports the other back.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+__all__ = [
+    "ITL_BUCKETS",
+    "MAX_QUEUED_PROMPTS",
+    "MAX_SESSION_ID_LEN",
+    "MAX_STATE_BYTES",
+    "METRICS_CONTENT_TYPE",
+    "READY_PREFIX",
+    "REALTIME_PATH",
+    "RESUME_HEADER",
+    "Histogram",
+]
+
+READY_PREFIX = "wslb-worker ready"  # the line printed once listening
+RESUME_HEADER = "X-WSLB-Resume"
+REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
+MAX_QUEUED_PROMPTS = 16
+MAX_SESSION_ID_LEN = 256
+MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets for vllm:inter_token_latency_seconds, which wslb's tpot signal reads.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """A lock-free histogram for one event loop (prometheus-client's takes a lock per
+    observation, and this one is observed once per token)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: ``(le, observations <= le)``, ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out
