@@ -1,4 +1,8 @@
-"""Route by model: pools may match the ``?model=`` query parameter OpenAI Realtime clients send."""
+"""Route by model: pools may match the ``?model=`` query parameter OpenAI Realtime clients send.
+
+The reference workers' chat protocol (any path but ``/v1/realtime``) says which worker answered
+in its ``hello``; tests/test_realtime.py does the same with the openai SDK.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +30,12 @@ async def test_two_models_behind_one_wslb(tmp_path: Path) -> None:
         "pools": [
             {
                 "name": "gemma",
-                "match": {"path_prefix": "/v1/realtime", "model": "gemma"},
+                "match": {"path_prefix": "/v1", "model": "gemma"},
                 "backends": [{"id": g.id, "url": f"ws://127.0.0.1:{g.port}"}],
             },
             {
                 "name": "qwen",
-                "match": {"path_prefix": "/v1/realtime", "model": "qwen"},
+                "match": {"path_prefix": "/v1", "model": "qwen"},
                 "backends": [{"id": q.id, "url": f"ws://127.0.0.1:{q.port}"}],
             },
         ]
@@ -39,10 +43,10 @@ async def test_two_models_behind_one_wslb(tmp_path: Path) -> None:
     lb = Wslb(cfg, tmp_path).start()
     with running(g, q, lb):
         for model, worker in (("gemma", g.id), ("qwen", q.id), ("qwen", q.id)):
-            async with connect(f"{lb.url}/v1/realtime?model={model}&session=s-{model}") as ws:
+            async with connect(f"{lb.url}/v1/chat?model={model}&session=s-{model}") as ws:
                 assert json.loads(await ws.recv())["worker"] == worker
         with pytest.raises(InvalidStatus) as refused:
-            await connect(f"{lb.url}/v1/realtime?model=llama")
+            await connect(f"{lb.url}/v1/chat?model=llama")
         response = refused.value.response
         assert response.status_code == 404
         assert response.headers["Content-Type"] == "application/json"
@@ -51,7 +55,7 @@ async def test_two_models_behind_one_wslb(tmp_path: Path) -> None:
             "models": ["gemma", "qwen"],
         }
         with pytest.raises(InvalidStatus) as no_model:
-            await connect(f"{lb.url}/v1/realtime")
+            await connect(f"{lb.url}/v1/chat")
         assert no_model.value.response.status_code == 404
         assert json.loads(no_model.value.response.body) == {
             "error": "no ?model= given",
