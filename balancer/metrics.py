@@ -75,6 +75,8 @@ class Histogram:
 
 
 PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A real engine re-prefills the conversation before its first token after a move: seconds.
+FIRST_MESSAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DRAIN_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -94,6 +96,9 @@ class Stats:
     probe_failures: Counter[str] = field(default_factory=Counter)
     migrations: Counter[str] = field(default_factory=Counter)
     migration_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
+    migration_first_message: Histogram = field(
+        default_factory=lambda: Histogram(FIRST_MESSAGE_BUCKETS)
+    )
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0
     backpressure_closes: int = 0
@@ -290,6 +295,11 @@ class BalancerCollector(Collector):
         yield mig
         yield st.migration_pause.metric(
             "wslb_migration_pause_seconds", "From freeze to the first message on the new leg"
+        )
+        yield st.migration_first_message.metric(
+            "wslb_migration_first_message_seconds",
+            "From freeze to the first worker message after a move, however late (a real "
+            "engine's re-prefill included); moves of sessions that stayed quiet are not counted",
         )
         yield st.drain_duration.metric(
             "wslb_drain_duration_seconds", "From drain start to the worker drained"

@@ -254,9 +254,9 @@ async def test_the_clients_answer_to_wslbs_close_ends_it_at_once() -> None:
     host = FakeHost(asyncio.get_running_loop())
     s, ct, wt, _ = make(host)
     s.close(CloseCode.SERVICE_RESTART, "worker draining")
-    assert not ct.closed
+    assert not ct.is_closing()
     s.client_data(text(b"late", mask=True) + close(1012, mask=True))
-    assert ct.closed and bytes(wt.written).count(b"late") == 0  # nothing forwarded after it
+    assert ct.is_closing() and bytes(wt.written).count(b"late") == 0  # nothing forwarded after
     s.data_received(close(1001))  # the worker's answer, also seen though nothing is forwarded
     s.client_lost()
     assert wt.closed
@@ -414,3 +414,26 @@ def test_scanner_commands() -> None:
     assert sc2.feed(text(b"late", mask=False)) == b""
     assert sc2.feed(close(1000)) == b"" and sc2.close == (1000, "") and sc2.notable
     assert sc2.feed(text(b"after the close", mask=False)) == b"" and sc2.messages == 0
+
+
+async def test_a_late_first_message_after_a_move_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that re-prefills before its first token: the move's pause ends at the switch,
+    the watcher times the first message (``wslb_migration_first_message_seconds``)."""
+    loop = asyncio.get_running_loop()
+    host = FakeHost(loop)
+    s, _ct, _wt, pool = make(host)
+    state = drain_state(loop, pool)
+    monkeypatch.setattr(migrate_mod, "FIRST_MESSAGE_POLL", 0.005)
+    t_freeze = loop.time()
+    watcher = asyncio.ensure_future(migrate_mod.watch_first_message(state, s, s.ws, t_freeze))
+    await asyncio.sleep(0.1)
+    assert state.stats.migration_first_message.count == 0
+    s.data_received(text(b"first token after the move", mask=False))
+    await asyncio.wait_for(watcher, 1)
+    (late,) = state.stats.migration_first_message.samples
+    assert 0.1 <= late < 0.5
+    # A session that closes meanwhile is not counted.
+    s.close(CloseCode.GOING_AWAY, "bye")
+    again = asyncio.ensure_future(migrate_mod.watch_first_message(state, s, s.ws, loop.time()))
+    await asyncio.wait_for(again, 1)
+    assert state.stats.migration_first_message.count == 1

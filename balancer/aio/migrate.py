@@ -29,7 +29,7 @@ import aiohttp
 from balancer.aio.proxy import open_upstream
 from balancer.aio.session import PAUSES_KEPT, Session
 from balancer.aio.state import ServerState
-from balancer.frames import CloseCode
+from balancer.frames import CloseCode, FrameScanner
 from balancer.handshake import UpstreamReject
 from balancer.pool import Backend
 
@@ -39,6 +39,11 @@ log = logging.getLogger("wslb.migrate")
 
 STEP_TIMEOUT = 5.0  # each HTTP step and the flush
 POLL = 0.002
+# After the switch, how long a move waits inline for the new worker's first message (the pause
+# then ends there), and how long a watcher waits beyond that for the first-message figure.
+FIRST_MESSAGE_INLINE = 0.2
+FIRST_MESSAGE_WAIT = 30.0
+FIRST_MESSAGE_POLL = 0.02
 
 
 class MigrationError(Exception):
@@ -174,14 +179,34 @@ async def _migrate(
         log.info("session %s: migration failed (%s), restored on %s", s.sid, exc, old.id)
         raise
     # The pause ends with the first message on the new leg; an idle session (no answer
-    # streaming) has none due, and its pause ends with the switch.
+    # streaming) has none due, and its pause ends with the switch. A slower first message (an
+    # engine re-prefilling the conversation) is timed by a watcher, off the drain's slot.
     t_switch = loop.time()
     ws = s.ws
-    if await _until(lambda: ws.messages > 0 or s.closing, 0.2) and ws.messages > 0:
+    if await _until(lambda: ws.messages > 0 or s.closing, FIRST_MESSAGE_INLINE) and ws.messages:
         t_switch = loop.time()
+        state.stats.migration_first_message.observe(t_switch - t_freeze)
+    elif not s.closing:
+        state.spawn(watch_first_message(state, s, ws, t_freeze))
     pause = t_switch - t_freeze
     log.info("session %s moved %s -> %s in %.1f ms", s.sid, old.id, target.id, pause * 1e3)
     return MigrationResult(True, "migrated", target.id, pause)
+
+
+async def watch_first_message(
+    state: ServerState, s: Session, ws: FrameScanner, t_freeze: float
+) -> None:
+    """Observe when the new leg's first message came (``wslb_migration_first_message_seconds``),
+    at most ``FIRST_MESSAGE_WAIT`` after the freeze; a session that closes, moves again or stays
+    quiet is not counted."""
+    loop = asyncio.get_running_loop()
+    while loop.time() - t_freeze < FIRST_MESSAGE_WAIT:
+        if s.closing or s.ws is not ws:
+            return
+        if ws.messages:
+            state.stats.migration_first_message.observe(loop.time() - t_freeze)
+            return
+        await asyncio.sleep(FIRST_MESSAGE_POLL)
 
 
 def _target(s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEventLoop) -> Backend:

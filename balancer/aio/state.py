@@ -19,7 +19,8 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import aiohttp
 
@@ -79,6 +80,7 @@ class ServerState:
         self._upstream_tls: dict[str, ssl.SSLContext] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- routing and admission -------------------------------------------------------------
 
@@ -185,6 +187,12 @@ class ServerState:
             log_access(s)
         if not self.sessions:
             self._idle.set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a small fire-and-forget task of a session's (kept alive until it ends)."""
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def idle(self) -> None:
         """Until no session is live."""
