@@ -91,7 +91,6 @@ import socket
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
@@ -119,6 +118,7 @@ from backends.wire import (
     REALTIME_PATH,
     RESUME_HEADER,
     Histogram,
+    Outbox,
 )
 
 __all__ = [
@@ -852,26 +852,16 @@ class _RealtimeConnection(_Connection):
     ) -> None:
         super().__init__(bridge, ws, session)
         self.rt = rt
-        self.outbox: deque[Send] = deque()
-
-    async def flush(self) -> None:
-        while self.outbox:
-            event = self.outbox.popleft()
-            await self.send(event.event)
-
-    async def queue_events(self, events: list[Send]) -> None:
-        self.outbox.extend(events)
-        with contextlib.suppress(ConnectionError):
-            await self.flush()
+        self.outbox = Outbox(self.send)
 
     async def greet(self) -> None:
-        await self.queue_events(self.rt.opened())
+        await self.outbox.push(self.rt.opened())
 
     async def error(self, message: str) -> None:
-        await self.queue_events(self.rt.error(message))
+        await self.outbox.push(self.rt.error(message))
 
     async def on_binary(self) -> None:
-        await self.queue_events(self.rt.binary())
+        await self.outbox.push(self.rt.binary())
 
     async def on_text(self, data: str) -> None:
         for out in self.rt.receive(data):
@@ -889,8 +879,7 @@ class _RealtimeConnection(_Connection):
                     self.outbox.extend(self.rt.finish("incomplete"))
             elif isinstance(out, Cancel):
                 self.cancel(None)
-        with contextlib.suppress(ConnectionError):
-            await self.flush()
+        await self.outbox.flush(quiet=True)
 
     def begin(self, prompt: Prompt) -> Answer:
         s = self.session
@@ -903,7 +892,7 @@ class _RealtimeConnection(_Connection):
     async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None:
         ans.advance(text, ids)
         self.outbox.extend(self.rt.delta(text))
-        await self.flush()
+        await self.outbox.flush()
 
     def commit(self, ans: Answer) -> None:
         pass  # the Realtime session holds the conversation
@@ -922,12 +911,12 @@ class _RealtimeConnection(_Connection):
 
     async def emit_done(self, ans: Answer) -> None:
         self._finish(ans)
-        await self.flush()
+        await self.outbox.flush()
 
     async def emit_failure(self, ans: Answer, why: str) -> None:
         self.outbox.extend(self.rt.error(f"engine: {why}", code="engine_error"))
         self._finish(ans, "incomplete")
-        await self.flush()
+        await self.outbox.flush()
 
     def pending(self) -> tuple[Answer | None, list[Prompt]]:
         answer, queued = super().pending()
@@ -1459,7 +1448,7 @@ class Bridge:
             if resume is None:
                 await conn.greet()
             elif isinstance(conn, _RealtimeConnection):
-                await conn.queue_events(conn.rt.resumed())
+                await conn.outbox.push(conn.rt.resumed())
                 for event in thawed.events if thawed is not None else ():
                     await conn.on_text(_dumps(event))
             async for msg in ws:

@@ -1,5 +1,5 @@
-"""What the reference worker and the engine bridge share: the wire constants and the
-inter-token latency histogram, so the two workers cannot drift apart.
+"""What the reference worker and the engine bridge share: the wire constants, the inter-token
+latency histogram and the Realtime connections' outbox, so the two workers cannot drift apart.
 
 A leaf module: ``backends.worker`` (whose ``main`` dispatches to the bridge) and
 ``backends.bridge`` both import it, neither imports the other back.
@@ -8,6 +8,12 @@ A leaf module: ``backends.worker`` (whose ``main`` dispatches to the bridge) and
 from __future__ import annotations
 
 import bisect
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from backends.protocol.realtime import Send
 
 __all__ = [
     "ITL_BUCKETS",
@@ -19,6 +25,7 @@ __all__ = [
     "REALTIME_PATH",
     "RESUME_HEADER",
     "Histogram",
+    "Outbox",
 ]
 
 READY_PREFIX = "wslb-worker ready"  # the line printed once listening
@@ -54,3 +61,27 @@ class Histogram:
             running += n
             out.append((bound, float(running)))
         return out
+
+
+class Outbox(deque[Send]):
+    """A Realtime connection's server events not written yet, in order.
+
+    Whoever flushes writes them: each event is popped and written with no await between, so a
+    freeze finds every event either still here (it moves with the session: ``snapshot(unsent=
+    outbox)``) or sent (counted in the connection's ``sent``).
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        super().__init__()
+        self._send = send
+
+    async def flush(self, *, quiet: bool = False) -> None:
+        """Write what is queued; ``quiet``: a connection gone meanwhile is not an error here."""
+        with contextlib.suppress(*((ConnectionError,) if quiet else ())):
+            while self:
+                await self._send(self.popleft().event)
+
+    async def push(self, events: Iterable[Send]) -> None:
+        """Queue ``events`` and write everything queued (a gone connection is no error)."""
+        self.extend(events)
+        await self.flush(quiet=True)

@@ -74,7 +74,6 @@ import socket
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -113,6 +112,7 @@ from backends.wire import (
     REALTIME_PATH,
     RESUME_HEADER,
     Histogram,
+    Outbox,
 )
 
 __all__ = [
@@ -483,28 +483,16 @@ class _RealtimeConnection(_Connection):
     ) -> None:
         super().__init__(worker, ws, session)
         self.rt = rt
-        self.outbox: deque[Send] = deque()
-
-    async def flush(self) -> None:
-        # Popped and written with no await between: a freeze finds each event either in the
-        # outbox (then it moves with the session) or sent (counted in ``sent``).
-        while self.outbox:
-            event = self.outbox.popleft()
-            await self.send(event.event)
-
-    async def queue_events(self, events: list[Send]) -> None:
-        self.outbox.extend(events)
-        with contextlib.suppress(ConnectionError):
-            await self.flush()
+        self.outbox = Outbox(self.send)
 
     async def greet(self) -> None:
-        await self.queue_events(self.rt.opened())
+        await self.outbox.push(self.rt.opened())
 
     async def error(self, message: str) -> None:
-        await self.queue_events(self.rt.error(message))
+        await self.outbox.push(self.rt.error(message))
 
     async def on_binary(self) -> None:
-        await self.queue_events(self.rt.binary())
+        await self.outbox.push(self.rt.binary())
 
     async def on_text(self, data: str) -> None:
         for out in self.rt.receive(data):
@@ -518,14 +506,13 @@ class _RealtimeConnection(_Connection):
                     self.outbox.extend(self.rt.finish("incomplete"))
             elif isinstance(out, Cancel):
                 self.cancel(None)
-        with contextlib.suppress(ConnectionError):
-            await self.flush()
+        await self.outbox.flush(quiet=True)
 
     async def emit_token(self, token: Token) -> None:
         # Words joined by spaces: the next turn's messages() split into the same tokens, so the
         # conversation's KV prefix still matches.
         self.outbox.extend(self.rt.delta(("" if token.i == 0 else " ") + token.text))
-        await self.flush()
+        await self.outbox.flush()
 
     async def emit_done(self, result: TurnResult) -> None:
         self.outbox.extend(
@@ -535,7 +522,7 @@ class _RealtimeConnection(_Connection):
                 output_tokens=result.tokens,
             )
         )
-        await self.flush()
+        await self.outbox.flush()
 
     def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
         state = snapshot_to_json(snapshot)
@@ -880,7 +867,7 @@ class Worker:
             if resume is None:
                 await conn.greet()
             elif isinstance(conn, _RealtimeConnection):
-                await conn.queue_events(conn.rt.resumed())
+                await conn.outbox.push(conn.rt.resumed())
             async for msg in ws:
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     break
