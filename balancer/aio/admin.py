@@ -32,6 +32,7 @@ from balancer import admintoken
 from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
 from balancer.config import Admin as AdminCfg
+from balancer.config import is_loopback
 
 __all__ = ["Admin"]
 
@@ -40,16 +41,6 @@ log = logging.getLogger("wslb.admin")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN = frozenset({"/healthz", "/readyz"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-def _is_loopback(host: str) -> bool:
-    """``host`` (an address to listen on) reaches only this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def rebinding_safe(host_header: str | None) -> bool:
@@ -89,7 +80,7 @@ class Admin:
         self._token = f"Bearer {token}".encode() if token and unix_socket is None else None
         self._generated: str | None = None  # the token start() made, removed at stop()
         self._guarded = unix_socket is None  # Origin, Host and Content-Type checks
-        self._check_host = _is_loopback(cfg.host)
+        self._check_host = is_loopback(cfg.host)
 
     def make_app(self) -> web.Application:
         web_app = web.Application(middlewares=[self._guard, self._auth, self._errors])

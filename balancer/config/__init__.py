@@ -30,6 +30,7 @@ Where things live (each imports only those above it; import from here, not from 
 
 from __future__ import annotations
 
+from balancer.config.build import is_loopback as is_loopback
 from balancer.config.build import load, parse
 from balancer.config.build import parse_backend as parse_backend
 from balancer.config.errors import ConfigError

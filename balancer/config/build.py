@@ -56,7 +56,7 @@ from balancer.config.model import (
 from balancer.config.units import _BYTES, _line_col, expand_env, parse_duration, parse_size
 from balancer.weights import Coefficients
 
-__all__ = ["load", "parse", "parse_backend"]
+__all__ = ["is_loopback", "load", "parse", "parse_backend"]
 
 
 # --------------------------------------------------------------------------- load / parse
@@ -630,7 +630,7 @@ class _Builder(_Reader):
             self.error((*p, "args"), "only used with spawn (arguments of a spawned worker)")
         if spawn is not None and url_ok:
             u = urlsplit(url)
-            if not _is_loopback(u.hostname or ""):
+            if not is_loopback(u.hostname or ""):
                 self.error(
                     (*p, "url"),
                     f"spawn needs a loopback URL (127.0.0.1, [::1], localhost), got {url!r}",
@@ -869,7 +869,8 @@ def _http_url_problem(url: str) -> str | None:
     return None
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or address) reaches only this machine."""
     if host.lower() in _LOOPBACK_NAMES:
         return True
     try:
