@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,7 +134,6 @@ class LocalControl:
         self.registry = registry
         self.config_path = config_path
         self.reload_tls = reload_tls
-        self.background: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
 
     # -- primitives ------------------------------------------------------------------------
 
@@ -165,11 +164,9 @@ class LocalControl:
             await self.drainer.undrain(b)
             await self.remove(pool, b)
 
-    def spawn(self, coro: Any) -> None:
-        """Run a fire-and-forget task, kept alive until it ends."""
-        task = self.state.loop.create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a fire-and-forget task (the state keeps it alive)."""
+        self.state.spawn(coro)
 
     def worker_reports(self, b: Backend, ok: bool, draining: bool) -> str | None:
         """A health probe's answer: the worker drains itself (SIGTERM, pod termination), or a

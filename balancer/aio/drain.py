@@ -75,7 +75,6 @@ class Drainer:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.progress: dict[str, DrainProgress] = {}
         self._self_drained: set[str] = set()  # drained because the worker said "draining"
-        self._undrains: set[asyncio.Task[None]] = set()
 
     def start(
         self,
@@ -117,9 +116,7 @@ class Drainer:
             return False
         self._self_drained.discard(backend.id)
         log.info("worker %s is healthy again after draining itself; undraining", backend.id)
-        task = self.state.loop.create_task(self.undrain(backend))
-        self._undrains.add(task)
-        task.add_done_callback(self._undrains.discard)
+        self.state.spawn(self.undrain(backend))
         return True
 
     def keep_drained(self, backend: Backend) -> None:

@@ -80,7 +80,7 @@ class ServerState:
         self._upstream_tls: dict[str, ssl.SSLContext] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- routing and admission -------------------------------------------------------------
 
@@ -188,8 +188,8 @@ class ServerState:
         if not self.sessions:
             self._idle.set()
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a small fire-and-forget task of a session's (kept alive until it ends)."""
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a fire-and-forget task (kept alive until it ends: asyncio holds weak ones)."""
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
