@@ -83,7 +83,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import signal
@@ -106,8 +105,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from backends.handoff import StateError
-from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+from backends.handoff import StateError, TranscriptAnswer
+from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send, restore_transcript
 from backends.wire import (
     ITL_BUCKETS,
     MAX_QUEUED_PROMPTS,
@@ -1326,7 +1325,9 @@ class Bridge:
             raise StateError(str(exc).replace("'state.messages'", "state.messages")) from None
         answer = None
         if value.get("answer") is not None:
-            answer = _parse_answer(value["answer"], messages, cfg.max_tokens_limit)
+            answer = _parse_answer(
+                value["answer"], messages, cfg.max_tokens_limit, cfg.max_tokens_default
+            )
         raw_queued = value.get("queued", [])
         if not isinstance(raw_queued, list):
             raise StateError("state.queued must be a list")
@@ -1364,23 +1365,18 @@ class Bridge:
         self, value: dict[str, Any], sid: str, messages: list[Msg], answer: Answer | None
     ) -> RealtimeSession:
         cfg = self.config
-        raw = value.get("realtime")
-        if raw is None:
-            raw = _realtime_snapshot(sid, messages, answer, cfg.max_tokens_limit)
-        rt = RealtimeSession.restore(
-            raw,
+        return restore_transcript(
+            value.get("realtime"),
             session=sid,
+            messages=messages,
+            answer=None
+            if answer is None
+            else TranscriptAnswer(
+                answer.turn, answer.i, answer.text, answer.max_tokens, answer.cancelled
+            ),
             default_max_tokens=cfg.max_tokens_default,
             max_tokens_limit=cfg.max_tokens_limit,
         )
-        if (rt.response_id is None) != (answer is None):
-            raise StateError("state.answer and state.realtime.response must both be set or null")
-        if answer is not None and isinstance(raw, dict):
-            response = raw.get("response")
-            text = response.get("text") if isinstance(response, dict) else None
-            if text != answer.text:
-                raise StateError("state.answer.text differs from state.realtime.response.text")
-        return rt
 
     # -- WebSocket --------------------------------------------------------------------------
 
@@ -1503,7 +1499,7 @@ def _drop_thawed(session: _Session, thawed: _Thawed) -> None:
         session.messages = [*ans.base, {"role": "assistant", "content": ans.text}]
 
 
-def _parse_answer(value: object, messages: list[Msg], limit: int) -> Answer:
+def _parse_answer(value: object, messages: list[Msg], limit: int, default_max: int) -> Answer:
     if not isinstance(value, dict):
         raise StateError("state.answer must be an object")
 
@@ -1518,7 +1514,8 @@ def _parse_answer(value: object, messages: list[Msg], limit: int) -> Answer:
     if turn < 1:
         raise StateError("state.answer.turn must be at least 1")
     i = count("i")
-    max_tokens = count("max_tokens")
+    # null: the prompt named none (a failover's transcript), so this bridge's default applies
+    max_tokens = default_max if value.get("max_tokens") is None else count("max_tokens")
     if max_tokens > limit:
         raise StateError(f"state.answer.max_tokens must be at most {limit}")
     text = value.get("text")
@@ -1560,51 +1557,6 @@ def _parse_answer(value: object, messages: list[Msg], limit: int) -> Answer:
     except PromptError as exc:
         raise StateError(f"state.answer.{exc}") from None
     return ans
-
-
-def _realtime_snapshot(
-    sid: str, messages: list[Msg], answer: Answer | None, limit: int
-) -> dict[str, Any]:
-    """A Realtime session state rebuilt from a transcript (ids made up here)."""
-    tag = hashlib.blake2b(sid.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
-    roles = ("user", "system", "assistant")
-    items: list[dict[str, Any]] = [
-        {
-            "id": f"item_{tag}_t{n}",
-            "role": m["role"] if m["role"] in roles else "user",
-            "content": [m["content"]],
-            "status": "completed",
-        }
-        for n, m in enumerate(messages)
-    ]
-    response = None
-    responses = 0
-    if answer is not None:
-        responses = 1
-        item_id = f"item_{tag}_t{len(items)}"
-        items.append({"id": item_id, "role": "assistant", "content": [], "status": "in_progress"})
-        response = {
-            "id": f"resp_{tag}_t{answer.turn}",
-            "item_id": item_id,
-            "max_output_tokens": "inf",
-            "max_tokens": min(answer.max_tokens, limit),
-            "limited": False,
-            "metadata": None,
-            "text": answer.text,
-            "deltas": answer.i,
-            "cancelling": answer.cancelled,
-        }
-    return {
-        "v": 1,
-        "session": sid,
-        "model": None,
-        "instructions": "",
-        "max_output_tokens": "inf",
-        "counters": {"events": 0, "items": 0, "responses": responses},
-        "items": items,
-        "response": response,
-        "unsent": [],
-    }
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -25,21 +25,143 @@ Format, version 1 (docs/protocol.md)::
 
 A token is a non-empty string without whitespace (a word, see ``backends.model.words``).
 Unknown keys are ignored, so a version 1 reader accepts additions that do not change meaning.
+
+Version 2, the open transcript form (docs/protocol.md section 5a), is read too
+(``transcript_from_json``; ``read_state`` dispatches on ``v``): the engine bridge writes it and
+the balancer builds it from its journal for crash failover, so every worker must continue a
+session from the conversation alone. The simulated model is deterministic, so the context is
+rebuilt from the messages' words plus the unfinished answer's ``token_text``s; nothing of the
+KV cache travels (``kv_cached`` 0: the new worker prefills again). The reference worker still
+freezes to version 1, which keeps the exact context and the cached prefix.
+
+The chat protocol's prompt rules (``parse_prompt``) live here, beside the states that carry
+queued prompts, so the worker and a transcript's ``queued`` check them the same way.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, cast
 
-from backends.model import PendingAnswer, Prompt, QueuedPrompt, SessionSnapshot
+from backends.model import (
+    PendingAnswer,
+    Prompt,
+    QueuedPrompt,
+    SessionSnapshot,
+    token_text,
+    words,
+)
 
-__all__ = ["STATE_VERSION", "StateError", "snapshot_from_json", "snapshot_to_json"]
+__all__ = [
+    "PROTOCOLS",
+    "STATE_VERSION",
+    "TRANSCRIPT_VERSION",
+    "ProtocolError",
+    "StateError",
+    "Transcript",
+    "TranscriptAnswer",
+    "parse_prompt",
+    "read_state",
+    "snapshot_from_json",
+    "snapshot_to_json",
+    "transcript_from_json",
+]
 
 STATE_VERSION = 1
+TRANSCRIPT_VERSION = 2
+Protocol: TypeAlias = Literal["wslb-chat", "openai-realtime"]
+PROTOCOLS: tuple[Protocol, ...] = ("wslb-chat", "openai-realtime")
+# The chat protocol's token texts (backends.model.token_text); the balancer joins a turn's
+# texts with nothing between them, so one assistant "word" can hold a run of them.
+_TOKEN_RUN = re.compile(r"(?:t\d+\.\d+-[0-9a-f]{8})+")
+_TOKEN = re.compile(r"t\d+\.\d+-[0-9a-f]{8}")
 
 
 class StateError(ValueError):
     """A handoff state that cannot be installed; the message names the bad field."""
+
+
+class ProtocolError(Exception):
+    """A client message the worker cannot act on; reported as an ``error`` message."""
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptAnswer:
+    """A transcript's unfinished answer, as far as a Realtime session rebuilt from it needs.
+
+    ``i`` chunks (the reference worker: tokens) of it were sent; their text is ``text``.
+    """
+
+    turn: int
+    i: int
+    text: str
+    max_tokens: int
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Transcript:
+    """A validated version 2 state: the model's snapshot plus what the protocol layer needs.
+
+    ``events`` (openai-realtime): client events to act on after the resume, in order.
+    ``realtime``: the state's ``realtime`` value unchecked (None when absent), for
+    ``backends.protocol.realtime.restore_transcript``, which checks it against ``answer``.
+    """
+
+    snapshot: SessionSnapshot
+    protocol: Protocol
+    messages: tuple[dict[str, str], ...]
+    """The conversation up to the answer's prompt, ``{"role", "content"}`` with string content."""
+    answer: TranscriptAnswer | None
+    events: tuple[dict[str, Any], ...] = ()
+    realtime: object = None
+
+
+def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Prompt, int]:
+    """Validate a chat-protocol ``prompt`` message into a model prompt and its ``max_tokens``.
+
+    Raises:
+        ProtocolError: the message does not follow the chat protocol (docs/protocol.md).
+    """
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ProtocolError("max_tokens must be a non-negative integer")
+    if max_tokens > limit:
+        raise ProtocolError(f"max_tokens must be at most {limit}")
+    has_text, has_messages = "text" in obj, "messages" in obj
+    if has_text and has_messages:
+        raise ProtocolError("a prompt takes 'text' or 'messages', not both")
+    if has_text:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise ProtocolError("'text' must be a string")
+        return Prompt.from_text(text), max_tokens
+    if has_messages:
+        return Prompt.from_messages(_message_contents(obj["messages"])), max_tokens
+    raise ProtocolError("a prompt needs 'text' or 'messages'")
+
+
+def _message_contents(messages: object) -> list[str]:
+    """Contents of chat messages; content parts (``[{"type":"text","text":...}]``) are joined."""
+    if not isinstance(messages, list):
+        raise ProtocolError("'messages' must be a list")
+    contents: list[str] = []
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ProtocolError(f"messages[{n}] must be an object")
+        content = message.get("content")
+        if isinstance(content, str):
+            contents.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    contents.append(part["text"])
+        elif content is not None:
+            raise ProtocolError(f"messages[{n}].content must be a string or a list of parts")
+    return contents
 
 
 def snapshot_to_json(snapshot: SessionSnapshot) -> dict[str, Any]:
@@ -128,6 +250,234 @@ def snapshot_from_json(
     )
 
 
+def read_state(
+    value: object,
+    *,
+    session: str | None = None,
+    max_queued: int | None = None,
+    max_tokens_limit: int | None = None,
+    default_max_tokens: int = 64,
+) -> SessionSnapshot | Transcript:
+    """Validate a thaw's state of either version: a snapshot (v1) or a transcript (v2).
+
+    The arguments are ``snapshot_from_json``'s and ``transcript_from_json``'s.
+
+    Raises:
+        StateError: the state is malformed, of an unknown version, or for another session.
+    """
+    obj = _object(value, "state")
+    version = obj.get("v")
+    if version == STATE_VERSION:
+        return snapshot_from_json(
+            obj, session=session, max_queued=max_queued, max_tokens_limit=max_tokens_limit
+        )
+    if version == TRANSCRIPT_VERSION:
+        return transcript_from_json(
+            obj,
+            session=session,
+            max_queued=max_queued,
+            max_tokens_limit=max_tokens_limit,
+            default_max_tokens=default_max_tokens,
+        )
+    raise StateError(
+        f"state.v must be {STATE_VERSION} or {TRANSCRIPT_VERSION}, got {_shown(version)}"
+    )
+
+
+def transcript_from_json(
+    value: object,
+    *,
+    session: str | None = None,
+    max_queued: int | None = None,
+    max_tokens_limit: int | None = None,
+    default_max_tokens: int = 64,
+) -> Transcript:
+    """Validate a version 2 state (the open transcript form) for the simulated model.
+
+    The snapshot's context is the words of every message, in order, an assistant word that is
+    a run of chat token texts (the balancer joins a turn's texts with nothing between) split
+    into them, then the unfinished answer's ``token_text(session, turn, j)`` for j < ``i``:
+    the model is deterministic, so ``answer.text`` must be those texts joined (by "" as the
+    chat protocol's balancer joins them, or by " " as the Realtime deltas carry them).
+    ``kv_cached`` is 0: a transcript carries no cache.
+
+    Args:
+        value: the ``state`` member of a thaw request.
+        session: the session id the state must carry (the one in the thaw URL).
+        max_queued: most queued prompts (or Realtime events) the receiving worker accepts.
+        max_tokens_limit: largest ``max_tokens`` the receiving worker accepts.
+        default_max_tokens: ``max_tokens`` of a queued chat prompt that gives none.
+
+    Raises:
+        StateError: the state is malformed, of another version, or for another session.
+    """
+    obj = _object(value, "state")
+    if obj.get("v") != TRANSCRIPT_VERSION:
+        raise StateError(f"state.v must be {TRANSCRIPT_VERSION}, got {_shown(obj.get('v'))}")
+    sid = obj.get("session")
+    if not isinstance(sid, str) or not sid:
+        raise StateError("state.session must be a non-empty string")
+    if session is not None and sid != session:
+        raise StateError(f"state.session is {sid!r}, not {session!r}")
+    protocol = obj.get("protocol")
+    if protocol not in PROTOCOLS:
+        raise StateError(f"state.protocol must be one of {PROTOCOLS}, got {_shown(protocol)}")
+    messages = _transcript_messages(obj.get("messages"))
+    answer = None
+    if obj.get("answer") is not None:
+        answer = _transcript_answer(obj["answer"], sid, max_tokens_limit, default_max_tokens)
+    raw_turns = obj.get("turns")
+    if raw_turns is None:
+        turns = (
+            answer.turn
+            if answer is not None
+            else sum(1 for m in messages if m["role"] == "assistant")
+        )
+    else:
+        turns = _count(raw_turns, "state.turns")
+    if answer is not None and answer.turn != turns:
+        raise StateError("state.answer.turn must be the last turn started (state.turns)")
+
+    raw_queued = obj.get("queued", [])
+    if not isinstance(raw_queued, list):
+        raise StateError("state.queued must be a list")
+    if max_queued is not None and len(raw_queued) > max_queued:
+        raise StateError(f"state.queued holds more than {max_queued} prompts")
+    queued: list[QueuedPrompt] = []
+    events: list[dict[str, Any]] = []
+    limit = 2**63 if max_tokens_limit is None else max_tokens_limit
+    for n, item in enumerate(raw_queued):
+        q = _object(item, f"state.queued[{n}]")
+        if protocol == "openai-realtime":
+            events.append(q)  # checked as the client's own events are, when acted on
+            continue
+        try:
+            prompt, max_tokens = parse_prompt(q, default_max_tokens, limit)
+        except ProtocolError as exc:
+            raise StateError(f"state.queued[{n}]: {exc}") from None
+        queued.append(QueuedPrompt(prompt, max_tokens))
+
+    context = [w for m in messages for w in _message_tokens(m)]
+    pending = None
+    if answer is not None:
+        context += [token_text(sid, answer.turn, j) for j in range(answer.i)]
+        a = cast(dict[str, Any], obj["answer"])
+        pending = PendingAnswer(
+            turn=answer.turn,
+            produced=answer.i,
+            max_tokens=answer.max_tokens,
+            cached_tokens=_count(_or(a.get("cached_tokens"), 0), "state.answer.cached_tokens"),
+            prefill_ms=_milliseconds(_or(a.get("prefill_ms"), 0.0), "state.answer.prefill_ms"),
+            cancelled=answer.cancelled,
+        )
+    snapshot = SessionSnapshot(
+        session=sid,
+        context=tuple(context),
+        turns=turns,
+        kv_cached=0,
+        answer=pending,
+        queued=tuple(queued),
+    )
+    return Transcript(
+        snapshot,
+        cast(Protocol, protocol),
+        tuple(messages),
+        answer,
+        tuple(events),
+        obj.get("realtime"),
+    )
+
+
+def _transcript_messages(value: object) -> list[dict[str, str]]:
+    """``state.messages`` as ``{"role", "content"}`` with string content (the bridge's rules:
+    the role defaults to user, parts' texts are joined, null content is empty)."""
+    if not isinstance(value, list):
+        raise StateError("state.messages must be a list")
+    out: list[dict[str, str]] = []
+    for n, message in enumerate(value):
+        where = f"state.messages[{n}]"
+        m = _object(message, where)
+        role = m.get("role", "user")
+        if not isinstance(role, str) or not role:
+            raise StateError(f"{where}.role must be a non-empty string")
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = "".join(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        else:
+            raise StateError(f"{where}.content must be a string or a list of parts")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _message_tokens(message: dict[str, str]) -> list[str]:
+    """A message's context tokens: its words; an assistant's run of token texts split up."""
+    tokens = words(message["content"])
+    if message["role"] != "assistant":
+        return tokens
+    out: list[str] = []
+    for word in tokens:
+        if _TOKEN_RUN.fullmatch(word):
+            out.extend(_TOKEN.findall(word))
+        else:
+            out.append(word)
+    return out
+
+
+def _transcript_answer(
+    value: object, session: str, limit: int | None, default_max_tokens: int
+) -> TranscriptAnswer:
+    a = _object(value, "state.answer")
+    turn = _count(a.get("turn"), "state.answer.turn")
+    if turn < 1:
+        raise StateError("state.answer.turn must be at least 1")
+    i = _count(a.get("i"), "state.answer.i")
+    # null: the prompt named none, so the worker's default applies (as it would have there)
+    raw_max = a.get("max_tokens")
+    max_tokens = (
+        default_max_tokens if raw_max is None else _max_tokens(raw_max, "state.answer", limit)
+    )
+    if i > max_tokens:
+        raise StateError("state.answer.i exceeds state.answer.max_tokens")
+    text = a.get("text")
+    if not isinstance(text, str):
+        raise StateError("state.answer.text must be a string")
+    sent = [token_text(session, turn, j) for j in range(i)]
+    if text not in ("".join(sent), " ".join(sent)):
+        raise StateError(
+            f"state.answer.text must be the first {i} token texts of turn {turn} joined "
+            "(by '' or ' '): this worker's model continues only its own answers"
+        )
+    cancelled = a.get("cancelled", False)
+    if not isinstance(cancelled, bool):
+        raise StateError("state.answer.cancelled must be a boolean")
+    return TranscriptAnswer(turn, i, text, max_tokens, cancelled)
+
+
+def _or(value: object, default: object) -> object:
+    """An optional field: null reads as absent (the bridge writes null for unknown stats)."""
+    return default if value is None else value
+
+
+def _shown(value: object) -> str:
+    """A client value in a message: scalars only, clipped (a deep list's repr could be huge)."""
+    if value is not None and not isinstance(value, str | int | float):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'}"
+    shown = repr(value)
+    return shown if len(shown) <= 64 else shown[:61] + "..."
+
+
+def _milliseconds(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise StateError(f"{where} must be a non-negative number")
+    return float(value)
+
+
 def _answer(value: object, turns: int, context_len: int, limit: int | None) -> PendingAnswer:
     a = _object(value, "state.answer")
     turn = _count(a.get("turn"), "state.answer.turn")
@@ -139,9 +489,7 @@ def _answer(value: object, turns: int, context_len: int, limit: int | None) -> P
         raise StateError("state.answer.i exceeds state.answer.max_tokens")
     if produced > context_len:
         raise StateError("state.answer.i exceeds the context")
-    prefill_ms = a.get("prefill_ms", 0.0)
-    if isinstance(prefill_ms, bool) or not isinstance(prefill_ms, int | float) or prefill_ms < 0:
-        raise StateError("state.answer.prefill_ms must be a non-negative number")
+    prefill_ms = _milliseconds(a.get("prefill_ms", 0.0), "state.answer.prefill_ms")
     cancelled = a.get("cancelled", False)
     if not isinstance(cancelled, bool):
         raise StateError("state.answer.cancelled must be a boolean")
@@ -150,7 +498,7 @@ def _answer(value: object, turns: int, context_len: int, limit: int | None) -> P
         produced=produced,
         max_tokens=max_tokens,
         cached_tokens=_count(a.get("cached_tokens", 0), "state.answer.cached_tokens"),
-        prefill_ms=float(prefill_ms),
+        prefill_ms=prefill_ms,
         cancelled=cancelled,
     )
 

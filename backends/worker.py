@@ -25,12 +25,16 @@ One aiohttp server on one port (docs/protocol.md):
   - ``POST /wslb/sessions/{sid}/thaw`` with ``{"state":STATE}`` (format: ``backends.handoff``):
     holds the session here (within ``--session-ttl`` until resumed). ``--handoff-kv transfer``
     copies the old worker's cached prefix into this KV cache at ``--kv-transfer-ms-per-token``;
-    ``prefill`` leaves it cold, so the context is prefilled again. 200 ``{"ok":true}``;
-    400 malformed state; 409 the session has an open connection here; 503 while draining.
+    ``prefill`` leaves it cold, so the context is prefilled again. STATE is this worker's own
+    version 1 or the open transcript form, version 2 (what the engine bridge writes and the
+    balancer builds for crash failover; it carries no cache, so its context is prefilled
+    again). 200 ``{"ok":true}``; 400 malformed state; 409 the session has an open connection
+    here; 503 while draining.
   - A WebSocket upgrade with ``X-WSLB-Resume: SID`` continues a thawed session: no ``hello``;
     the transfer time passes, then the unfinished answer goes on from its next token (same turn,
-    ``done`` counting the tokens of both workers), then the queued prompts. 409 if SID was not
-    thawed here; 400 if ``X-Session-Id`` names another session.
+    ``done`` counting the tokens of both workers), then the queued prompts (a Realtime
+    transcript's queued client events are acted on after the old worker's unsent events). 409
+    if SID was not thawed here; 400 if ``X-Session-Id`` names another session.
 
 Chat protocol, JSON text messages, one WebSocket message each:
 
@@ -76,7 +80,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from aiohttp import WSMsgType, web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -89,7 +93,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from backends.gpu import NvmlGpu, open_gpu
-from backends.handoff import StateError, snapshot_from_json, snapshot_to_json
+from backends.handoff import (
+    ProtocolError,
+    StateError,
+    Transcript,
+    parse_prompt,
+    read_state,
+    snapshot_to_json,
+)
 from backends.model import (
     Model,
     ModelConfig,
@@ -101,7 +112,7 @@ from backends.model import (
     Turn,
     TurnResult,
 )
-from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send, restore_transcript
 from backends.wire import (
     ITL_BUCKETS,
     MAX_QUEUED_PROMPTS,
@@ -167,56 +178,6 @@ class WorkerConfig:
     close_timeout: float = 5.0
     drain_grace: float = 30.0
     """Seconds after SIGTERM that live sessions keep being served (to be migrated away)."""
-
-
-class ProtocolError(Exception):
-    """A client message the worker cannot act on; reported as an ``error`` message."""
-
-
-def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Prompt, int]:
-    """Validate a ``prompt`` message into a model prompt and its ``max_tokens``.
-
-    Raises:
-        ProtocolError: the message does not follow the chat protocol (docs/protocol.md).
-    """
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ProtocolError("max_tokens must be a non-negative integer")
-    if max_tokens > limit:
-        raise ProtocolError(f"max_tokens must be at most {limit}")
-    has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise ProtocolError("a prompt takes 'text' or 'messages', not both")
-    if has_text:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise ProtocolError("'text' must be a string")
-        return Prompt.from_text(text), max_tokens
-    if has_messages:
-        return Prompt.from_messages(_message_contents(obj["messages"])), max_tokens
-    raise ProtocolError("a prompt needs 'text' or 'messages'")
-
-
-def _message_contents(messages: object) -> list[str]:
-    """Contents of chat messages; content parts (``[{"type":"text","text":...}]``) are joined."""
-    if not isinstance(messages, list):
-        raise ProtocolError("'messages' must be a list")
-    contents: list[str] = []
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ProtocolError(f"messages[{n}] must be an object")
-        content = message.get("content")
-        if isinstance(content, str):
-            contents.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    contents.append(part["text"])
-        elif content is not None:
-            raise ProtocolError(f"messages[{n}].content must be a string or a list of parts")
-    return contents
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -608,6 +569,8 @@ class _Thawed:
     snapshot: SessionSnapshot
     transfer_s: float
     realtime: RealtimeSession | None = None
+    events: tuple[dict[str, Any], ...] = ()
+    """Realtime client events of a transcript's ``queued``, acted on after the resume."""
 
 
 class Worker:
@@ -774,30 +737,14 @@ class Worker:
         if not isinstance(body, dict) or "state" not in body:
             return _error(400, "expected an object with 'state'")
         try:
-            snapshot = snapshot_from_json(
-                body["state"],
-                session=sid,
-                max_queued=MAX_QUEUED_PROMPTS,
-                max_tokens_limit=self.config.max_tokens_limit,
-            )
-            raw_rt = body["state"].get("realtime") if isinstance(body["state"], dict) else None
-            realtime = (
-                None
-                if raw_rt is None
-                else RealtimeSession.restore(
-                    raw_rt,
-                    session=sid,
-                    default_max_tokens=self.config.max_tokens_default,
-                    max_tokens_limit=self.config.max_tokens_limit,
-                )
-            )
+            snapshot, realtime, events = self._read_state(body["state"], sid)
         except StateError as exc:
             return _error(400, str(exc))
         if self.model.connected(sid):
             return _error(409, f"session {sid!r} has an open connection here")
         transfer = self.config.handoff_kv == "transfer"
         transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
-        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime)
+        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events)
         # Thaws never resumed would pile up: keep only those the model still holds (ttl).
         for stale in [s for s in self._thawed if self.model.session(s) is None]:
             del self._thawed[stale]
@@ -806,6 +753,46 @@ class Worker:
             "thawed session %s (kv %s, %.3f ms)", sid, self.config.handoff_kv, transfer_s * 1e3
         )
         return web.json_response({"ok": True})
+
+    def _read_state(
+        self, value: object, sid: str
+    ) -> tuple[SessionSnapshot, RealtimeSession | None, tuple[dict[str, Any], ...]]:
+        """A thaw's state, either version: the model's snapshot, the Realtime session it
+        carries (or a transcript's, rebuilt) and a Realtime transcript's queued events.
+
+        Raises:
+            StateError: naming the bad field.
+        """
+        cfg = self.config
+        state = read_state(
+            value,
+            session=sid,
+            max_queued=MAX_QUEUED_PROMPTS,
+            max_tokens_limit=cfg.max_tokens_limit,
+            default_max_tokens=cfg.max_tokens_default,
+        )
+        if isinstance(state, Transcript):
+            if state.protocol != "openai-realtime":
+                return state.snapshot, None, state.events
+            realtime = restore_transcript(
+                state.realtime,
+                session=sid,
+                messages=state.messages,
+                answer=state.answer,
+                default_max_tokens=cfg.max_tokens_default,
+                max_tokens_limit=cfg.max_tokens_limit,
+            )
+            return state.snapshot, realtime, state.events
+        raw = cast(dict[str, Any], value).get("realtime")  # version 1: beside its fields
+        if raw is None:
+            return state, None, ()
+        realtime = RealtimeSession.restore(
+            raw,
+            session=sid,
+            default_max_tokens=cfg.max_tokens_default,
+            max_tokens_limit=cfg.max_tokens_limit,
+        )
+        return state, realtime, ()
 
     def _take_thawed(self, session: str) -> _Thawed | None:
         thawed = self._thawed.pop(session, None)
@@ -868,6 +855,8 @@ class Worker:
                 await conn.greet()
             elif isinstance(conn, _RealtimeConnection):
                 await conn.outbox.push(conn.rt.resumed())
+                for event in thawed.events if thawed is not None else ():
+                    await conn.on_text(_dumps(event))
             async for msg in ws:
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
                     break
@@ -915,7 +904,10 @@ class Worker:
         snapshot = thawed.snapshot
         if snapshot.answer is not None:
             turn = self.model.resume_turn(conn.session, snapshot.answer, thawed.transfer_s)
-            conn.current, conn.cancelled = turn, snapshot.answer.cancelled
+            cancelled = snapshot.answer.cancelled
+            if isinstance(conn, _RealtimeConnection):
+                cancelled = cancelled or conn.rt.cancel_requested  # a transcript's realtime
+            conn.current, conn.cancelled = turn, cancelled
             conn.resumed = turn
         else:
             conn.resume_delay = thawed.transfer_s

@@ -73,6 +73,12 @@ moves its model state beside it: the running response's answer (its next token i
 ``deltas_sent``) goes on, then ``finish`` ends the same response, so the client sees every delta
 once and in order and one ``response.done``.
 
+A transcript (the open handoff state, version 2: docs/protocol.md section 5a) carries the
+session's ``snapshot()`` as its ``realtime`` field, or only the conversation:
+``snapshot_from_transcript`` rebuilds a state from that (new ids), ``restore_transcript`` does
+either and checks it against the transcript's answer. The engine bridge and the reference
+worker both read transcripts through these, so they rebuild the same session.
+
 Ids are deterministic: ``event_``, ``item_`` and ``resp_`` followed by a tag of the session id
 and a per-kind counter, ``conv_`` with the tag, so a restored session continues them. Every
 server event validates against ``openai.types.realtime.RealtimeServerEvent`` (openai >= 1.107).
@@ -82,11 +88,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
-from backends.handoff import StateError
+from backends.handoff import StateError, TranscriptAnswer
 
 __all__ = [
     "MAX_ITEM_ID_LEN",
@@ -98,6 +104,8 @@ __all__ = [
     "RealtimeStateError",
     "Respond",
     "Send",
+    "restore_transcript",
+    "snapshot_from_transcript",
 ]
 
 STATE_VERSION = 1
@@ -937,6 +945,103 @@ def _part_text(role: Role, part: object, param: str) -> str:
     return text
 
 
+# -- transcripts ---------------------------------------------------------------------------
+
+
+def snapshot_from_transcript(
+    session: str,
+    messages: Sequence[Mapping[str, str]],
+    answer: TranscriptAnswer | None,
+    max_tokens_limit: int,
+) -> dict[str, Any]:
+    """A ``snapshot()`` value rebuilt from a transcript that carries no ``realtime`` state.
+
+    One completed item per message (an unknown role reads as ``user``), then, for an
+    unfinished ``answer``, the running response with its item, text and delta count. Ids are
+    made up here (``item_TAG_tN``, ``resp_TAG_tK``: the ``t`` keeps them apart from the ids the
+    session makes next), so they differ from those the client saw before, which a transcript
+    does not carry.
+    """
+    tag = _tag(session)
+    items: list[dict[str, Any]] = [
+        {
+            "id": f"item_{tag}_t{n}",
+            "role": m["role"] if m["role"] in _ROLES else "user",
+            "content": [m["content"]],
+            "status": "completed",
+        }
+        for n, m in enumerate(messages)
+    ]
+    response = None
+    responses = 0
+    if answer is not None:
+        responses = 1
+        item_id = f"item_{tag}_t{len(items)}"
+        items.append({"id": item_id, "role": "assistant", "content": [], "status": "in_progress"})
+        response = {
+            "id": f"resp_{tag}_t{answer.turn}",
+            "item_id": item_id,
+            "max_output_tokens": "inf",
+            "max_tokens": min(answer.max_tokens, max_tokens_limit),
+            "limited": False,
+            "metadata": None,
+            "text": answer.text,
+            "deltas": answer.i,
+            "cancelling": answer.cancelled,
+        }
+    return {
+        "v": STATE_VERSION,
+        "session": session,
+        "model": None,
+        "instructions": "",
+        "max_output_tokens": "inf",
+        "counters": {"events": 0, "items": 0, "responses": responses},
+        "items": items,
+        "response": response,
+        "unsent": [],
+    }
+
+
+def restore_transcript(
+    state: object,
+    *,
+    session: str,
+    messages: Sequence[Mapping[str, str]],
+    answer: TranscriptAnswer | None,
+    default_max_tokens: int = 64,
+    max_tokens_limit: int = 4096,
+) -> RealtimeSession:
+    """The Realtime session of an ``openai-realtime`` transcript.
+
+    ``state`` is the transcript's ``realtime`` value (``snapshot()``'s), restored as it is;
+    None rebuilds one from ``messages`` and ``answer`` (``snapshot_from_transcript``). Either
+    way its running response must match the answer: both there or both absent, the same text.
+
+    Raises:
+        RealtimeStateError: a bad ``state``, named ``state.realtime...``, or a mismatch.
+    """
+    raw = state
+    if raw is None:
+        raw = snapshot_from_transcript(session, messages, answer, max_tokens_limit)
+    try:
+        rt = RealtimeSession.restore(
+            raw,
+            session=session,
+            default_max_tokens=default_max_tokens,
+            max_tokens_limit=max_tokens_limit,
+        )
+    except RealtimeStateError as exc:  # restore names the fields of its own state
+        text = str(exc)
+        if text.startswith("state"):
+            text = "state.realtime" + text[len("state") :]
+        raise _bad(text) from None
+    if (rt.response_id is None) != (answer is None):
+        raise _bad("state.answer and state.realtime.response must both be set or null")
+    if answer is not None and rt._response is not None and rt._response.text != answer.text:
+        raise _bad("state.answer.text differs from state.realtime.response.text")
+    return rt
+
+
 # -- restore -------------------------------------------------------------------------------
 
 
@@ -1053,7 +1158,10 @@ def _restore_response(
     max_output = _s_max_output(
         r.get("max_output_tokens"), "state.response.max_output_tokens", limit
     )
-    max_tokens = _s_count(r.get("max_tokens"), "state.response.max_tokens")
+    raw_max = r.get("max_tokens")  # null: "inf" as the receiving worker reads it
+    max_tokens = (
+        s.default_max_tokens if raw_max is None else _s_count(raw_max, "state.response.max_tokens")
+    )
     if max_tokens > limit:
         raise _bad(f"state.response.max_tokens must be at most {limit}")
     limited = r.get("limited")
