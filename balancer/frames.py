@@ -60,6 +60,7 @@ __all__ = [
     "build_frame",
     "close_payload",
     "parse_close_payload",
+    "unmask",
 ]
 
 OP_CONT = 0x0
@@ -152,7 +153,8 @@ def close_payload(code: int, reason: str = "") -> bytes:
     return _U16.pack(code) + raw
 
 
-def _unmask(payload: bytes, key: bytes) -> bytes:
+def unmask(payload: bytes, key: bytes) -> bytes:
+    """A masked payload in clear (masking is its own inverse, so this also masks)."""
     if not payload:
         return payload
     n = len(payload)
@@ -180,7 +182,7 @@ def build_frame(
         head += _U64.pack(n)
     if mask:
         key = os.urandom(4)
-        return bytes(head) + key + _unmask(payload, key)
+        return bytes(head) + key + unmask(payload, key)
     return bytes(head) + payload
 
 
@@ -460,7 +462,7 @@ class FrameScanner:
                     break
                 payload = data[pos + hlen : end]
                 if masked:
-                    payload = _unmask(payload, data[pos + hlen - 4 : pos + hlen])
+                    payload = unmask(payload, data[pos + hlen - 4 : pos + hlen])
                 self.frames += 1
                 if opcode == OP_PONG:
                     if self.own_ping is not None and payload == self.own_ping:

@@ -8,7 +8,7 @@ to the ``wslb.access`` logger at INFO; ``log.access: false`` turns it off.
 Text, ``key=value`` with values quoted only when they need it::
 
     127.0.0.1 session=alice pool=chat backend=w1 duration=12.304s msgs_in=3 msgs_out=120
-    bytes_in=310 bytes_out=9021 close_client=1000 close_worker=1000 migrations=0
+    bytes_in=310 bytes_out=9021 close_client=1000 close_worker=1000 migrations=0 failovers=0
     end="client closed"
 
 (one line). With ``log.format: json`` every log line is one JSON object (``ts``, ``level``,
@@ -92,6 +92,7 @@ class EndedSession(Protocol):
     close_to_client: int | None
     close_to_worker: int | None
     migrations: int
+    failovers: int
     ended: str | None
 
 
@@ -112,6 +113,7 @@ def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
         "close_to_client": s.close_to_client,
         "close_to_worker": s.close_to_worker,
         "migrations": s.migrations,
+        "failovers": s.failovers,
         "end": s.ended or "closed",
     }
 
@@ -129,7 +131,7 @@ def access_text(f: Mapping[str, Any]) -> str:
         f"msgs_in={f['messages_in']} msgs_out={f['messages_out']} "
         f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} "
         f"close_client={_quote(f['close_to_client'])} close_worker={_quote(f['close_to_worker'])} "
-        f"migrations={f['migrations']} end={_quote(f['end'])}"
+        f"migrations={f['migrations']} failovers={f['failovers']} end={_quote(f['end'])}"
     )
 
 

@@ -99,6 +99,8 @@ class Stats:
     migration_first_message: Histogram = field(
         default_factory=lambda: Histogram(FIRST_MESSAGE_BUCKETS)
     )
+    failovers: Counter[str] = field(default_factory=Counter)
+    failover_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0
     backpressure_closes: int = 0
@@ -300,6 +302,18 @@ class BalancerCollector(Collector):
             "wslb_migration_first_message_seconds",
             "From freeze to the first worker message after a move, however late (a real "
             "engine's re-prefill included); moves of sessions that stayed quiet are not counted",
+        )
+        failovers = CounterMetricFamily(
+            "wslb_failovers",
+            "Sessions whose worker was lost, by outcome (resumed on another worker, or why not)",
+            labels=["result"],
+        )
+        for result, n in sorted(st.failovers.items()):
+            failovers.add_metric([result], n)
+        yield failovers
+        yield st.failover_pause.metric(
+            "wslb_failover_pause_seconds",
+            "From the loss of a worker to its session's resumed leg on another worker",
         )
         yield st.drain_duration.metric(
             "wslb_drain_duration_seconds", "From drain start to the worker drained"

@@ -27,6 +27,7 @@ FIELDS = {
     "close_to_client": 1000,
     "close_to_worker": None,
     "migrations": 1,
+    "failovers": 0,
     "end": "client closed",
 }
 
@@ -35,7 +36,7 @@ def test_text_line() -> None:
     assert access_text(FIELDS) == (
         "127.0.0.1 session=alice pool=chat backend=w1,w2 duration=12.304s msgs_in=3 "
         "msgs_out=120 bytes_in=310 bytes_out=9021 close_client=1000 close_worker=- "
-        'migrations=1 end="client closed"'
+        'migrations=1 failovers=0 end="client closed"'
     )
     # A client chooses its session key: quoted and escaped, it cannot forge a second line.
     forged = access_text({**FIELDS, "session": 'x\n127.0.0.1 session="y'})
@@ -97,7 +98,7 @@ async def test_sessions_that_end_each_way(tmp_path: Path) -> None:
     calm = lines["calm"]
     assert calm.startswith("127.0.0.1 session=calm pool=chat backend=w")
     assert "msgs_in=1 " in calm and "close_client=1000 close_worker=1000" in calm
-    assert calm.endswith('migrations=0 end="client closed"')
+    assert calm.endswith('migrations=0 failovers=0 end="client closed"')
     assert f"backend={first},{other} " in lines["moved"] and "migrations=1" in lines["moved"]
     assert "close_client=1011" in lines["victim"] and 'end="worker lost"' in lines["victim"]
 

@@ -367,7 +367,7 @@ async def test_migration_steps_fail_back_to_the_old_worker(
         calls.append(url.rsplit("/", 1)[-1])
         return 404, None
 
-    monkeypatch.setattr(migrate_mod, "_post", post)
+    monkeypatch.setattr(migrate_mod, "handoff_post", post)
     result = await migrate_mod.migrate(state, s)
     assert (result.ok, result.reason) == (False, "no_api") and calls == ["freeze"]
     assert not s.holding and not ct.paused and not s.migrating
@@ -386,7 +386,7 @@ async def test_migration_that_cannot_flush_ends_the_session(
     async def post(st: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"state": {}, "sent": 5, "received": 0}
 
-    monkeypatch.setattr(migrate_mod, "_post", post)
+    monkeypatch.setattr(migrate_mod, "handoff_post", post)
     monkeypatch.setattr(migrate_mod, "STEP_TIMEOUT", 0.05)
     result = await migrate_mod.migrate(state, s)
     assert (result.ok, result.reason) == (False, "flush_lost")

@@ -41,6 +41,7 @@ from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster, ClusterControl
 from balancer.aio.control import Control, ControlError, LocalControl
 from balancer.aio.drain import Drainer
+from balancer.aio.failover import Failover
 from balancer.aio.fanout import FanoutControl
 from balancer.aio.loops import GcPacer
 from balancer.aio.monitors import BoardFollower, LocalMonitors, Monitors
@@ -268,6 +269,7 @@ def build(
     else:
         monitors = local_monitors = LocalMonitors(stats, loop)
     drainer = Drainer(state)
+    state.on_worker_lost = Failover(state).lost
     registry = CollectorRegistry(auto_describe=False)
     listeners = None if supervising else Listeners(state, config.listen, link is not None)
     local = LocalControl(

@@ -33,7 +33,14 @@ from balancer.frames import CloseCode, FrameScanner
 from balancer.handshake import UpstreamReject
 from balancer.pool import Backend
 
-__all__ = ["MigrationError", "MigrationResult", "migrate"]
+__all__ = [
+    "MigrationError",
+    "MigrationResult",
+    "handoff_post",
+    "handoff_url",
+    "migrate",
+    "wait_until",
+]
 
 log = logging.getLogger("wslb.migrate")
 
@@ -62,12 +69,14 @@ class MigrationResult:
     pause: float | None = None  # seconds from freeze to the first message on the new leg
 
 
-def _base(backend: Backend) -> str:
+def handoff_url(backend: Backend) -> str:
+    """The prefix of the worker's handoff API (``.../wslb/sessions/``)."""
     up = backend.upstream
     return f"{'https' if up.secure else 'http'}://{up.authority}/wslb/sessions/"
 
 
-async def _post(state: ServerState, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+async def handoff_post(state: ServerState, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST a handoff step; the status and the JSON answer (None if not JSON)."""
     assert state.handoff_http is not None
     async with state.handoff_http.post(
         url, json=body, timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT)
@@ -79,7 +88,8 @@ async def _post(state: ServerState, url: str, body: dict[str, Any]) -> tuple[int
         return resp.status, data
 
 
-async def _until(cond: Any, timeout: float) -> bool:
+async def wait_until(cond: Any, timeout: float) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` passes (False)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not cond():
@@ -91,7 +101,7 @@ async def _until(cond: Any, timeout: float) -> bool:
 
 async def migrate(state: ServerState, s: Session, to: str | None = None) -> MigrationResult:
     """Move a live session to another worker; see the module docstring."""
-    if s.migrating or s.closing or s.finished:
+    if s.migrating or s.failing_over or s.closing or s.finished:
         return MigrationResult(False, "busy")
     s.migrating = True
     old = s.backend
@@ -104,6 +114,9 @@ async def migrate(state: ServerState, s: Session, to: str | None = None) -> Migr
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.info("session %s: migration from %s failed: %s", s.sid, old.id, exc)
         result = MigrationResult(False, "network")
+    except Exception:
+        log.exception("session %s: migration from %s failed", s.sid, old.id)
+        result = MigrationResult(False, "error")
     finally:
         s.migrating = False
         if s.holding and not s.finished:
@@ -125,14 +138,14 @@ async def _migrate(
     if s.clog is None:
         raise MigrationError("disabled", "drain.migrate is false for this pool")
     # HOLDING: wait for the client to finish a message in flight, then stop reading it.
-    if not await _until(lambda: s.cs.at_message_boundary or s.closing, STEP_TIMEOUT):
+    if not await wait_until(lambda: s.cs.at_message_boundary or s.closing, STEP_TIMEOUT):
         raise MigrationError("client_mid_message")
     if s.closing:
         raise MigrationError("closed")
     s.hold()
     # FROZEN
     t_freeze = loop.time()
-    status, body = await _post(state, _base(old) + s.sid + "/freeze", {})
+    status, body = await handoff_post(state, handoff_url(old) + s.sid + "/freeze", {})
     if status == 404:  # a worker without the handoff API, or one that lost the session
         raise MigrationError("no_api", f"freeze answered {status}")
     if status != 200 or not isinstance(body, dict):
@@ -144,7 +157,7 @@ async def _migrate(
     # FLUSHED: everything the old worker sent has reached the client. From here on the old
     # worker has let go of the session: a failure either restores it or ends it with 1012.
     try:
-        if not await _until(lambda: s.ws.messages >= sent or s.closing, STEP_TIMEOUT):
+        if not await wait_until(lambda: s.ws.messages >= sent or s.closing, STEP_TIMEOUT):
             raise MigrationError("flush", f"forwarded {s.ws.messages} of {sent}")
         if s.closing or s.ws.messages != sent or not s.ws.at_message_boundary:
             raise MigrationError("flush", f"forwarded {s.ws.messages}, worker sent {sent}")
@@ -154,6 +167,8 @@ async def _migrate(
         if s.replay_from(s.leg_start_msg + received) is None:
             raise MigrationError("replay_overflow")
     except MigrationError as exc:
+        if s.failing_over:  # the old worker died meanwhile: its failover takes the session
+            raise MigrationError("worker_lost", str(exc)) from None
         log.warning("session %s: cannot be moved safely (%s); closing it", s.sid, exc)
         s.close(CloseCode.SERVICE_RESTART, "session could not be moved")
         raise MigrationError(f"{exc.reason}_lost") from None
@@ -173,6 +188,8 @@ async def _migrate(
                 raise MigrationError("rollback", f"{old.id} is down") from None
             await _move(state, s, old, frozen, received)
         except MigrationError as back:
+            if s.failing_over:
+                raise MigrationError("worker_lost", str(back)) from None
             log.warning("session %s: could not move or restore it (%s; %s)", s.sid, exc, back)
             s.close(CloseCode.SERVICE_RESTART, "session could not be moved")
             raise MigrationError(f"{exc.reason}_lost") from None
@@ -183,7 +200,7 @@ async def _migrate(
     # engine re-prefilling the conversation) is timed by a watcher, off the drain's slot.
     t_switch = loop.time()
     ws = s.ws
-    if await _until(lambda: ws.messages > 0 or s.closing, FIRST_MESSAGE_INLINE) and ws.messages:
+    if await wait_until(lambda: ws.messages > 0 or s.closing, FIRST_MESSAGE_INLINE) and ws.messages:
         t_switch = loop.time()
         state.stats.migration_first_message.observe(t_switch - t_freeze)
     elif not s.closing:
@@ -225,7 +242,7 @@ async def _move(
     state: ServerState, s: Session, target: Backend, frozen: Any, received: int
 ) -> None:
     """THAWED then SWITCHED on ``target`` (also used to put a session back on its old worker)."""
-    status, _ = await _post(state, _base(target) + s.sid + "/thaw", {"state": frozen})
+    status, _ = await handoff_post(state, handoff_url(target) + s.sid + "/thaw", {"state": frozen})
     if status != 200:
         raise MigrationError("thaw", f"{target.id} answered {status}")
     try:

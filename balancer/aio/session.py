@@ -40,6 +40,14 @@ Rule 5: from CLOSING, every close waits at most ``timeouts.close`` for the peers
 owed close is sent and the transports still open are aborted. FINISHED comes when both legs
 are gone, exactly once: the session is detached from its backend and the state is told.
 
+Rule 6 (crash failover, pools with ``failover.enabled``): a worker leg lost without a close
+(reset, EOF, kill -9, a ping without a pong) while both legs are OPEN, the session RELAYING and
+both streams between messages is not Rule 2's: the worker leg stays OPEN, the client is held
+(not read) and ``failing_over`` is set; the host's ``worker_lost`` runs the failover
+(``failover.py``). It ends in ``resume_on`` (a new worker leg, the client read again) or in
+``worker_gone`` (Rule 2 after all: 1011). The session's ``journal`` of what was relayed is
+what the new worker is given.
+
 Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
 aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
 scanners recognise in the pong, so endpoints' own pings and pongs pass through untouched; no pong
@@ -60,9 +68,10 @@ from enum import IntEnum
 from typing import Any, Protocol, cast
 
 from balancer.aio.wheel import Bucket, TimerWheel
-from balancer.config import Config, Limits, Timeouts
+from balancer.config import Config, FailoverCfg, Limits, Timeouts
 from balancer.frames import OP_CLOSE, OP_PING, CloseCode, FrameScanner, build_frame, close_payload
 from balancer.handshake import ClientRequest
+from balancer.journal import Journal
 from balancer.metrics import Stats
 from balancer.pool import ACTIVE, Backend, Pool
 
@@ -97,12 +106,18 @@ class SessionSettings:
     limits: Limits
     replay_limit: int  # 0: no replay log (the pool does not migrate)
     first_tick: float  # the first heartbeat/idle/backpressure timer, 0 for none
+    journal_limit: int = 0  # 0: no journal (the pool has no crash failover)
 
     @classmethod
-    def of(cls, config: Config, migrate: bool) -> SessionSettings:
+    def of(
+        cls, config: Config, migrate: bool, failover: FailoverCfg | None = None
+    ) -> SessionSettings:
         t = config.timeouts
         timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
-        return cls(t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0))
+        journal = failover.journal_limit if failover is not None and failover.enabled else 0
+        return cls(
+            t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0), journal
+        )
 
 
 class SessionHost(Protocol):
@@ -115,6 +130,9 @@ class SessionHost(Protocol):
     def session_started(self, s: Session) -> None: ...
 
     def session_finished(self, s: Session) -> None: ...
+
+    def worker_lost(self, s: Session) -> None:
+        """The worker leg was lost and the session is held for failover (``failover.py``)."""
 
     def wall_time(self) -> float: ...
 
@@ -241,7 +259,10 @@ class Session(asyncio.Protocol):
         "cs",
         "ct",
         "ended",
+        "failing_over",
+        "failovers",
         "holding",
+        "journal",
         "leg_start_msg",
         "migrating",
         "migrations",
@@ -328,6 +349,11 @@ class Session(asyncio.Protocol):
         self.close_to_worker: int | None = None
         self.ended: str | None = None
         self.prior_backends: tuple[str, ...] = ()
+        # Crash failover: the journal of what was relayed, and whether a failover holds the
+        # session now (its worker leg is gone, the client is not read).
+        self.journal = Journal(settings.journal_limit) if settings.journal_limit else None
+        self.failovers = 0
+        self.failing_over = False
         pool.attach(sid, backend, state.loop.time())
         state.session_started(self)
         self._schedule_tick(settings.first_tick)
@@ -349,6 +375,8 @@ class Session(asyncio.Protocol):
         out = ws.feed(data)
         if out and not self.ct.is_closing():  # uvloop raises on a write to a closed handle
             self.ct.write(out)
+            if self.journal is not None:
+                self.journal.worker(out)
         if ws.notable:
             # The one scanner field the relay writes: it takes the event the flag announces
             # (a method call here would cost every read).
@@ -359,10 +387,14 @@ class Session(asyncio.Protocol):
         """Bytes from the client."""
         cs = self.cs
         out = cs.feed(data)
-        if out and not self.wt.is_closing():
-            self.wt.write(out)
-            if self.clog is not None:
-                self._log_client(out)
+        if out:
+            if not self.wt.is_closing():
+                self.wt.write(out)
+                if self.clog is not None:
+                    self._log_client(out)
+            if self.journal is not None:
+                # Also what a lost worker leg did not take: a failover hands it on.
+                self.journal.client(out)
         if cs.notable:
             cs.notable = False
             self._client_event()
@@ -402,6 +434,8 @@ class Session(asyncio.Protocol):
         pause_reading(self.ct, True)
 
     def release(self) -> None:
+        if self.failing_over:
+            return  # the failover reads the client again once it has a worker leg
         self.holding = False
         pause_reading(self.ct, False)
 
@@ -421,25 +455,48 @@ class Session(asyncio.Protocol):
         replay = self.replay_from(self.leg_start_msg + processed)
         if replay is None:
             raise RuntimeError("client messages to replay are no longer buffered")
-        old_wt, old_backend = self.wt, self.backend
+        old_wt = self.wt
         old_wt.set_protocol(Retired())
-        if self.cs.at_frame_boundary:
+        if self.cs.at_frame_boundary and not old_wt.is_closing():  # it may have died meanwhile
             payload = close_payload(CloseCode.GOING_AWAY, "session moved")
             old_wt.write(build_frame(OP_CLOSE, payload, mask=True))
         old_wt.close()
+        self.migrations += 1
+        self._adopt(target, wt, proto, trailing, replay, self.leg_start_msg + processed)
+
+    def resume_on(
+        self, target: Backend, wt: asyncio.Transport, proto: Upgraded, trailing: bytes
+    ) -> None:
+        """Failover: continue on ``target``, which thawed the journal's transcript. The old
+        leg is gone; the transcript holds every client message, so nothing is replayed."""
+        self.failing_over = False
+        self.failovers += 1
+        self._adopt(target, wt, proto, trailing, b"", self.cs.messages)
+        self.release()
+
+    def _adopt(
+        self,
+        target: Backend,
+        wt: asyncio.Transport,
+        proto: Upgraded,
+        trailing: bytes,
+        replay: bytes,
+        leg_start_msg: int,
+    ) -> None:
+        """Make ``wt`` (open on ``target`` with ``X-WSLB-Resume``) the worker leg."""
+        old_backend = self.backend
         self.prior_frames += self.ws.frames
         self.prior_messages += self.ws.messages
         self.prior_bytes += self.ws.bytes
         limits = self.settings.limits
         self.ws = _worker_scanner(limits)
-        self.leg_start_msg += processed
+        self.leg_start_msg = leg_start_msg
         self.wt = wt
         wt.set_write_buffer_limits(high=limits.write_buffer_high)
         self.pool.detach(old_backend)
         self.prior_backends += (old_backend.id,)
         self.backend = target
         self.pool.attach(self.sid, target, self.state.loop.time())
-        self.migrations += 1
         wt.set_protocol(self)
         data = trailing + bytes(proto.extra)
         if replay:
@@ -519,7 +576,32 @@ class Session(asyncio.Protocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """The worker leg closed (Rule 2)."""
+        """The worker leg closed (Rule 2), or failover takes the session (Rule 6)."""
+        if self._may_fail_over():
+            self.failing_over = True
+            self.hold()
+            self.state.worker_lost(self)
+            return
+        self.worker_gone()
+
+    def _may_fail_over(self) -> bool:
+        """Rule 6: lost without a close, while both sides were relaying, between messages."""
+        return (
+            self.journal is not None
+            and not self.failing_over
+            and self.phase is Phase.RELAYING
+            and self.client is Leg.OPEN
+            and self.worker is Leg.OPEN
+            and self.pending_client_close is None
+            and self.ws.close is None
+            and self.ws.error is None
+            and self.cs.close is None
+            and self.cs.at_message_boundary
+        )
+
+    def worker_gone(self) -> None:
+        """Rule 2 for a worker leg that is gone (also when a failover could not save it)."""
+        self.failing_over = False
         self.worker = self.worker.lost()
         if self.client is Leg.OPEN:
             if self.pending_client_close is not None:
@@ -644,6 +726,9 @@ class Session(asyncio.Protocol):
             self._close_timeout()
             return
         t = self.settings.timeouts
+        if self.failing_over:  # no worker leg to ping; the failover's steps are bounded
+            self._schedule_tick(self.settings.first_tick)
+            return
         now = self.state.loop.time()
         msgs = self.cs.messages + self.ws.messages
         if msgs != self._last_msgs:
@@ -671,9 +756,10 @@ class Session(asyncio.Protocol):
                 return
             if self.ws.own_ping is not None:
                 log.info("session %s: worker %s ping timeout", self.sid, self.backend.id)
-                self._end("worker ping timeout")
-                self._send_client_close(CloseCode.INTERNAL_ERROR, "worker ping timeout")
-                self.wt.abort()
+                if self.journal is None:
+                    self._end("worker ping timeout")
+                    self._send_client_close(CloseCode.INTERNAL_ERROR, "worker ping timeout")
+                self.wt.abort()  # with a journal, the loss is a failover's (Rule 6)
                 return
             self._schedule_tick(max(0.0, t.ping_interval - t.ping_timeout) or 0.001)
             return
@@ -731,4 +817,19 @@ class Session(asyncio.Protocol):
             },
             "migrations": self.migrations,
             "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses],
+            "failover": self.failover_view(),
+        }
+
+    def failover_view(self) -> dict[str, Any] | None:
+        """The journal as operators see it: its size, and whether a crash would be survived."""
+        j = self.journal
+        if j is None:
+            return None
+        trouble = j.trouble
+        return {
+            "journal_bytes": j.size,
+            "protocol": j.protocol,
+            "failovers": self.failovers,
+            "protected": trouble is None,
+            "why_not": None if trouble is None else trouble.detail,
         }

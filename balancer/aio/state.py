@@ -19,7 +19,7 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import aiohttp
@@ -81,6 +81,9 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Crash failover (``failover.Failover.lost``), set where the process is built; without
+        # it a lost worker leg ends its session (1011).
+        self.on_worker_lost: Callable[[Session], None] | None = None
 
     # -- routing and admission -------------------------------------------------------------
 
@@ -117,7 +120,9 @@ class ServerState:
         """The settings a session of ``pool`` is built with."""
         s = self._settings.get(pool.name)
         if s is None:
-            s = self._settings[pool.name] = SessionSettings.of(self.config, pool.cfg.drain.migrate)
+            s = self._settings[pool.name] = SessionSettings.of(
+                self.config, pool.cfg.drain.migrate, pool.cfg.failover
+            )
         return s
 
     def worker_failed(self, pool: Pool, backend: Backend) -> None:
@@ -178,6 +183,12 @@ class ServerState:
     def session_started(self, s: Session) -> None:
         self.sessions[s] = None
         self._idle.clear()
+
+    def worker_lost(self, s: Session) -> None:
+        if self.on_worker_lost is None or self.closing:
+            s.worker_gone()
+        else:
+            self.on_worker_lost(s)
 
     def session_finished(self, s: Session) -> None:
         self.sessions.pop(s, None)

@@ -38,6 +38,7 @@ from balancer.config.model import (
     ClusterCfg,
     Config,
     DrainCfg,
+    FailoverCfg,
     HealthCfg,
     IPNetwork,
     JwtCfg,
@@ -495,6 +496,7 @@ class _Builder(_Reader):
             health=self.health(self.section(item, "health", p), (*p, "health")),
             outlier=self.outlier(self.section(item, "outlier", p), (*p, "outlier")),
             drain=self.drain(self.section(item, "drain", p), (*p, "drain")),
+            failover=self.failover(self.section(item, "failover", p), (*p, "failover")),
             backends=self.backends(item, p),
             upstream_tls=self.upstream_tls(item, p),
             affinity_hold=self.duration(item, "affinity_hold", p, 30.0),
@@ -601,6 +603,20 @@ class _Builder(_Reader):
         return DrainCfg(
             timeout=self.duration(raw, "timeout", p, d.timeout),
             migrate=self.boolean(raw, "migrate", p, d.migrate),
+        )
+
+    def failover(self, raw: dict[object, object], p: _Path) -> FailoverCfg:
+        d = FailoverCfg()
+        limit = self.size(raw, "journal_limit", p, d.journal_limit)
+        if limit < 1024:
+            self.error((*p, "journal_limit"), "must be at least 1KiB (a prompt and its answer)")
+        attempts = self.integer(raw, "attempts", p, d.attempts)
+        if attempts < 1:
+            self.error((*p, "attempts"), "must be at least 1")
+        return FailoverCfg(
+            enabled=self.boolean(raw, "enabled", p, d.enabled),
+            journal_limit=limit,
+            attempts=attempts,
         )
 
     def backends(self, item: dict[object, object], p: _Path) -> tuple[BackendCfg, ...]:

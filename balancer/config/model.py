@@ -25,6 +25,7 @@ __all__ = [
     "ClusterCfg",
     "Config",
     "DrainCfg",
+    "FailoverCfg",
     "HealthCfg",
     "IPNetwork",
     "JwtCfg",
@@ -127,6 +128,15 @@ class DrainCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class FailoverCfg:
+    """Crash failover (docs/failover.md): a session whose worker dies is continued elsewhere."""
+
+    enabled: bool = False
+    journal_limit: int = 256 * 1024  # bytes of journal per session; past it: 1011 as before
+    attempts: int = 3  # workers tried, one after the other, for one loss
+
+
+@dataclass(frozen=True, slots=True)
 class WeightsCfg:
     """Live-weight scraping. ``metrics`` is a preset name or ``((signal, metric), ...)``.
 
@@ -196,6 +206,7 @@ class PoolCfg:
     health: HealthCfg = HealthCfg()
     outlier: OutlierCfg = OutlierCfg()
     drain: DrainCfg = DrainCfg()
+    failover: FailoverCfg = FailoverCfg()
     backends: tuple[BackendCfg, ...] = ()
     upstream_tls: UpstreamTls | None = None
     affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends

@@ -1,0 +1,194 @@
+"""Crash failover: a session whose worker was lost without a close continues on another worker.
+
+The session (``session.py``, Rule 6) holds its client and calls ``Failover.lost``. Then, as one
+bounded task per session (at most ``PARALLEL`` of a process at once, so a worker that dies with
+200 sessions does not stampede its neighbours):
+
+    CONFIRMING  the lost worker is probed once (a TCP connect, shared by all its sessions); a
+                refused or silent port marks it down at once (passive health), so neither the
+                ring nor new sessions pick it while its checks catch up
+    TRANSCRIPT  the session's journal (``balancer.journal``) gives the transcript state
+                (``"v": 2``); a journal over its limit, of an unknown protocol, or cut in the
+                middle of a message ends the failover here
+    THAWED      the worker the ring picks next (the lost one and those tried excluded; bounds
+                and drains honoured) accepted ``POST /wslb/sessions/{sid}/thaw``
+    RESUMED     a worker leg is open there with ``X-WSLB-Resume``; the client is read again,
+                its held messages flow to the new worker
+
+A thaw or resume that fails tries the next worker, ``failover.attempts`` in all. A migration
+running when the worker died finishes first: if it moved the session, there is nothing to do.
+Whatever cannot be saved gets Rule 2's 1011, as without failover. The pause is recorded from the
+loss to the resumed leg (``wslb_failover_pause_seconds``); every outcome is counted
+(``wslb_failovers_total{result}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from balancer.aio.migrate import handoff_post, handoff_url, wait_until
+from balancer.aio.proxy import open_upstream
+from balancer.aio.session import Session
+from balancer.aio.state import ServerState
+from balancer.handshake import UpstreamReject
+from balancer.journal import JournalError
+from balancer.pool import Backend, Pool
+
+__all__ = ["Failover"]
+
+log = logging.getLogger("wslb.failover")
+
+# Failovers in flight per process: each thaws a whole conversation on its target, so more at
+# once only lengthens every pause on a busy CPU (the drain keeps 8 for the same reason).
+PARALLEL = 8
+PROBE_TIMEOUT = 1.0  # the confirming connect to the lost worker
+PROBE_REUSE = 2.0  # seconds a probe's verdict answers for the worker's other sessions
+MIGRATION_WAIT = 10.0  # the longest a failover waits for a migration of the session to end
+
+
+class Failover:
+    """The failovers of one balancer process (module docstring)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.slots = asyncio.Semaphore(PARALLEL)
+        self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
+
+    def lost(self, s: Session) -> None:
+        """Rule 6 of ``session.py``: ``s`` is held, its worker leg gone."""
+        self.state.spawn(self._run(s, s.backend, s.wt, self.state.loop.time()))
+
+    async def _run(self, s: Session, dead: Backend, dead_wt: Any, t_lost: float) -> None:
+        result = "error"
+        try:
+            result = await self._fail_over(s, dead, dead_wt, t_lost)
+        except Exception:
+            log.exception("session %s: failover from %s failed", s.sid, dead.id)
+        finally:
+            if s.failing_over:  # not resumed: Rule 2 after all
+                s.worker_gone()
+            self.state.stats.failovers[result] += 1
+
+    async def _fail_over(self, s: Session, dead: Backend, dead_wt: Any, t_lost: float) -> str:
+        loop = self.state.loop
+        await self._confirm(s.pool, dead)
+        async with self.slots:
+            await wait_until(lambda: not s.migrating, MIGRATION_WAIT)
+            if s.wt is not dead_wt:  # a migration moved it meanwhile
+                s.failing_over = False
+                s.release()
+                return "migrated"
+            if s.closing or s.finished or s.client.gone:
+                return "closed"
+            assert s.journal is not None
+            try:
+                transcript = s.journal.transcript(s.sid)
+            except JournalError as exc:
+                log.warning(
+                    "session %s: worker %s lost; no failover (%s); closing it with 1011",
+                    s.sid,
+                    dead.id,
+                    exc.detail,
+                )
+                return exc.reason
+            tried = [dead.id]
+            for _ in range(s.pool.cfg.failover.attempts):
+                target = s.pool.select(s.sid, tried, loop.time())
+                if target is None:
+                    break
+                tried.append(target.id)
+                outcome = await self._resume(s, target, transcript)
+                if outcome == "resumed":
+                    pause = loop.time() - t_lost
+                    self.state.stats.failover_pause.observe(pause)
+                    log.info(
+                        "session %s: worker %s lost; resumed on %s in %.1f ms",
+                        s.sid,
+                        dead.id,
+                        target.id,
+                        pause * 1e3,
+                    )
+                    return "resumed"
+                if outcome in ("rejected", "closed"):
+                    return outcome
+            log.warning(
+                "session %s: worker %s lost; no worker took it over (tried %s); closing it",
+                s.sid,
+                dead.id,
+                ", ".join(tried[1:]) or "none ready",
+            )
+            return "no_target" if len(tried) == 1 else "failed"
+
+    async def _resume(self, s: Session, target: Backend, transcript: dict[str, Any]) -> str:
+        """THAWED and RESUMED on ``target``: resumed, or why not (the next worker may do)."""
+        state = self.state
+        target.sessions += 1  # reserved: concurrent failovers see it in their bounds
+        try:
+            try:
+                status, body = await handoff_post(
+                    state, handoff_url(target) + s.sid + "/thaw", {"state": transcript}
+                )
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.info("session %s: thaw on %s failed: %s", s.sid, target.id, exc)
+                state.worker_failed(s.pool, target)
+                return "thaw"
+            if status == 400:
+                why = body.get("error") if isinstance(body, dict) else None
+                log.warning(
+                    "session %s: %s rejected the transcript: %s", s.sid, target.id, why or status
+                )
+                return "rejected"
+            if status != 200:
+                log.info("session %s: thaw on %s answered %d", s.sid, target.id, status)
+                return "thaw"
+            try:
+                wt, proto, _, trailing = await open_upstream(
+                    state, target, s.req, s.sid, s.secure, resume=True
+                )
+            except (OSError, TimeoutError, UpstreamReject) as exc:
+                log.info("session %s: resume on %s failed: %s", s.sid, target.id, exc)
+                state.worker_failed(s.pool, target)
+                return "resume"
+        finally:
+            target.sessions -= 1
+        if s.closing or s.finished or s.client.gone:
+            wt.close()
+            return "closed"
+        s.resume_on(target, wt, proto, trailing)
+        return "resumed"
+
+    async def _confirm(self, pool: Pool, backend: Backend) -> None:
+        """CONFIRMING: one probe per lost worker answers for all its sessions."""
+        loop = self.state.loop
+        now = loop.time()
+        known = self._probes.get(backend.id)
+        if known is None or now - known[0] > PROBE_REUSE:
+            known = (now, loop.create_task(self._probe(pool, backend)))
+            self._probes[backend.id] = known
+        await asyncio.shield(known[1])
+
+    async def _probe(self, pool: Pool, backend: Backend) -> bool:
+        """True if the worker still accepts connections; else it is marked down now."""
+        up = backend.upstream
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(up.host, up.port), PROBE_TIMEOUT
+            )
+        except (OSError, TimeoutError) as exc:
+            kind = "refused" if isinstance(exc, ConnectionRefusedError) else "timeout"
+            reason = "connect refused" if kind == "refused" else f"no answer in {PROBE_TIMEOUT:g}s"
+            if backend.healthy:
+                backend.probe_oks = 0
+                backend.set_health(
+                    False, f"lost mid-session; {reason}", kind, at=self.state.wall_time()
+                )
+                log.warning(
+                    "backend %s is down: a session's connection was lost and %s", backend.id, reason
+                )
+            return False
+        writer.close()
+        return True

@@ -1,0 +1,327 @@
+"""The journal (balancer/journal.py): relayed frames folded into a transcript a worker accepts.
+
+The Realtime cases drive the real server-side protocol (``backends.protocol.realtime``): its
+events go through the journal as frames, and the transcript's ``realtime`` snapshot must be one
+``RealtimeSession.restore`` accepts and continues with the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from backends.model import token_text
+from backends.protocol.realtime import RealtimeSession, Respond, Send
+from balancer.frames import OP_PING, OP_TEXT, build_frame
+from balancer.journal import COMPACT_AT, Journal, JournalError
+
+
+def wframe(obj: dict[str, Any]) -> bytes:
+    return build_frame(OP_TEXT, json.dumps(obj).encode())
+
+
+def cframe(obj: dict[str, Any]) -> bytes:
+    return build_frame(OP_TEXT, json.dumps(obj).encode(), mask=True)
+
+
+def feed_worker(j: Journal, data: bytes, rng: random.Random | None = None) -> None:
+    """Feed in random cuts, as reads arrive."""
+    if rng is None:
+        j.worker(data)
+        return
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(1, 200)
+        j.worker(data[pos : pos + n])
+        pos += n
+
+
+def tokens(sid: str, turn: int, n: int, start: int = 0) -> bytes:
+    return b"".join(
+        wframe({"type": "token", "turn": turn, "i": i, "text": token_text(sid, turn, i)})
+        for i in range(start, n)
+    )
+
+
+def test_chat_unfinished_answer_and_queue() -> None:
+    j = Journal(1 << 20)
+    sid = "alice"
+    j.worker(wframe({"type": "hello", "worker": "w1", "session": sid}))
+    j.client(cframe({"type": "prompt", "text": "hello there", "max_tokens": 5}))
+    j.worker(tokens(sid, 1, 5))
+    j.worker(wframe({"type": "done", "turn": 1, "tokens": 5, "worker": "w1"}))
+    j.client(cframe({"type": "prompt", "text": "and then?", "max_tokens": 8}))
+    j.worker(tokens(sid, 2, 3))
+    j.client(cframe({"type": "prompt", "text": "third", "max_tokens": 2}))
+    j.client(cframe({"type": "prompt", "max_tokens": -1, "text": "bad"}))  # the worker errs
+    t = j.transcript(sid)
+    first = "".join(token_text(sid, 1, i) for i in range(5))
+    assert t == {
+        "v": 2,
+        "session": sid,
+        "protocol": "wslb-chat",
+        "messages": [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and then?"},
+        ],
+        "answer": {
+            "turn": 2,
+            "i": 3,
+            "text": "".join(token_text(sid, 2, i) for i in range(3)),
+            "max_tokens": 8,
+            "cancelled": False,
+        },
+        "queued": [{"text": "third", "max_tokens": 2}],
+        "turns": 2,
+    }
+
+
+def test_chat_fold_does_not_depend_on_how_reads_are_cut() -> None:
+    sid = "s"
+    stream = wframe({"type": "hello", "worker": "w", "session": sid})
+    stream += build_frame(OP_PING, b"x")  # an endpoint's ping passes through, not journalled
+    body = tokens(sid, 1, 400)  # > COMPACT_AT: folds happen along the way
+    assert len(body) > 2 * COMPACT_AT
+    whole = Journal(1 << 20)
+    whole.worker(stream)
+    whole.client(cframe({"type": "prompt", "text": "go", "max_tokens": 500}))
+    whole.worker(body)
+    for seed in range(5):
+        cut = Journal(1 << 20)
+        rng = random.Random(seed)
+        feed_worker(cut, stream, rng)
+        cut.client(cframe({"type": "prompt", "text": "go", "max_tokens": 500}))
+        feed_worker(cut, body, rng)
+        assert cut.transcript(sid) == whole.transcript(sid)
+    assert whole.transcript(sid)["answer"]["i"] == 400
+
+
+def test_chat_messages_prompt_replaces_and_cancel_marks() -> None:
+    j = Journal(1 << 20)
+    j.worker(wframe({"type": "hello", "worker": "w", "session": "s"}))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    j.client(cframe({"type": "prompt", "messages": msgs}))
+    j.worker(tokens("s", 1, 2))
+    j.client(cframe({"type": "cancel"}))
+    t = j.transcript("s")
+    assert t["messages"] == msgs
+    assert t["answer"]["cancelled"] is True
+    assert t["answer"]["max_tokens"] is None  # the worker's default
+    j.worker(wframe({"type": "done", "turn": 1, "tokens": 2}))
+    t = j.transcript("s")
+    assert t["answer"] is None and t["turns"] == 1
+    joined = token_text("s", 1, 0) + token_text("s", 1, 1)
+    assert t["messages"] == [*msgs, {"role": "assistant", "content": joined}]
+
+
+def test_chat_engine_error_rolls_back() -> None:
+    j = Journal(1 << 20)
+    j.worker(wframe({"type": "hello", "worker": "w", "session": "s"}))
+    j.client(cframe({"type": "prompt", "text": "a", "max_tokens": 4}))
+    j.worker(tokens("s", 1, 1))
+    j.worker(wframe({"type": "error", "error": "engine: down", "turn": 1}))
+    t = j.transcript("s")
+    assert t["messages"] == [] and t["answer"] is None and t["turns"] == 1
+
+
+@pytest.mark.parametrize(
+    ("stream", "reason"),
+    [
+        (wframe({"type": "greeting"}), "unknown_protocol"),
+        (
+            wframe({"type": "hello"}) + wframe({"type": "token", "turn": 1, "i": 0, "text": "x"}),
+            "lost_track",  # a turn no relayed prompt asked for
+        ),
+        (wframe({"type": "hello"}) + wframe({"type": "token"})[:-3], "mid_message"),
+    ],
+)
+def test_chat_cannot_build(stream: bytes, reason: str) -> None:
+    j = Journal(1 << 20)
+    j.worker(stream)
+    with pytest.raises(JournalError) as info:
+        j.transcript("s")
+    assert info.value.reason == reason
+
+
+def test_out_of_order_token_loses_track() -> None:
+    j = Journal(1 << 20)
+    j.worker(wframe({"type": "hello"}))
+    j.client(cframe({"type": "prompt", "text": "a", "max_tokens": 9}))
+    j.worker(wframe({"type": "token", "turn": 1, "i": 0, "text": "a"}))
+    j.worker(wframe({"type": "token", "turn": 1, "i": 2, "text": "c"}))
+    with pytest.raises(JournalError, match="token 2 after 0"):
+        j.transcript("s")
+
+
+def test_over_limit_gives_up_and_frees() -> None:
+    j = Journal(4096)
+    j.worker(wframe({"type": "hello"}))
+    j.client(cframe({"type": "prompt", "text": "x " * 1000, "max_tokens": 9}))
+    assert j.size <= 4096
+    j.client(cframe({"type": "prompt", "text": "y " * 1500, "max_tokens": 9}))
+    assert j.over
+    assert j.size == 0
+    with pytest.raises(JournalError) as info:
+        j.transcript("s")
+    assert info.value.reason == "journal_over_limit"
+    j.worker(tokens("s", 1, 100))  # nothing is kept any more
+    j.fold()
+    assert j.size == 0
+
+
+def test_ten_turn_chat_stays_small() -> None:
+    """A folded journal holds text, not frames: about the conversation's characters."""
+    j = Journal(256 * 1024)
+    sid = "s"
+    j.worker(wframe({"type": "hello"}))
+    raw = 0
+    for turn in range(1, 11):
+        prompt = cframe({"type": "prompt", "text": f"question {turn} " * 5, "max_tokens": 50})
+        j.client(prompt)
+        body = tokens(sid, turn, 50) + wframe({"type": "done", "turn": turn, "tokens": 50})
+        j.worker(body)
+        raw += len(prompt) + len(body)
+    j.fold()
+    assert j.size < raw / 2
+    assert len(j.transcript(sid)["messages"]) == 20
+
+
+# -- Realtime ----------------------------------------------------------------------------
+
+
+class RealtimePair:
+    """A real Realtime server session whose events are relayed through a journal."""
+
+    def __init__(self, sid: str, journal: Journal) -> None:
+        self.rt = RealtimeSession(sid, model="m", default_max_tokens=16)
+        self.j = journal
+        self.respond: Respond | None = None
+        self.sent: list[dict[str, Any]] = []
+        self.out(self.rt.opened())
+
+    def out(self, events: list[Any]) -> None:
+        for e in events:
+            if isinstance(e, Send):
+                self.sent.append(e.event)
+                self.j.worker(wframe(e.event))
+            elif isinstance(e, Respond):
+                self.respond = e
+
+    def client(self, event: dict[str, Any]) -> None:
+        self.j.client(cframe(event))
+        self.out(self.rt.receive(json.dumps(event)))
+
+
+def user_item(text: str) -> dict[str, Any]:
+    return {
+        "type": "conversation.item.create",
+        "item": {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        },
+    }
+
+
+def test_realtime_transcript_restores_with_the_same_ids() -> None:
+    sid = "rt1"
+    j = Journal(1 << 20)
+    p = RealtimePair(sid, j)
+    p.client({"type": "session.update", "session": {"type": "realtime", "instructions": "short"}})
+    p.client(user_item("first question"))
+    p.client({"type": "response.create"})
+    for n in range(4):
+        p.out(p.rt.delta(f" w{n}"))
+    p.out(p.rt.finish())
+    p.client(user_item("second"))
+    p.client({"type": "response.create", "response": {"max_output_tokens": 9}})
+    for n in range(3):
+        p.out(p.rt.delta(f" x{n}"))
+    t = j.transcript(sid)
+    assert t["protocol"] == "openai-realtime"
+    assert t["answer"] == {
+        "turn": 2,
+        "i": 3,
+        "text": " x0 x1 x2",
+        "max_tokens": 9,
+        "cancelled": False,
+    }
+    assert t["messages"] == [
+        {"role": "system", "content": "short"},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": " w0 w1 w2 w3"},
+        {"role": "user", "content": "second"},
+    ]
+    # The snapshot restores, and the restored session continues the same response and ids.
+    restored = RealtimeSession.restore(t["realtime"], session=sid, default_max_tokens=16)
+    assert restored.response_id == p.rt.response_id
+    assert restored.deltas_sent == 3
+    assert restored.messages() == p.rt.messages()
+    nxt = restored.delta(" x3")[0].event
+    want = p.rt.delta(" x3")[0].event
+    assert nxt["response_id"] == want["response_id"] and nxt["item_id"] == want["item_id"]
+    done = [e.event for e in restored.finish()][-1]
+    assert done["type"] == "response.done" and done["response"]["status"] == "completed"
+    ids = {e["event_id"] for e in p.sent}
+    assert nxt["event_id"] not in ids  # new event ids never repeat one the client saw
+
+
+def test_realtime_pending_events_are_queued_and_cancel_marks() -> None:
+    sid = "rt2"
+    j = Journal(1 << 20)
+    p = RealtimePair(sid, j)
+    p.client(user_item("q"))
+    p.client({"type": "response.create"})
+    p.out(p.rt.delta("a"))
+    p.client({"type": "response.cancel"})
+    t = j.transcript(sid)
+    assert t["answer"]["cancelled"] is True and t["realtime"]["response"]["cancelling"] is True
+    assert t["answer"]["max_tokens"] is None  # "inf": the worker's default
+    # An event the worker answered with an error is not queued.
+    p.client({"type": "input_audio_buffer.append", "audio": ""})
+    assert j.transcript(sid)["queued"] == []
+    # A client event the worker never answered (it died first) waits in queued.
+    j.client(cframe(user_item("late")))
+    assert [e["type"] for e in j.transcript(sid)["queued"]] == ["conversation.item.create"]
+
+
+# -- the workers accept what the journal builds -------------------------------------------
+
+
+def test_reference_worker_reads_the_chat_transcript() -> None:
+    from backends.handoff import Transcript, read_state
+
+    sid = "acc"
+    j = Journal(1 << 20)
+    j.worker(wframe({"type": "hello"}))
+    j.client(cframe({"type": "prompt", "text": "one two"}))  # no max_tokens: the default
+    j.worker(tokens(sid, 1, 3))
+    j.client(cframe({"type": "prompt", "text": "next", "max_tokens": 4}))
+    got = read_state(j.transcript(sid), session=sid, max_queued=16, max_tokens_limit=4096)
+    assert isinstance(got, Transcript)
+    snap = got.snapshot
+    assert snap.answer is not None and snap.answer.produced == 3
+    assert snap.answer.max_tokens == 64  # the reference worker's default
+    assert list(snap.context) == ["one", "two", *(token_text(sid, 1, i) for i in range(3))]
+    assert len(snap.queued) == 1 and snap.queued[0].max_tokens == 4
+
+
+def test_reference_worker_restores_the_realtime_transcript() -> None:
+    from backends.handoff import Transcript, read_state
+    from backends.protocol.realtime import restore_transcript
+
+    sid = "acc-rt"
+    j = Journal(1 << 20)
+    p = RealtimePair(sid, j)
+    p.client(user_item("q"))
+    p.client({"type": "response.create"})
+    p.out(p.rt.delta(token_text(sid, 1, 0)))  # as the reference worker's first delta
+    t = j.transcript(sid)
+    got = read_state(t, session=sid, max_queued=16, max_tokens_limit=4096)
+    assert isinstance(got, Transcript)
+    rt = restore_transcript(t["realtime"], session=sid, messages=got.messages, answer=got.answer)
+    assert rt.response_id == p.rt.response_id and rt.response_max_tokens == 64
