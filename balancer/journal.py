@@ -572,7 +572,8 @@ class Journal:
 
     def client(self, data: bytes) -> None:
         """Bytes the relay wrote (or was about to write) to the worker."""
-        if self.over:
+        if self.trouble is not None:
+            self._w.buf.clear()
             return
         self._fold_worker()  # first what the worker sent before this
         self._c.buf += data
@@ -582,9 +583,11 @@ class Journal:
     # -- folding ---------------------------------------------------------------------------
 
     def fold(self) -> None:
-        """Parse everything buffered into the protocol state."""
-        if self.over:
+        """Parse everything buffered into the protocol state (nothing once it cannot be used:
+        the buffers are only emptied, so a stock server's stream costs a copy, no parsing)."""
+        if self.trouble is not None:
             self._w.buf.clear()
+            self._c.buf.clear()
             return
         self._fold_worker()
         self._fold_client()
@@ -659,10 +662,10 @@ class Journal:
             JournalError: over the limit, an unknown protocol, or a stream it lost track of.
         """
         self.fold()
-        if self._w.parts or self._w.buf:
-            raise JournalError("mid_message", "the worker was lost in the middle of a message")
         if self.trouble is not None:
             raise self.trouble
+        if self._w.parts or self._w.buf:
+            raise JournalError("mid_message", "the worker was lost in the middle of a message")
         if self._fold is None:
             raise JournalError("unknown_protocol", "the worker sent nothing yet")
         return self._fold.transcript(sid)
