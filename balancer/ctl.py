@@ -108,6 +108,17 @@ def _backend_rows(backends: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _failover_cells(view: Any) -> dict[str, str]:
+    """FAILOVERS and JOURNAL: the journal's size, or why a crash would end the session."""
+    if not isinstance(view, dict):
+        return {"failovers": "-", "journal": "off"}
+    size = int(view.get("journal_bytes") or 0)
+    shown = f"{size / 1024:.1f}KiB" if size >= 1024 else f"{size}B"
+    if not view.get("protected"):
+        shown += f" (unprotected: {view.get('why_not')})"
+    return {"failovers": str(view.get("failovers", 0)), "journal": shown}
+
+
 def bar(done: int, total: int, width: int = 30) -> str:
     filled = width if total <= 0 else int(width * done / total)
     return "[" + "#" * filled + "-" * (width - filled) + "]"
@@ -228,14 +239,16 @@ def main(argv: Sequence[str]) -> int:
                 rows = [
                     {**s, "in": s["messages"]["client_to_worker"],
                      "out": s["messages"]["worker_to_client"],
-                     "age": f"{max(0.0, time.time() - s['since']):.0f}s"}
+                     "age": f"{max(0.0, time.time() - s['since']):.0f}s",
+                     **_failover_cells(s.get("failover"))}
                     for s in data
                 ]  # fmt: skip
                 table(
                     rows,
                     [("id", "SESSION"), ("backend", "BACKEND"), ("client", "CLIENT"),
                      ("age", "AGE"), ("in", "MSGS IN"), ("out", "MSGS OUT"),
-                     ("migrations", "MIGRATIONS")],
+                     ("migrations", "MIGRATIONS"), ("failovers", "FAILOVERS"),
+                     ("journal", "JOURNAL")],
                     out,
                 )  # fmt: skip
                 return 0

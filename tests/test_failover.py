@@ -12,6 +12,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -227,6 +229,16 @@ async def test_session_over_its_journal_limit_gets_1011(tmp_path: Path) -> None:
         view = lb.admin("/sessions/big")["failover"]
         assert view["protected"] is False and "journal_limit" in view["why_not"], view
         assert lb.admin("/sessions/small")["failover"]["protected"] is True
+        ctl = [sys.executable, "-m", "balancer", "ctl", "--admin",
+               f"http://127.0.0.1:{lb.admin_port}", "sessions"]  # fmt: skip
+        listing = (
+            await asyncio.to_thread(
+                subprocess.run, ctl, env=lb.env, capture_output=True, text=True, check=True
+            )
+        ).stdout
+        rows = {line.split()[0]: line for line in listing.splitlines()[1:]}
+        assert "JOURNAL" in listing.splitlines()[0]
+        assert "unprotected" in rows["big"] and "unprotected" not in rows["small"], listing
         sessions = {s["id"]: s["backend"] for s in lb.admin("/sessions")}
         assert big.ws is not None
         if sessions["small"] != sessions["big"]:
