@@ -26,7 +26,7 @@ from balancer.aio.session import (
 )
 from balancer.aio.state import ServerState
 from balancer.aio.wheel import TimerWheel
-from balancer.config import BackendCfg, Config, PoolCfg, Timeouts
+from balancer.config import BackendCfg, Config, FailoverCfg, PoolCfg, Timeouts
 from balancer.frames import (
     OP_CLOSE,
     OP_PING,
@@ -111,6 +111,7 @@ class FakeHost:
         self.stats = Stats()
         self.live: list[Session] = []
         self.finished: list[Session] = []
+        self.lost: list[Session] = []  # sessions held for failover (Rule 6)
 
     def session_started(self, s: Session) -> None:
         self.live.append(s)
@@ -122,17 +123,20 @@ class FakeHost:
     def wall_time(self) -> float:
         return 1000.0
 
+    def worker_lost(self, s: Session) -> None:
+        self.lost.append(s)
+
 
 REQ = ClientRequest("/ws", "/ws", "", [], b"k", [], "h")
 
 
 def make(
-    host: FakeHost, timeouts: Timeouts | None = None, migrate: bool = True
+    host: FakeHost, timeouts: Timeouts | None = None, migrate: bool = True, failover: bool = False
 ) -> tuple[Session, FakeTransport, FakeTransport, Pool]:
     cfg = Config(timeouts=timeouts or Timeouts(ping_interval=0, idle=0, backpressure=0))
     pool = Pool(PoolCfg("p", backends=(BackendCfg("w", "ws://127.0.0.1:1"),)))
     ct, wt = FakeTransport(), FakeTransport()
-    settings = SessionSettings.of(cfg, migrate)
+    settings = SessionSettings.of(cfg, migrate, FailoverCfg(enabled=failover))
     s = Session(host, settings, pool, pool.backends["w"], "sid", "1.2.3.4", ct, wt, REQ, False)
     ct.set_protocol(ClientLeg(s))
     return s, ct, wt, pool
@@ -437,3 +441,67 @@ async def test_a_late_first_message_after_a_move_is_timed(monkeypatch: pytest.Mo
     again = asyncio.ensure_future(migrate_mod.watch_first_message(state, s, s.ws, loop.time()))
     await asyncio.wait_for(again, 1)
     assert state.stats.migration_first_message.count == 1
+
+
+# -- Rule 6: crash failover -----------------------------------------------------------------
+
+
+def _text(obj: str, mask: bool = False) -> bytes:
+    return build_frame(OP_TEXT, obj.encode(), mask=mask)
+
+
+async def test_rule6_a_lost_worker_is_held_for_failover_not_closed() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, wt, _ = make(host, failover=True)
+    s.data_received(_text('{"type":"hello"}'))
+    s.client_data(_text('{"type":"prompt","text":"hi"}', mask=True))
+    s.data_received(_text('{"type":"token","turn":1,"i":0,"text":"a"}'))
+    wt.aborted = True
+    s.connection_lost(ConnectionResetError())
+    assert host.lost == [s] and s.failing_over and s.worker is Leg.OPEN
+    assert ct.paused and s.holding  # the client waits, unread
+    assert not any(op == OP_CLOSE for op, _ in ct.frames(masked=False))
+    # What the client sends meanwhile (already read) is journalled, not lost.
+    s.client_data(_text('{"type":"prompt","text":"more"}', mask=True))
+    assert s.journal is not None
+    t = s.journal.transcript("sid")
+    assert t["answer"]["i"] == 1 and [q["text"] for q in t["queued"]] == ["more"]
+    # No failover could save it: Rule 2 after all, and the client is read again for its answer.
+    s.worker_gone()
+    assert not s.failing_over and not ct.paused
+    assert ct.frames(masked=False)[-1] == (OP_CLOSE, close_payload(1011, "worker lost"))
+
+
+async def test_rule6_not_without_a_journal_nor_after_a_close() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, _, _ = make(host, failover=False)
+    s.connection_lost(None)
+    assert host.lost == [] and ct.frames(masked=False)[-1][0] == OP_CLOSE
+    s2, _, _, _ = make(host, failover=True)
+    s2.data_received(build_frame(OP_CLOSE, close_payload(1000, "bye")))
+    s2.connection_lost(None)  # the worker closed: nothing to save
+    assert host.lost == []
+    s3, _, _, _ = make(host, failover=True)
+    s3.client_data(build_frame(OP_TEXT, b"partial", mask=True, fin=False))
+    s3.connection_lost(None)  # the client is inside a message: cannot be handed on
+    assert host.lost == []
+
+
+async def test_rule6_resume_on_a_new_leg_reads_the_client_again() -> None:
+    host = FakeHost(asyncio.get_running_loop())
+    s, ct, _, pool = make(host, failover=True)
+    s.data_received(_text('{"type":"hello"}'))
+    s.connection_lost(ConnectionResetError())
+    assert s.failing_over
+    s.release()  # a migration's release does not undo the failover's hold
+    assert ct.paused
+
+    class Up:
+        extra = bytearray(_text('{"type":"token","turn":1,"i":0,"text":"a"}'))
+        eof = False
+
+    nwt = FakeTransport()
+    s.resume_on(pool.backends["w"], nwt, Up(), b"")
+    assert not s.failing_over and not ct.paused and s.failovers == 1
+    assert nwt.protocol is s
+    assert ct.frames(masked=False)[-1] == (OP_TEXT, b'{"type":"token","turn":1,"i":0,"text":"a"}')

@@ -601,7 +601,9 @@ class Session(asyncio.Protocol):
 
     def worker_gone(self) -> None:
         """Rule 2 for a worker leg that is gone (also when a failover could not save it)."""
-        self.failing_over = False
+        if self.failing_over:
+            self.failing_over = False
+            self.release()  # the client's answer to our close must be read
         self.worker = self.worker.lost()
         if self.client is Leg.OPEN:
             if self.pending_client_close is not None:
