@@ -331,3 +331,28 @@ async def test_realtime_sdk_session_survives_a_kill(system: tuple[Wslb, list[int
         assert third.status == "incomplete" and len(third.deltas) == 5
     assert not reconnects  # the SDK never saw a close
     assert failovers(lb)["resumed"] == len(on_victim), lb.log_tail()
+
+
+async def test_failover_in_each_serving_process_of_workers_n(tmp_path: Path) -> None:
+    """``workers: 2``: each serving process fails over the sessions it holds."""
+    cfg = yaml.safe_load((ROOT / "balancer.yaml").read_text())
+    del cfg["listen"], cfg["admin"]
+    cfg["workers"] = 2
+    ports = [free_port() for _ in range(3)]
+    env = {f"WSLB_WORKER_PORT{n + 1}": str(p) for n, p in enumerate(ports)}
+    lb = Wslb(cfg, tmp_path, extra_env=env).start()
+    try:
+        lb.wait_ready(timeout=30)
+        chats = [Chat(lb.url, f"mp-{n}") for n in range(12)]
+        await asyncio.gather(*(c.open() for c in chats))
+        tasks = await streaming(chats, 1)
+        victim, on_victim = busiest(lb)
+        worker_proc(lb, victim).send_signal(signal.SIGKILL)
+        await asyncio.gather(*tasks)
+        assert all(c.workers[-1] != victim for c in chats)
+        assert failovers(lb)["resumed"] == on_victim, lb.log_tail()
+        for c in chats:
+            assert c.ws is not None and c.ws.close_code is None
+            await c.close()
+    finally:
+        lb.stop()
