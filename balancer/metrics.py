@@ -100,6 +100,8 @@ class Stats:
         default_factory=lambda: Histogram(FIRST_MESSAGE_BUCKETS)
     )
     failovers: Counter[str] = field(default_factory=Counter)
+    failed_over: Counter[str] = field(default_factory=Counter)  # by the lost backend's id
+    migrated_away: Counter[str] = field(default_factory=Counter)  # by the old backend's id
     failover_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0

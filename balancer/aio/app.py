@@ -29,7 +29,7 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,11 +135,15 @@ class Runtime:
     cluster: Cluster | None = None
     group: ProcessGroup | None = None
     board: Board | None = None
+    # Loops that run while serving: the event feed's state watcher, a supervisor's follow of
+    # its serving processes' events.
+    background: tuple[Callable[[], Coroutine[Any, Any, None]], ...] = ()
 
     def __post_init__(self) -> None:
         self.gc_pacer = GcPacer(self.state.loop)
         self.hurry = asyncio.Event()  # set by a second signal: skip the grace period
         self._publisher: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Everything, the admin API last: once it answers, wslb serves."""
@@ -166,6 +170,7 @@ class Runtime:
         if self.group is not None:
             self._publisher = self.state.loop.create_task(self.group.publish(self.state.pools))
             await self.group.start()
+        self._background = [self.state.loop.create_task(run()) for run in self.background]
         await self.admin.start()
 
     async def shutdown(self) -> None:
@@ -214,6 +219,8 @@ class Runtime:
 
     async def stop_monitors(self) -> None:
         self.gc_pacer.stop()
+        for task in self._background:
+            task.cancel()
         if self._publisher is not None:
             self._publisher.cancel()
         if self.cluster is not None:
@@ -303,6 +310,9 @@ def build(
             if local_monitors is not None:
                 local_monitors.on_scrape = cluster.scraped
     admin = Admin(control, config.admin, link.admin_socket if link is not None else None)
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = [local.watch_states]
+    if isinstance(control, FanoutControl):
+        background.append(control.follow)
     return Runtime(
         state,
         monitors,
@@ -314,6 +324,7 @@ def build(
         cluster=cluster,
         group=group,
         board=board if link is not None else None,
+        background=tuple(background),
     )
 
 

@@ -721,9 +721,16 @@ class ClusterControl:
 
     async def reload(self) -> Reply:
         try:
-            return Reply(await self.local.reread(backends=False))
+            report = await self.local.reread(backends=False)
         except ConfigError as exc:
+            self.local.state.emit("reload", ok=False, error="; ".join(exc.errors))
             raise ControlError(400, "; ".join(exc.errors)) from None
+        self.local.state.emit("reload", ok=True, report=report)
+        return Reply(report)
+
+    async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
+        """This instance's events (the shared drain states show as its ``state`` events)."""
+        return await self.local.events(since, wait)
 
     @staticmethod
     async def _store(write: Awaitable[_T]) -> _T:

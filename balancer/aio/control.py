@@ -19,6 +19,7 @@ own health report means (``worker_reports``: it drains itself, or is back).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Callable, Coroutine, Iterator
@@ -36,12 +37,15 @@ from balancer.aio.monitors import Monitors
 from balancer.aio.state import ServerState
 from balancer.config import BackendCfg, ConfigError, parse_backend, parse_duration
 from balancer.config import load as load_config
+from balancer.events import EventLog
 from balancer.metrics import BackendView
 from balancer.pool import ACTIVE, DRAINED, Backend, Pool
 
 __all__ = ["Control", "ControlError", "LocalControl", "Reply"]
 
 log = logging.getLogger("wslb")
+
+STATE_WATCH = 0.25  # seconds between looks at the backends' states (the feed's ``state`` events)
 
 
 class ControlError(Exception):
@@ -89,6 +93,34 @@ class Control(Protocol):
     async def migrate(self, sid: str, body: dict[str, Any]) -> Reply: ...
 
     async def reload(self) -> Reply: ...
+
+    async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
+        """Events after ``since`` (waiting up to ``wait`` s for one) and the last sequence."""
+        ...
+
+
+async def wait_events(
+    events: EventLog, since: int, wait: float
+) -> tuple[list[dict[str, Any]], int]:
+    """``Control.events`` over one log. A ``since`` past its end (a reader from before a
+    restart) reads from its start."""
+    if since > events.seq:
+        since = 0
+    got = events.since(since)
+    if got or wait <= 0:
+        return got, events.seq
+    woken = asyncio.Event()
+
+    def wake(_: dict[str, Any]) -> None:
+        woken.set()
+
+    events.listen(wake)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), wait)
+    finally:
+        events.unlisten(wake)
+    return events.since(since), events.seq
 
 
 def new_backend(state: ServerState, body: dict[str, Any]) -> tuple[Pool, BackendCfg]:
@@ -148,6 +180,7 @@ class LocalControl:
         b = pool.add(cfg)
         self.monitors.watch(pool, b)
         log.info("added backend %s to pool %s", b.id, pool.name)
+        self.state.emit("backend_added", backend=b.id, pool=pool.name)
         return b
 
     async def remove(self, pool: Pool, b: Backend) -> None:
@@ -155,6 +188,7 @@ class LocalControl:
         pool.remove(b.id)
         self.drainer.forget(b)
         log.info("removed backend %s from pool %s", b.id, pool.name)
+        self.state.emit("backend_removed", backend=b.id, pool=pool.name)
 
     async def remove_when_drained(self, pool: Pool, b: Backend) -> None:
         """Remove ``b`` once its last session has ended (it is draining or drained)."""
@@ -236,7 +270,39 @@ class LocalControl:
             "ejections": v.ejections,
             "drain": self.drainer.view(found[1]) if found is not None else None,
             "sessions_remote": found[1].remote_sessions if found is not None else 0,
+            "counters": self.counters(v.id),
         }
+
+    def counters(self, backend_id: str) -> dict[str, int]:
+        """What happened to the backend's sessions and checks in this process (the dashboard's
+        migrations, failovers and errors columns)."""
+        st = self.state.stats
+        return {
+            "migrated_away": st.migrated_away[backend_id],
+            "failed_over": st.failed_over[backend_id],
+            "connect_failures": st.connect_failures[backend_id],
+            "health_check_failures": st.probe_failures[backend_id],
+        }
+
+    async def watch_states(self, every: float = STATE_WATCH) -> None:
+        """Emit a ``state`` event whenever a backend's state changes (a health flip, an
+        ejection, a drain's progress), whatever changed it: the flips have many sources (probes,
+        spawned processes, failover's probe, the board), their outcome one place to look."""
+        seen: dict[str, str] = {}
+        while True:
+            for pool, b in self.state.backends():
+                state = b.state
+                before = seen.get(b.id)
+                if before is not None and before != state:
+                    self.state.emit(
+                        "state",
+                        backend=b.id,
+                        pool=pool.name,
+                        **{"from": before, "to": state},
+                        reason=b.health_reason,
+                    )
+                seen[b.id] = state
+            await asyncio.sleep(every)
 
     async def ready(self) -> Reply:
         if self.state.closing:
@@ -328,11 +394,17 @@ class LocalControl:
         }
         return Reply(out, 200 if result.ok else 409)
 
+    async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
+        return await wait_events(self.state.events, since, wait)
+
     async def reload(self) -> Reply:
         try:
-            return Reply(await self.reread())
+            report = await self.reread()
         except ConfigError as exc:
+            self.state.emit("reload", ok=False, error="; ".join(exc.errors))
             raise ControlError(400, "; ".join(exc.errors)) from None
+        self.state.emit("reload", ok=True, report=report)
+        return Reply(report)
 
     async def reread(self, backends: bool = True) -> dict[str, Any]:
         """Reread the config file: backends and weights change; live sessions stay put.

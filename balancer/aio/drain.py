@@ -98,6 +98,15 @@ class Drainer:
             self._run(pool, backend, progress), name=f"drain-{backend.id}"
         )
         log.info("draining %s (%d sessions, migrate=%s)", backend.id, backend.sessions, migrate_)
+        self.state.emit(
+            "drain",
+            backend=backend.id,
+            pool=pool.name,
+            phase="started",
+            migrate=migrate_,
+            sessions=backend.sessions,
+            by_worker=by_worker,
+        )
         return progress
 
     def worker_drains(self, pool: Pool, backend: Backend) -> bool:
@@ -135,6 +144,8 @@ class Drainer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if backend.admin_state != ACTIVE:
+            self.state.emit("undrain", backend=backend.id)
         backend.admin_state = ACTIVE
 
     async def stop(self) -> None:
@@ -197,6 +208,17 @@ class Drainer:
                     backend.id, loop.time() - t0, progress.migrated,
                     progress.closed_after_answer, progress.closed_at_timeout,
                 )  # fmt: skip
+                self.state.emit(
+                    "drain",
+                    backend=backend.id,
+                    pool=pool.name,
+                    phase="finished",
+                    migrated=progress.migrated,
+                    migration_failures=progress.migration_failures,
+                    closed_after_answer=progress.closed_after_answer,
+                    closed_at_timeout=progress.closed_at_timeout,
+                    seconds=round(loop.time() - t0, 3),
+                )
             self.tasks.pop(backend.id, None)
 
 

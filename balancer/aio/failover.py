@@ -72,6 +72,15 @@ class Failover:
             if s.failing_over:  # not resumed: Rule 2 after all
                 s.worker_gone()
             self.state.stats.failovers[result] += 1
+            self.state.stats.failed_over[dead.id] += 1
+            resumed = result == "resumed"
+            self.state.emit(
+                "failover",
+                session=s.sid,
+                **{"from": dead.id, "to": s.backend.id if resumed else None},
+                result=result,
+                pause_ms=round((self.state.loop.time() - t_lost) * 1e3, 2) if resumed else None,
+            )
 
     async def _fail_over(self, s: Session, dead: Backend, dead_wt: Any, t_lost: float) -> str:
         loop = self.state.loop

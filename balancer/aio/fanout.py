@@ -20,10 +20,15 @@ from typing import Any, Protocol
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.aio.control import ControlError, LocalControl, Reply, new_backend
+from balancer.aio.control import ControlError, LocalControl, Reply, new_backend, wait_events
+from balancer.events import EventLog
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend
 
 __all__ = ["FanoutControl", "merge_metrics"]
+
+# The feed's events only a serving process sees (module docstring of ``FanoutControl.feed``).
+CHILD_EVENTS = frozenset({"migration", "failover", "drain"})
+FOLLOW_WAIT = 10.0  # seconds each long poll of a serving process's events waits
 
 
 class Child(Protocol):
@@ -109,6 +114,40 @@ class FanoutControl:
         """``local``: the supervisor's mirror (its pools, probes, drains; no sessions)."""
         self.local = local
         self.children = children
+        # The merged feed: the supervisor's own events of what it alone sees, and the serving
+        # processes' of what they alone do (their sessions' moves, and their drains, which
+        # hold the counts; the supervisor's drain is a mirror without sessions).
+        self.feed = EventLog()
+        local.state.events.listen(self._own_event)
+
+    def _own_event(self, event: dict[str, Any]) -> None:
+        if event["kind"] not in CHILD_EVENTS:
+            self.feed.absorb(event)
+
+    async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
+        return await wait_events(self.feed, since, wait)
+
+    async def follow(self) -> None:
+        """Absorb each serving process's events into the feed, for as long as it runs."""
+        await asyncio.gather(*(self._follow(c) for c in self.children))
+
+    async def _follow(self, child: Child) -> None:
+        seen = 0  # a restarted child's log starts over: it answers a ``since`` past its end
+        while True:
+            try:
+                status, body = await child.call(
+                    "GET", f"/events?since={seen}&wait={FOLLOW_WAIT:g}", timeout=FOLLOW_WAIT + 5
+                )
+            except (aiohttp.ClientError, OSError, TimeoutError, AssertionError):
+                await asyncio.sleep(1.0)  # not started yet, or restarting
+                continue
+            if status != 200 or not isinstance(body, dict):
+                await asyncio.sleep(1.0)
+                continue
+            for event in body.get("events") or ():
+                if event.get("kind") in CHILD_EVENTS:
+                    self.feed.absorb(event, process=child.index)
+            seen = int(body.get("last") or 0)
 
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[tuple[int, Any]]:
         """The same admin request to every serving process, in parallel."""
@@ -180,6 +219,11 @@ class FanoutControl:
                 own["ejections"] = max(b["ejections"] for b in theirs)
                 drains = [b["drain"] for b in theirs if b["drain"]]
                 own["drain"] = _merge_drains(drains) if drains else None
+                # Probes count in the supervisor, sessions' moves in the serving processes.
+                own["counters"] = {
+                    k: n + sum(b.get("counters", {}).get(k, 0) for b in theirs)
+                    for k, n in own["counters"].items()
+                }
             out.append(own)
         return out
 

@@ -122,6 +122,16 @@ async def migrate(state: ServerState, s: Session, to: str | None = None) -> Migr
         if s.holding and not s.finished:
             s.release()
     state.stats.migrations[result.reason if not result.ok else "migrated"] += 1
+    if result.ok:
+        state.stats.migrated_away[old.id] += 1
+    state.emit(
+        "migration",
+        session=s.sid,
+        **{"from": old.id, "to": result.target if result.ok else None},
+        ok=result.ok,
+        result=result.reason,
+        pause_ms=None if result.pause is None else round(result.pause * 1e3, 2),
+    )
     if result.pause is not None:
         state.stats.migration_pause.observe(result.pause)
         s.pauses = (*s.pauses[-(PAUSES_KEPT - 1) :], result.pause)

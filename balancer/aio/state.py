@@ -29,6 +29,7 @@ from balancer.aio.wheel import TimerWheel
 from balancer.auth import Authenticator
 from balancer.board import Board
 from balancer.config import Config
+from balancer.events import EventLog
 from balancer.handshake import ClientRequest
 from balancer.logs import log_access
 from balancer.metrics import Stats
@@ -84,6 +85,7 @@ class ServerState:
         # Crash failover (``failover.Failover.lost``), set where the process is built; without
         # it a lost worker leg ends its session (1011).
         self.on_worker_lost: Callable[[Session], None] | None = None
+        self.events = EventLog()  # the feed of GET /events (balancer/events.py)
 
     # -- routing and admission -------------------------------------------------------------
 
@@ -124,6 +126,10 @@ class ServerState:
                 self.config, pool.cfg.drain.migrate, pool.cfg.failover
             )
         return s
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """An event for the feed (``balancer/events.py``), at the current wall time."""
+        self.events.emit(kind, self.wall_time(), **fields)
 
     def worker_failed(self, pool: Pool, backend: Backend) -> None:
         """A connect or handshake to the worker failed: passive outlier detection."""
