@@ -182,7 +182,7 @@ class Drainer:
                     progress.migrated += 1
                     return
                 progress.migration_failures += 1
-            if await close_after_answer(s, deadline):
+            if await close_after_answer(s, backend, deadline):
                 progress.closed_after_answer += 1
 
         try:
@@ -222,15 +222,18 @@ class Drainer:
             self.tasks.pop(backend.id, None)
 
 
-async def close_after_answer(s: Session, deadline: float) -> bool:
-    """Close the session with 1012 once its current answer is over; False if time ran out."""
+async def close_after_answer(s: Session, backend: Backend, deadline: float) -> bool:
+    """Close the session with 1012 once its current answer is over; False if time ran out, or
+    if it left ``backend`` otherwise (its worker died and a failover moved it)."""
     loop = asyncio.get_running_loop()
     last_c, last_w = s.cs.messages, s.prior_messages + s.ws.messages
     awaiting = False  # a client message has had no answer yet
     while loop.time() + QUIET <= deadline:
         await asyncio.sleep(QUIET)
-        if s.finished or s.closing:
+        if s.finished or s.closing or s.backend is not backend:
             return False
+        if s.failing_over:
+            continue  # quiet because its worker is gone: the failover decides
         c, w = s.cs.messages, s.prior_messages + s.ws.messages
         if w != last_w:
             awaiting = False  # the worker is answering (or has answered)
