@@ -30,13 +30,21 @@ Chat protocol, as the reference worker's, plus:
   engine's ``usage.prompt_tokens_details.cached_tokens`` or llama-server's ``timings.cache_n``
   (0 when it reports neither); ``prefill_ms`` llama-server's ``timings.prompt_ms``, else the time
   to the first chunk as measured here.
-- **An engine failure** (it cannot be reached, answers an HTTP error, sends an error event or
-  malformed data, ends the stream early, or sends nothing for ``--engine-timeout`` s) ends the
-  turn with ``{"type":"error","error":"engine: WHY","turn":K}`` and no ``done``; the tokens sent
-  before it stay sent, the conversation is left as it was before that prompt (so the client may
-  send it again) and the next queued prompt goes on. On the Realtime protocol: an ``error``
-  event (type ``server_error``, code ``engine_error``, message ``engine: WHY``), then the
-  response ends with status ``incomplete``.
+- **An engine failure** (it answers an HTTP error, sends an error event or malformed data,
+  ends the stream early, or sends nothing for ``--engine-timeout`` s) ends the turn with
+  ``{"type":"error","error":"engine: WHY","turn":K}`` and no ``done``; the tokens sent before it
+  stay sent, the conversation is left as it was before that prompt (so the client may send it
+  again) and the next queued prompt goes on. On the Realtime protocol: an ``error`` event (type
+  ``server_error``, code ``engine_error``, message ``engine: WHY``), then the response ends with
+  status ``incomplete``.
+- **A lost engine** (the connection to it refused, reset or cut in the middle of the stream, or
+  no connection within the connect timeout) is, with ``--engine-lost drop`` (the default), the
+  failure of this worker for that answer: the engine is marked down at once (``/healthz`` 503
+  until its ``/health`` answers 200 again; a ``thaw`` gets 503 meanwhile), one warning is
+  logged per session, and the session's WebSocket is aborted without a close frame (its
+  transport dropped once the frames written so far are flushed), which wslb takes for a crashed
+  worker: with ``failover`` on it resumes the answer on another worker from its journal.
+  ``--engine-lost error`` treats it as an engine failure instead (for clients without wslb).
 - A ``cancel`` aborts the engine request at once (its HTTP connection is closed, which vLLM,
   SGLang, llama-server and TGI take as an abort); the answer ends with ``done``.
 - Backpressure: each chunk is written to the client (and the write drained) before the next is
@@ -127,6 +135,7 @@ __all__ = [
     "Bridge",
     "BridgeConfig",
     "EngineError",
+    "EngineLost",
     "build_parser",
     "config_from_args",
     "main",
@@ -154,6 +163,7 @@ METRIC_NAMES = (
     "wslb_worker_inter_token_latency_seconds_count",
 )
 _ERROR_BODY = 2048  # bytes of an engine's error answer quoted in the message
+DROP_FLUSH = 1.0  # seconds a dropped connection's written frames may take to reach the kernel
 HEALTH_TIMEOUT = 2.0  # seconds for one probe of the engine's /health
 
 Msg: TypeAlias = dict[str, str]
@@ -184,10 +194,16 @@ class BridgeConfig:
     connect_timeout: float = 5.0
     close_timeout: float = 5.0
     drain_grace: float = 30.0
+    engine_lost: Literal["drop", "error"] = "drop"
+    """A lost engine mid-answer: drop the connection (wslb fails it over), or an ``error``."""
 
 
 class EngineError(Exception):
     """The engine failed an answer; the message says how (sent as ``engine: MESSAGE``)."""
+
+
+class EngineLost(EngineError):
+    """The engine was lost: its connection refused, reset or cut before the answer's end."""
 
 
 class PromptError(Exception):
@@ -634,7 +650,9 @@ class _Connection:
     """One chat-protocol WebSocket: reads client messages, answers prompts one at a time.
 
     ``sent`` and ``received`` count data messages as the handoff API reports them. A frozen
-    connection sends nothing more and drops client messages unread, until the peer closes it.
+    connection sends nothing more and drops client messages unread, until the peer closes it. A
+    dropped one (its engine lost mid-answer, ``drop``) sends nothing more either; its transport
+    is aborted.
     """
 
     protocol = "wslb-chat"
@@ -653,6 +671,9 @@ class _Connection:
         self.attached = True
         self.resumed: Answer | None = None
         self.last_chunk: float | None = None
+        self.transport: asyncio.Transport | None = None
+        """The connection's TCP transport (aborted by ``drop``)."""
+        self.dropped = False
 
     @property
     def sid(self) -> str:
@@ -663,6 +684,8 @@ class _Connection:
         # its first await: a freeze runs either before the frame is written or after.
         if self.frozen:
             raise ConnectionResetError("session frozen")
+        if self.dropped:
+            raise ConnectionResetError("connection dropped")
         self.sent += 1
         await self.ws.send_str(_dumps(obj))
 
@@ -820,16 +843,42 @@ class _Connection:
                 await self.ws.close(code=1011, message=b"internal error")
 
     async def run(self, ans: Answer) -> None:
-        """Stream the answer from the engine, then end it with done (or the failure)."""
+        """Stream the answer from the engine, then end it with done (or the failure); a lost
+        engine with ``--engine-lost drop``: drop the connection (raises ``ConnectionError``)."""
         self.current = ans
-        why: str | None = None
+        failure: EngineError | None = None
         if not (ans.cancelled or ans.finished is not None or ans.remaining() <= 0):
-            why = await self.bridge.generate(self, ans)
+            failure = await self.bridge.generate(self, ans)
+        if isinstance(failure, EngineLost) and self.bridge.config.engine_lost == "drop":
+            await self.drop(ans, str(failure))  # self.current stays: abandon() settles it
+            raise ConnectionResetError("connection dropped: engine lost")
         self.current = None
-        if why is None:
+        if failure is None:
             await self.emit_done(ans)
         else:
-            await self.emit_failure(ans, why)
+            await self.emit_failure(ans, str(failure))
+
+    async def drop(self, ans: Answer, why: str) -> None:
+        """Fail as a crashed worker does: no more frames, no close frame, the transport aborted
+        once what was written has reached the kernel (so the peer gets whole frames only)."""
+        log.warning(
+            "engine lost mid-answer on session %s (turn %d, %d chunks sent: %s); dropping the "
+            "connection so the balancer can fail it over",
+            self.sid,
+            ans.turn,
+            ans.i,
+            why,
+        )
+        self.dropped = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DROP_FLUSH
+        # No event tells when a transport's buffer is empty (only below its low-water mark).
+        while transport.get_write_buffer_size() and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        transport.abort()
 
 
 class _RealtimeConnection(_Connection):
@@ -1123,10 +1172,11 @@ class Bridge:
 
     # -- the engine -------------------------------------------------------------------------
 
-    async def generate(self, conn: _Connection, ans: Answer) -> str | None:
+    async def generate(self, conn: _Connection, ans: Answer) -> EngineError | None:
         """Stream the rest of ``ans`` to ``conn``; None when it ended (or was cancelled), else
-        why the engine failed. A cancel (``conn.stop``) or a cancellation of the caller (a
-        freeze, a closed connection) aborts the engine request before this returns."""
+        how the engine failed (``EngineLost``: it was lost). A cancel (``conn.stop``) or a
+        cancellation of the caller (a freeze, a closed connection) aborts the engine request
+        before this returns."""
         if self.engine.flavor is None and ans.text:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await self.engine.discover(self.http)
@@ -1150,8 +1200,9 @@ class Bridge:
             return None
         if isinstance(exc, EngineError):
             self.engine_errors += 1
-            log.warning("engine failed turn %d of session %s: %s", ans.turn, conn.sid, exc)
-            return str(exc)
+            if not isinstance(exc, EngineLost) or self.config.engine_lost == "error":
+                log.warning("engine failed turn %d of session %s: %s", ans.turn, conn.sid, exc)
+            return exc
         raise exc
 
     async def _stream(self, conn: _Connection, ans: Answer) -> None:
@@ -1226,19 +1277,27 @@ class Bridge:
         except EngineError:
             raise
         except aiohttp.ConnectionTimeoutError:
-            raise EngineError(
+            raise self._lost(
                 f"cannot connect to {engine.url} within {cfg.connect_timeout:g} s"
             ) from None
         except TimeoutError:
             raise EngineError(f"no data from the engine for {cfg.engine_timeout:g} s") from None
-        except aiohttp.ClientConnectorError as exc:
-            why = _describe(exc)
-            engine.mark(why)
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, disconnected
+            raise self._lost(_describe(exc)) from None
+        except aiohttp.ClientPayloadError as exc:
+            if str(exc).startswith("Response payload is not completed"):  # the connection cut
+                raise self._lost("the connection was lost mid-stream") from None
             self._wake_poller.set()
-            raise EngineError(why) from None
+            raise EngineError(_describe(exc)) from None
         except aiohttp.ClientError as exc:
             self._wake_poller.set()
             raise EngineError(_describe(exc)) from None
+
+    def _lost(self, why: str) -> EngineLost:
+        """The engine is lost: down now (``/healthz`` 503), re-checked at once by the poller."""
+        self.engine.mark(why)
+        self._wake_poller.set()
+        return EngineLost(why)
 
     # -- HTTP -------------------------------------------------------------------------------
 
@@ -1263,9 +1322,9 @@ class Bridge:
             return _error(404, "this worker has no handoff API")
         sid = request.match_info["sid"]
         conns = self._by_session.get(sid, [])
-        live = [c for c in conns if not c.frozen]
+        live = [c for c in conns if not c.frozen and not c.dropped]
         if not live:
-            if conns:
+            if any(c.frozen for c in conns):
                 return _error(409, f"session {sid!r} is already frozen")
             return _error(404, f"no open connection for session {sid!r}")
         conn = live[-1]
@@ -1283,6 +1342,9 @@ class Bridge:
             return _error(404, "this worker has no handoff API")
         if self.draining:
             return _error(503, "worker shutting down")
+        if not self.engine.up and self.config.engine_lost == "drop":
+            # It would be dropped at its first answer: let the balancer try the next worker.
+            return _error(503, f"engine down: {self.engine.why}")
         sid = request.match_info["sid"]
         if len(sid) > MAX_SESSION_ID_LEN:
             return _error(400, "session id too long")
@@ -1417,6 +1479,7 @@ class Bridge:
             thawed = None
         ws.headers["X-Session-Id"] = sid
         await ws.prepare(request)
+        transport = request.transport
         self.connections_total += 1
         conn: _Connection
         if request.path == REALTIME_PATH:
@@ -1431,6 +1494,7 @@ class Bridge:
             conn = _RealtimeConnection(self, ws, session, session.realtime)
         else:
             conn = _Connection(self, ws, session)
+        conn.transport = transport
         self.connections.add(conn)
         self._idle.clear()
         self._by_session.setdefault(sid, []).append(conn)
@@ -1623,6 +1687,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     add(
+        "--engine-lost",
+        choices=["drop", "error"],
+        default="drop",
+        help="when the engine is lost mid-answer (connection refused, reset or cut): 'drop' "
+        "marks the engine down and aborts the session's connection without a close frame, so "
+        "wslb's crash failover resumes the answer on another worker; 'error' ends the turn with "
+        "an error message (default: %(default)s)",
+    )
+    add(
         "--drain-grace",
         type=float,
         default=30.0,
@@ -1666,6 +1739,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
         health_interval=args.health_interval,
         engine_timeout=args.engine_timeout,
         drain_grace=args.drain_grace,
+        engine_lost=args.engine_lost,
     )
     return config, args.log_level
 

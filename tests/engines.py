@@ -336,6 +336,13 @@ class LlamaServer:
         if self.proc is not None:
             stop(self.proc, timeout, group=self._procs is None or self._procs.session)
 
+    def kill(self, timeout: float = 10.0) -> None:
+        """``kill -9`` (a crash: no shutdown, its connections reset), waited for."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait(timeout)
+
     def metrics(self) -> str:
         status, body = http_get(f"{self.url}/metrics")
         if status != 200:

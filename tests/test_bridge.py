@@ -30,6 +30,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosedError
 
 from backends import bridge, wire, worker
 from backends.bridge import METRIC_NAMES, STATE_VERSION
@@ -575,11 +576,12 @@ async def test_realtime_response_migrates(pair: list[BridgeProc]) -> None:
 
 
 async def test_engine_killed_mid_answer(tmp_path: Path) -> None:
-    """llama-server killed mid-answer: an ``error`` ends the turn (no hang), ``/healthz`` goes
-    503, the next prompt gets an error at once; back up, the bridge is healthy again."""
+    """llama-server killed mid-answer, with ``--engine-lost error`` (a client without wslb): an
+    ``error`` ends the turn (no hang), ``/healthz`` goes 503, the next prompt gets an error at
+    once; back up, the bridge is healthy again. (The default, ``drop``: test_engine_failover.)"""
     server = LlamaServer(tmp_path / "llama.log", parallel=1, ctx=2048, threads=1)
     port = server.port
-    with server, bridges(server.url, "bridge-k") as (k,):
+    with server, bridges(server.url, "bridge-k", args=("--engine-lost", "error")) as (k,):
         k.wait_health(200, timeout=30)
         sid = new_sid()
         async with await open_ws(k.ws, sid) as ws:
@@ -618,7 +620,7 @@ class FakeEngine:
     """An OpenAI-compatible SSE server in this process, doing what ``mode`` says."""
 
     def __init__(self) -> None:
-        self.mode = "ok"  # ok | 500 | hang | error-after | flood | echo
+        self.mode = "ok"  # ok | 500 | hang | error-after | die-after | flood | echo
         self.health = 200
         self.owner = "vllm"
         self.delay = 0.0  # seconds between chunks
@@ -701,6 +703,11 @@ class FakeEngine:
             for n, (text, ids) in enumerate(chunks):
                 if self.mode == "error-after" and n == 2:
                     await resp.write(self.event({"error": {"message": "the GPU fell off"}}))
+                    return resp
+                if self.mode == "die-after" and n == 2:  # as if killed: /health fails too
+                    self.health = 503
+                    assert request.transport is not None
+                    request.transport.abort()
                     return resp
                 await resp.write(self.chunk(text, ids if body.get("return_token_ids") else None))
                 self.written += 1
@@ -789,10 +796,11 @@ async def test_engine_hang_and_error_event() -> None:
 
 
 async def test_engine_down_healthz_and_errors() -> None:
-    """No engine: ``/healthz`` 503 naming why, a prompt an error at once, a Realtime response
-    an ``error`` event and ``response.done`` incomplete; the engine comes up: 200."""
+    """No engine, with ``--engine-lost error``: ``/healthz`` 503 naming why, a prompt an error
+    at once, a Realtime response an ``error`` event and ``response.done`` incomplete; the engine
+    comes up: 200."""
     fake = FakeEngine()
-    async with abridges(fake.url, "bridge-d") as (d,):
+    async with abridges(fake.url, "bridge-d", args=("--engine-lost", "error")) as (d,):
         health = await d.health(503)
         assert health["status"] == "engine down" and "cannot connect" in health["error"]
         sid = new_sid()
@@ -823,6 +831,64 @@ async def test_engine_down_healthz_and_errors() -> None:
             await d.health(503)
         finally:
             await fake.close()
+
+
+async def dropped(ws: ClientConnection, timeout: float = FAST) -> list[dict[str, Any]]:
+    """The messages until the connection ends, which must be without a close frame."""
+    got: list[dict[str, Any]] = []
+    with pytest.raises(ConnectionClosedError) as closed:
+        for _ in range(1000):
+            got.append(await recv(ws, timeout))
+    assert closed.value.rcvd is None, closed.value  # no close frame: a lost worker
+    return got
+
+
+async def test_engine_lost_drops_the_connection() -> None:
+    """The default, ``--engine-lost drop``: the engine's connection cut mid-answer (chat and
+    Realtime), or refused when an answer starts, makes the bridge fail as a crashed worker: the
+    WebSocket ends without a close frame (no ``error``, no ``done``), one line is logged per
+    session, the engine is down at once (``/healthz`` 503, a thaw 503) until its ``/health``
+    answers 200 again."""
+    async with fake_engine() as fake, abridges(fake.url, "bridge-l") as (f,):
+        await f.health(200)
+        fake.delay = 0.05
+        fake.mode = "die-after"
+        sid = new_sid()
+        async with await open_ws(f.ws, sid) as ws:
+            await hello(ws, f.id, sid)
+            await ws.send(json.dumps({"type": "prompt", "text": "x", "max_tokens": 9}))
+            got = await dropped(ws)
+        assert [(m["type"], m["i"]) for m in got] == [("token", 0), ("token", 1)], got
+        health = await f.health(503, timeout=1)
+        assert health["status"] == "engine down", health
+        # Marked down at the loss (logged), then kept down by the poller's probe.
+        assert "is down: the connection was lost mid-stream" in f.output(), f.output()
+        line = f"engine lost mid-answer on session {sid} (turn 1, 2 chunks sent: "
+        assert line in f.output(), f.output()
+        assert "dropping the connection so the balancer can fail it over" in f.output()
+        status, body = await thaw(f, new_sid(), {})
+        assert status == 503 and body["error"].startswith("engine down: "), body
+        # Back up; now a Realtime response loses its engine: no error event, no response.done.
+        fake.health = 200
+        await f.health(200)
+        rt_url = f"ws://127.0.0.1:{f.port}/v1/realtime?session={new_sid()}"
+        async with connect(rt_url, open_timeout=FAST) as rt:
+            assert (await recv(rt, FAST))["type"] == "session.created"
+            await rt.send(json.dumps({"type": "response.create"}))
+            kinds = [ev["type"] for ev in await dropped(rt)]
+        assert kinds.count("response.output_text.delta") == 2, kinds
+        assert "error" not in kinds and "response.done" not in kinds, kinds
+        await f.health(503, timeout=1)
+        assert metrics(f.http)["wslb_worker_engine_errors_total"] == 2.0
+    # No engine at all: the first prompt's connection is refused, and the session dropped.
+    async with abridges(FakeEngine().url, "bridge-n") as (n,):
+        await n.health(503)
+        sid = new_sid()
+        async with await open_ws(n.ws, sid) as ws:
+            await hello(ws, n.id, sid)
+            await ws.send(json.dumps({"type": "prompt", "text": "x", "max_tokens": 9}))
+            assert await dropped(ws) == []
+        assert f"engine lost mid-answer on session {sid} (turn 1, 0 chunks sent: " in n.output()
 
 
 async def test_slow_client_slows_the_engine() -> None:

@@ -4,9 +4,9 @@ The session (``session.py``, Rule 6) holds its client and calls ``Failover.lost`
 bounded task per session (at most ``PARALLEL`` of a process at once, so a worker that dies with
 200 sessions does not stampede its neighbours):
 
-    CONFIRMING  the lost worker is probed once (a TCP connect, shared by all its sessions); a
-                refused or silent port marks it down at once (passive health), so neither the
-                ring nor new sessions pick it while its checks catch up
+    CONFIRMING  the lost worker gets its pool's health check once (shared by all its
+                sessions); a failed one marks it down at once (passive health), so neither the
+                ring nor new sessions pick it while its regular checks catch up
     TRANSCRIPT  the session's journal (``balancer.journal``) gives the transcript state
                 (``"v": 2``); a journal over its limit, of an unknown protocol, or cut in the
                 middle of a message ends the failover here
@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from balancer.aio.health import HealthChecker
 from balancer.aio.migrate import handoff_post, handoff_url, wait_until
 from balancer.aio.proxy import open_upstream
 from balancer.aio.session import Session
@@ -45,7 +46,6 @@ log = logging.getLogger("wslb.failover")
 # Failovers in flight per process: each thaws a whole conversation on its target, so more at
 # once only lengthens every pause on a busy CPU (the drain keeps 8 for the same reason).
 PARALLEL = 8
-PROBE_TIMEOUT = 1.0  # the confirming connect to the lost worker
 PROBE_REUSE = 2.0  # seconds a probe's verdict answers for the worker's other sessions
 MIGRATION_WAIT = 10.0  # the longest a failover waits for a migration of the session to end
 
@@ -57,6 +57,7 @@ class Failover:
         self.state = state
         self.slots = asyncio.Semaphore(PARALLEL)
         self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
+        self._checker: HealthChecker | None = None
 
     def lost(self, s: Session) -> None:
         """Rule 6 of ``session.py``: ``s`` is held, its worker leg gone."""
@@ -181,23 +182,25 @@ class Failover:
         await asyncio.shield(known[1])
 
     async def _probe(self, pool: Pool, backend: Backend) -> bool:
-        """True if the worker still accepts connections; else it is marked down now."""
-        up = backend.upstream
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(up.host, up.port), PROBE_TIMEOUT
+        """The pool's own health check, once, now (a TCP connect, or ``GET health.path``: an
+        engine bridge whose engine died still accepts connections but answers 503). True if it
+        passed; else the worker is marked down at once, and its checks bring it back."""
+        http = self.state.handoff_http
+        if http is None or not pool.cfg.health.enabled:
+            return True  # no checks would bring it back: passive ejection deals with it
+        if self._checker is None:
+            self._checker = HealthChecker(http, lambda b, ok, draining: None)
+        result = await self._checker.check(pool, backend)
+        if result is None or result.ok or result.draining:
+            return True
+        if backend.healthy:
+            backend.probe_oks = 0
+            backend.set_health(
+                False, f"lost mid-session; {result.reason}", result.kind, self.state.wall_time()
             )
-        except (OSError, TimeoutError) as exc:
-            kind = "refused" if isinstance(exc, ConnectionRefusedError) else "timeout"
-            reason = "connect refused" if kind == "refused" else f"no answer in {PROBE_TIMEOUT:g}s"
-            if backend.healthy:
-                backend.probe_oks = 0
-                backend.set_health(
-                    False, f"lost mid-session; {reason}", kind, at=self.state.wall_time()
-                )
-                log.warning(
-                    "backend %s is down: a session's connection was lost and %s", backend.id, reason
-                )
-            return False
-        writer.close()
-        return True
+            log.warning(
+                "backend %s is down: a session's connection was lost, then %s",
+                backend.id,
+                result.reason,
+            )
+        return False
