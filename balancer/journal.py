@@ -547,12 +547,14 @@ class _RealtimeFold:
 
 
 class Journal:
-    """One session's journal (module docstring). ``limit``: bytes it may hold."""
+    """One session's journal (module docstring). ``limit``: bytes it may hold; ``sid``: the
+    session's key, for the log line of a journal that gives up."""
 
-    __slots__ = ("_c", "_fold", "_w", "folded", "limit", "over", "protocol", "trouble")
+    __slots__ = ("_c", "_fold", "_w", "folded", "limit", "over", "protocol", "sid", "trouble")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, sid: str = "") -> None:
         self.limit = limit
+        self.sid = sid
         self._w = _Stream(masked=False)
         self._c = _Stream(masked=True)
         self._fold: _ChatFold | _RealtimeFold | None = None
@@ -610,7 +612,11 @@ class Journal:
             why = self._fold.worker(obj)
             if why is not None:
                 self.trouble = JournalError("lost_track", why)
-                log.info("journal lost track of the session: %s", why)
+                log.warning(
+                    "session %s: journal lost track (%s); a crash would end it with 1011",
+                    self.sid,
+                    why,
+                )
 
     def _fold_client(self) -> None:
         if not self._c.buf:
@@ -639,6 +645,12 @@ class Journal:
     def _check_size(self) -> None:
         if self.size > self.limit:
             self.over = True
+            log.warning(
+                "session %s: journal over failover.journal_limit (%d bytes); a crash would "
+                "end it with 1011",
+                self.sid,
+                self.limit,
+            )
             self.trouble = JournalError(
                 "journal_over_limit",
                 f"the journal passed failover.journal_limit ({self.limit} bytes)",

@@ -351,7 +351,7 @@ class Session(asyncio.Protocol):
         self.prior_backends: tuple[str, ...] = ()
         # Crash failover: the journal of what was relayed, and whether a failover holds the
         # session now (its worker leg is gone, the client is not read).
-        self.journal = Journal(settings.journal_limit) if settings.journal_limit else None
+        self.journal = Journal(settings.journal_limit, sid) if settings.journal_limit else None
         self.failovers = 0
         self.failing_over = False
         pool.attach(sid, backend, state.loop.time())
