@@ -145,6 +145,40 @@ def _loads(payload: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
+def _decoded(
+    messages: list[tuple[int, bytes]],
+) -> list[tuple[int, bytes, dict[str, Any] | None]]:
+    """Each message with its JSON object (None: binary, not JSON, not an object).
+
+    One ``json.loads`` of all the text messages as one array: a token stream is hundreds of
+    small objects per fold, and per call ``json.loads`` costs more than the decoding itself.
+    A batch that does not parse, or parses to another count (a payload that is not one JSON
+    value), is decoded message by message instead.
+    """
+    texts = [p for op, p in messages if op == OP_TEXT]
+    objs: list[Any] | None = None
+    if len(texts) > 1:
+        try:
+            batch = json.loads(b"[" + b",".join(texts) + b"]")
+        except ValueError:
+            batch = None
+        if isinstance(batch, list) and len(batch) == len(texts):
+            objs = batch
+    out: list[tuple[int, bytes, dict[str, Any] | None]] = []
+    k = 0
+    for op, payload in messages:
+        obj: dict[str, Any] | None = None
+        if op == OP_TEXT:
+            if objs is None:
+                obj = _loads(payload)
+            else:
+                value = objs[k]
+                obj = value if isinstance(value, dict) else None
+            k += 1
+        out.append((op, payload, obj))
+    return out
+
+
 def _chars(messages: Any) -> int:
     return sum(len(m["content"]) for m in messages)
 
@@ -214,7 +248,7 @@ def chat_prompt(obj: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class _Answer:
-    __slots__ = ("base", "cancelled", "i", "max_tokens", "parts", "rollback", "turn")
+    __slots__ = ("base", "cancelled", "chars", "i", "max_tokens", "parts", "rollback", "turn")
 
     def __init__(
         self,
@@ -228,6 +262,7 @@ class _Answer:
         self.rollback = rollback
         self.max_tokens = max_tokens
         self.parts: list[str] = []
+        self.chars = 0  # of the parts: the size check runs at every fold
         self.i = 0
         self.cancelled = False
 
@@ -277,6 +312,7 @@ class _ChatFold:
             if i != ans.i:
                 return f"turn {turn}: token {i} after {ans.i - 1}"
             ans.parts.append(text)
+            ans.chars += len(text)
             ans.i += 1
         elif kind == "done":
             turn = _count(obj.get("turn"))
@@ -322,7 +358,7 @@ class _ChatFold:
         ans = self.answer
         held = _chars(ans.base if ans is not None else self.messages)
         if ans is not None:
-            held += sum(len(p) for p in ans.parts)
+            held += ans.chars
         for p in self.pending:
             held += len(p.get("text") or "") + _chars(p.get("messages") or ())
         return held
@@ -598,11 +634,10 @@ class Journal:
     def _fold_worker(self) -> None:
         if not self._w.buf:
             return
-        for opcode, payload in self._w.messages():
+        for _, _, obj in _decoded(self._w.messages()):
             self.folded += 1
             if self.trouble is not None:
                 continue
-            obj = _loads(payload) if opcode == OP_TEXT else None
             if self._fold is None:
                 self._recognise(obj)
                 if self._fold is None:
