@@ -2,8 +2,9 @@
 
 Safe by default, because loopback is reachable from every web page the operator has open:
 
-- Everything but ``/healthz`` and ``/readyz`` requires ``Authorization: Bearer TOKEN``, compared
-  in constant time. With no token configured one is generated at start (``admintoken.py``).
+- Everything but ``/healthz``, ``/readyz`` and the dashboard's static files (``/ui``, which
+  hold no data) requires ``Authorization: Bearer TOKEN``, compared in constant time. With no
+  token configured one is generated at start (``admintoken.py``).
 - A request whose ``Origin`` is not the listener's own (a page of another site) gets 403.
 - On a loopback listener, a ``Host`` that is a DNS name other than ``localhost`` gets 403: a
   rebinding attack reaches 127.0.0.1 under the attacker's own name.
@@ -17,8 +18,10 @@ supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}`
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -29,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from balancer import admintoken
+from balancer.aio import ui
 from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
 from balancer.config import Admin as AdminCfg
@@ -39,7 +43,11 @@ __all__ = ["Admin"]
 log = logging.getLogger("wslb.admin")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_OPEN = frozenset({"/healthz", "/readyz"})
+_OPEN = frozenset({"/healthz", "/readyz", *ui.PATHS})  # the page holds no data (ui.py)
+MAX_WAIT = 30  # seconds a long poll of GET /events may wait
+KEEPALIVE = 15.0  # seconds between comments on a quiet event stream
+BACKLOG = 100  # events a new reader of the stream gets first
+STREAM_POLL = 1.0  # seconds an event stream waits before it looks at its reader again
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -62,6 +70,15 @@ def rebinding_safe(host_header: str | None) -> bool:
     return True
 
 
+def _int_arg(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ControlError(400, f"{name} must be a non-negative integer")
+    return int(raw)
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -76,6 +93,7 @@ class Admin:
         self.cfg = cfg
         self.unix_socket = unix_socket
         self._runner: web.AppRunner | None = None
+        self._streams: set[asyncio.Task[Any]] = set()  # GET /events/stream handlers
         token = cfg.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token and unix_socket is None else None
         self._generated: str | None = None  # the token start() made, removed at stop()
@@ -100,6 +118,9 @@ class Admin:
         r.add_post("/reload", self.reload)
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/debug/stats", self.debug_stats)
+        r.add_get("/events", self.events)
+        r.add_get("/events/stream", self.event_stream)
+        ui.add_routes(r)
         return web_app
 
     async def start(self) -> None:
@@ -128,6 +149,8 @@ class Admin:
         await web.SockSite(self._runner, sock).start()
 
     async def stop(self) -> None:
+        for task in list(self._streams):
+            task.cancel()  # a stream never ends by itself
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -233,6 +256,60 @@ class Admin:
 
     async def debug_stats(self, request: web.Request) -> web.Response:
         return web.json_response(await self.control.debug_stats())
+
+    async def events(self, request: web.Request) -> web.Response:
+        """``?since=N&wait=S``: the events after N, waiting up to S seconds (at most 30) for
+        one: a long poll (the supervisor of ``workers: N`` follows its serving processes so)."""
+        since, wait = _int_arg(request, "since", 0), float(_int_arg(request, "wait", 0))
+        events, last = await self.control.events(since, min(wait, MAX_WAIT))
+        return web.json_response({"events": events, "last": last})
+
+    async def event_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: the recent backlog (or what followed ``Last-Event-ID``), then
+        each event as it happens; a comment every ``KEEPALIVE`` s keeps proxies from closing
+        a quiet stream. A browser reads it with ``fetch`` (``EventSource`` cannot send the
+        token, and a token never goes in a URL)."""
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        since = _int_arg(request, "since", 0)
+        last_id = request.headers.get("Last-Event-ID", "")
+        _, last = await self.control.events(0, 0)
+        if last_id.isdigit() and int(last_id) <= last:
+            since = int(last_id)
+        elif since == 0 or since > last:  # a new reader (or one from before a restart)
+            since = max(0, last - BACKLOG)
+        task = asyncio.current_task()
+        if task is not None:
+            self._streams.add(task)
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
+        try:
+            # Short waits, so a reader that left is noticed within a second (aiohttp does not
+            # cancel a handler whose client went away) and shutdown need not wait for it.
+            while request.transport is not None and not request.transport.is_closing():
+                events, last = await self.control.events(since, STREAM_POLL)
+                if not events and loop.time() - quiet_since >= KEEPALIVE:
+                    await resp.write(b": keepalive\n\n")
+                    quiet_since = loop.time()
+                for e in events:
+                    data = json.dumps(e, separators=(",", ":"))
+                    await resp.write(
+                        f"id: {e['seq']}\nevent: {e['kind']}\ndata: {data}\n\n".encode()
+                    )
+                    quiet_since = loop.time()
+                since = last
+        except (ConnectionResetError, ConnectionError, asyncio.CancelledError):
+            pass  # the reader left, or wslb stops
+        finally:
+            if task is not None:
+                self._streams.discard(task)
+        return resp
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)

@@ -161,6 +161,29 @@ OPENAPI: dict[str, Any] = {
         },
         "/openapi.json": {"get": _op("This document")},
         "/debug/stats": {"get": _op("Process figures: asyncio tasks, sessions, RSS, open FDs")},
+        "/events": {
+            "get": _op(
+                "Events after ?since=N (drains, migrations, failovers, state changes, reloads), "
+                "waiting up to ?wait=S seconds (at most 30) for one: a long poll",
+                errors=("400", "401"),
+            )
+        },
+        "/events/stream": {
+            "get": {
+                "summary": "The same events as server-sent events: the recent backlog, then live",
+                "responses": {
+                    "200": {"description": "OK", "content": {"text/event-stream": {}}},
+                    "401": {"$ref": "#/components/responses/E401"},
+                },
+            }
+        },
+        "/ui": {
+            "get": {
+                "summary": "The operator dashboard: a web page (no token; its data calls use it)",
+                "responses": {"200": {"description": "OK", "content": {"text/html": {}}}},
+                "security": [],
+            }
+        },
     },
 }
 
