@@ -1,5 +1,5 @@
-"""Helpers the benchmark scripts share: percentiles, CPU accounting from /proc, wslb's log,
-SIGTERM as Ctrl-C.
+"""Helpers the benchmark scripts share: percentiles, CPU accounting from /proc, wslb's log and
+metrics, SIGTERM as Ctrl-C.
 
 Benchmarks only (not imported by ``balancer``); each script puts the repository root on
 ``sys.path`` before importing this module as ``bench.common``. The processes they start (wslb,
@@ -23,11 +23,14 @@ import psutil
 
 __all__ = [
     "CpuSample",
+    "PromHistogram",
     "cpu_sample",
     "cpu_seconds",
     "cpu_window",
     "log_problems",
     "pct",
+    "prom_by_label",
+    "prom_histogram",
     "sigterm_as_interrupt",
 ]
 
@@ -110,3 +113,67 @@ def log_problems(text: str) -> Counter[str]:
             if j < len(lines):
                 out[f"  raised {_ADDR.sub('_', lines[j])[:160]}"] += 1
     return out
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of metric ``name`` (exactly) in a Prometheus text exposition."""
+    out: list[tuple[dict[str, str], float]] = []
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None or m[1] != name:
+            continue
+        with contextlib.suppress(ValueError):
+            out.append((dict(_LABEL.findall(m[2] or "")), float(m[3])))
+    return out
+
+
+def prom_by_label(text: str, name: str, label: str) -> Counter[str]:
+    """A labelled counter (``wslb_failovers_total{result=...}``) as label value -> count, summed
+    over its other labels."""
+    out: Counter[str] = Counter()
+    for labels, value in _samples(text, name):
+        out[labels.get(label, "")] += int(value)
+    return out
+
+
+@dataclass
+class PromHistogram:
+    """One unlabelled Prometheus histogram: cumulative counts by upper bound, ``+Inf`` last."""
+
+    buckets: list[tuple[float, int]]
+    count: int
+    sum: float
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count else math.nan
+
+    def quantile(self, q: float) -> float:
+        """The upper bound of the bucket holding quantile ``q`` in [0, 100] (a bound, not an
+        estimate: the exposition has nothing finer); ``inf`` past the last finite bound, NaN
+        when empty."""
+        if not self.count:
+            return math.nan
+        rank = q / 100.0 * self.count
+        for bound, cum in self.buckets:
+            if cum >= rank and cum > 0:
+                return bound
+        return math.inf
+
+
+def prom_histogram(text: str, name: str) -> PromHistogram:
+    """Histogram ``name`` (``_bucket``, ``_count``, ``_sum``) of an exposition; empty if absent."""
+    buckets = sorted(
+        (float(labels["le"]), int(v))
+        for labels, v in _samples(text, f"{name}_bucket")
+        if "le" in labels
+    )
+    count = sum(int(v) for _, v in _samples(text, f"{name}_count"))
+    total = sum(v for _, v in _samples(text, f"{name}_sum"))
+    return PromHistogram(buckets, count, total)

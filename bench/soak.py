@@ -33,6 +33,18 @@ It also prints the sessions run by ending, the client errors by kind (1011 after
 expected; anything else is suspicious), worker kills and how long wslb took to bring each back,
 and wslb's log warnings and errors by message. Exit status 0 when every check holds.
 
+``--chaos``: the same churn with crash failover on (the pool's ``failover: {enabled: true}``,
+``--journal-limit``) and a random spawned worker SIGKILLed every 20 s (``--kill-every``, counted
+from kill to kill), for 10 minutes unless ``--duration`` says otherwise. The sessions a kill cuts
+are resumed on another worker, so the checks become: no lost and no duplicated token (tokens are
+checked as before, every answer to its ``done``), and every 1011 explained: with failover on
+wslb closes with 1011 only a session it could not save, and the one acceptable reason is a
+journal over its limit, so the client's 1011s are matched against
+``wslb_failovers_total{result="journal_over_limit"}``; any other 1011, like any other unplanned
+ending, fails the run. The failovers are printed by result, with the pause histogram
+(``wslb_failover_pause_seconds``); the FD, task and RSS checks are the same (RSS judged from 15
+minutes of load, as above).
+
 Needs the test extra (``pip install -e '.[test]'``: websockets). Not a test: pytest collects only
 ``tests/``. Run ``python bench/soak.py --help``.
 """
@@ -59,6 +71,7 @@ from types import FrameType
 from typing import Any
 
 import psutil
+import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
@@ -67,7 +80,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import log_problems, sigterm_as_interrupt  # noqa: E402
+from bench.common import (  # noqa: E402
+    log_problems,
+    prom_by_label,
+    prom_histogram,
+    sigterm_as_interrupt,
+)
 from bench.slowloris import (  # noqa: E402
     HTTP_POOL_PER_WORKER,
     fd_diff,
@@ -87,7 +105,10 @@ MIN_TOKENS, MAX_TOKENS = 20, 80
 REUSE_SHARE = 0.2  # sessions that come back with an earlier session key
 CLOSE_MID_SHARE = 0.15  # sessions that close (1000) in the middle of an answer
 ABRUPT_SHARE = 0.2  # sessions that drop TCP in the middle of an answer
-EXPECTED = {"close 1011 (worker lost)"}
+CLOSE_1011 = "close 1011 (worker lost)"
+EXPECTED = {CLOSE_1011}  # without --chaos; with it, only the 1011s of journals over their limit
+CHAOS_DURATION = 600.0
+CHAOS_KILL_EVERY = 20.0
 RSS_MIN_SPAN = 900.0  # seconds of measured load below which the RSS slope is only printed
 KILL_WAIT = 90.0  # seconds a killed worker gets to be back (a SIGTERMed one drains first)
 
@@ -153,6 +174,8 @@ class ClientStats:
     answers: int = 0
     tokens: int = 0
     bad_tokens: int = 0
+    lost_tokens: int = 0  # of bad_tokens: tokens skipped (a later index, or done too early)
+    duplicated_tokens: int = 0  # of bad_tokens: an index seen again
     live: int = 0
 
 
@@ -308,6 +331,11 @@ class Load:
                     turn = msg["turn"]
                 if msg["i"] != i or msg["turn"] != turn or msg["text"] != token_text(sid, turn, i):
                     st.bad_tokens += 1
+                    if msg["turn"] == turn and isinstance(msg["i"], int):
+                        if msg["i"] > i:
+                            st.lost_tokens += msg["i"] - i
+                        elif msg["i"] < i:
+                            st.duplicated_tokens += 1
                     raise TokenError(f"token {msg.get('turn')}.{msg.get('i')} expected {turn}.{i}")
                 i += 1
                 st.tokens += 1
@@ -315,6 +343,8 @@ class Load:
                     return True
             elif kind == "done":
                 if i != n or msg.get("tokens") != n:
+                    st.bad_tokens += 1
+                    st.lost_tokens += max(0, n - i)
                     raise TokenError(f"done after {i} of {n} tokens")
                 st.answers += 1
                 return False
@@ -347,16 +377,28 @@ def spawned_workers(wslb: Wslb) -> dict[str, int]:
 
 
 async def killer(
-    wslb: Wslb, every: tuple[float, float], sig: str, kills: list[Kill], t0: float
+    wslb: Wslb,
+    every: tuple[float, float],
+    sig: str,
+    kills: list[Kill],
+    t0: float,
+    chaos: bool = False,
 ) -> None:
+    """Kill a spawned worker, wait until wslb has it back, repeat. Each worker in turn, the
+    next ``every`` s after it is back; ``chaos``: a random one, ``every`` s after the last
+    kill (a fixed cadence, however long the restarts take)."""
     loop = asyncio.get_running_loop()
     rng = random.Random(7)
+    last = loop.time()
     while True:
-        await asyncio.sleep(rng.uniform(*every))
+        wait = rng.uniform(*every)
+        await asyncio.sleep(max(0.0, last + wait - loop.time()) if chaos else wait)
         workers = spawned_workers(wslb)
         if not workers:
             continue
-        wid = sorted(workers)[len(kills) % len(workers)]  # each worker in turn
+        ids = sorted(workers)
+        wid = rng.choice(ids) if chaos else ids[len(kills) % len(ids)]  # random, or in turn
+        last = loop.time()
         pid = workers[wid]
         signum = signal.SIGKILL
         if sig == "TERM" or (sig == "mix" and len(kills) % 2):
@@ -498,7 +540,9 @@ async def run(
     load.start(ramp=min(10.0, args.warmup / 2))
     kills: list[Kill] = []
     kill_task = asyncio.create_task(
-        killer(wslb, (args.kill_every[0], args.kill_every[1]), args.kill_signal, kills, t0)
+        killer(
+            wslb, (args.kill_every[0], args.kill_every[1]), args.kill_signal, kills, t0, args.chaos
+        )
     )
     warm = args.warmup
     end = args.duration
@@ -545,6 +589,9 @@ async def run(
     say(after.line())
     if snaps is not None:
         await snaps.take("after")
+    metrics = await asyncio.to_thread(wslb.admin, "/metrics")
+    failovers = prom_by_label(metrics, "wslb_failovers_total", "result")
+    pause = prom_histogram(metrics, "wslb_failover_pause_seconds")
 
     # -- checks --
     if start_sample is None:
@@ -574,7 +621,18 @@ async def run(
     tasks_ok = idle.tasks is None or (after.tasks is not None and after.tasks <= idle.tasks)
     clean_ok = not after.sessions and not after.connections
     st = load.stats
-    unexpected = {k: v for k, v in st.errors.items() if k not in EXPECTED}
+    n1011 = st.errors.get(CLOSE_1011, 0)
+    over_limit = failovers.get("journal_over_limit", 0)
+    unexplained = max(0, n1011 - over_limit) if args.chaos else 0
+    if args.chaos:
+        # With failover on a 1011 is a session wslb could not save; only a journal over its
+        # limit is a reason to accept.
+        unexpected = {k: v for k, v in st.errors.items() if k != CLOSE_1011}
+        if unexplained:
+            unexpected[f"{CLOSE_1011} not explained by a journal over its limit"] = unexplained
+    else:
+        unexpected = {k: v for k, v in st.errors.items() if k not in EXPECTED}
+    tokens_ok = st.bad_tokens == 0
 
     say("")
     say(f"run: {t_leave:.0f} s of load ({args.warmup:g} s warmup), {args.sessions} session slots")
@@ -582,11 +640,28 @@ async def run(
         f"sessions {st.started}: "
         + ", ".join(f"{k} {v}" for k, v in sorted(st.endings.items()))
         + f"; prompts {st.prompts}, full answers {st.answers}, tokens {st.tokens}, "
-        f"bad tokens {st.bad_tokens}; distinct session keys {len(load.used)}"
+        f"bad tokens {st.bad_tokens} (lost {st.lost_tokens}, duplicated "
+        f"{st.duplicated_tokens}): {'OK' if tokens_ok else 'MISSED'}; distinct session keys "
+        f"{len(load.used)}"
     )
     errs = ", ".join(f"{k} x{v}" for k, v in st.errors.most_common()) or "none"
     say(f"client errors: {errs}")
-    say(f"  unexpected (not 1011 after a kill): {sum(unexpected.values())}")
+    if args.chaos:
+        say(
+            f"  1011s: {n1011}, journals over their limit (wslb): {over_limit}, unexplained "
+            f"{unexplained}; unexpected (anything but an explained 1011): "
+            f"{sum(unexpected.values())}"
+        )
+    else:
+        say(f"  unexpected (not 1011 after a kill): {sum(unexpected.values())}")
+    if failovers or args.chaos:
+        say(
+            "failovers by result: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(failovers.items())) or "none")
+            + f"; pause (wslb_failover_pause_seconds) n {pause.count}, mean "
+            f"{pause.mean * 1e3:.1f} ms, p50 <= {pause.quantile(50) * 1e3:g} ms, p99 <= "
+            f"{pause.quantile(99) * 1e3:g} ms (bucket bounds)"
+        )
     backs = [k.back_after_s for k in kills if k.back_after_s is not None]
     gave_up = sum(1 for k in kills if k.gave_up and k.back_after_s is None)
     by_sig = Counter(k.signal for k in kills)
@@ -639,6 +714,13 @@ async def run(
         "clients": {k: dict(v) if isinstance(v, Counter) else v for k, v in vars(st).items()},
         "distinct_keys": len(load.used),
         "unexpected_errors": unexpected,
+        "unexplained_1011": unexplained,
+        "failovers": dict(failovers),
+        "failover_pause": {
+            "count": pause.count,
+            "mean_s": pause.mean,
+            "buckets": pause.buckets,
+        },
         "kills": [asdict(k) for k in kills],
         "rss_mb_per_10min": {
             "fit_second_half": fit_half,
@@ -651,7 +733,13 @@ async def run(
         "after": asdict(after),
         "fds_idle": dict(fds_idle),
         "fds_after": dict(fds_after),
-        "ok": {"rss": rss_ok, "fds": fds_ok, "tasks": tasks_ok, "clean": clean_ok},
+        "ok": {
+            "rss": rss_ok,
+            "fds": fds_ok,
+            "tasks": tasks_ok,
+            "clean": clean_ok,
+            "tokens": tokens_ok,
+        },
         "rss_judged": judged,
         "samples": [asdict(s) for s in samples],
     }
@@ -663,8 +751,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "RSS, FDs and asyncio tasks before, during and after (see the module docstring)."
     )
     add = p.add_argument
-    add("--duration", type=float, default=1800.0, help="seconds of load (default: 1800)")
+    add("--duration", type=float, default=None, help="seconds of load (default: 1800; "
+        "600 with --chaos)")  # fmt: skip
     add("--quick", action="store_true", help="a 120 s run (--duration 120)")
+    add(
+        "--chaos",
+        action="store_true",
+        help="crash failover on and a random worker SIGKILLed every 20 s; the checks: no lost "
+        "or duplicated token, every 1011 a journal over its limit (module docstring)",
+    )
+    add("--journal-limit", default="256KiB", help="failover.journal_limit with --chaos (256KiB)")
     add("--warmup", type=float, default=None, help="seconds before the start sample "
         "(default: duration/8, at most 120)")  # fmt: skip
     add("--sessions", type=int, default=150, help="live sessions kept (default: %(default)s)")
@@ -674,9 +770,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kill-every",
         type=float,
         nargs=2,
-        default=(30.0, 60.0),
+        default=None,
         metavar=("MIN", "MAX"),
-        help="seconds between worker kills (default: 30 60)",
+        help="seconds between worker kills (default: 30 60; 20 20 with --chaos)",
     )
     add(
         "--kill-signal",
@@ -714,6 +810,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 120.0
+    elif args.duration is None:
+        args.duration = CHAOS_DURATION if args.chaos else 1800.0
+    if args.kill_every is None:
+        args.kill_every = (CHAOS_KILL_EVERY,) * 2 if args.chaos else (30.0, 60.0)
+    if args.chaos and args.kill_signal != "KILL":
+        p.error("--chaos kills with SIGKILL (--kill-signal KILL)")
     if args.warmup is None:
         args.warmup = min(120.0, args.duration / 8)
     if args.print_every is None:
@@ -724,8 +826,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"wslb + {args.workers} spawned reference workers on 127.0.0.1; {args.duration:g} s, "
         f"{args.sessions} sessions at {args.tokens_per_s:g} tokens/s, a worker "
-        f"{args.kill_signal} every {args.kill_every[0]:g}-{args.kill_every[1]:g} s; "
-        f"RLIMIT_NOFILE {soft}/{hard}"
+        f"{args.kill_signal} every {args.kill_every[0]:g}-{args.kill_every[1]:g} s"
+        + (f"; chaos: crash failover on (journal_limit {args.journal_limit})" if args.chaos else "")
+        + f"; RLIMIT_NOFILE {soft}/{hard}"
     )
 
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
@@ -744,6 +847,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tracemalloc:
             command = [sys.executable, str(Path(__file__).resolve()), "--tracemalloc-wrapper", tmp]
         wslb = spawning_wslb(procs, args.workers, 10.0, args.tokens_per_s, command=command)
+        if args.chaos:
+            failover = {"enabled": True, "journal_limit": args.journal_limit}
+            wslb.config["pools"][0]["failover"] = failover
+            wslb.path.write_text(yaml.safe_dump(wslb.config))
         snaps: Snapshots | None = None
         if args.tracemalloc:
             snaps = Snapshots(wslb, Path(tmp))

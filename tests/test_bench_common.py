@@ -1,10 +1,17 @@
-"""bench/common.py: the helpers the benchmark scripts share (percentiles, wslb log summary)."""
+"""bench/common.py: the helpers the benchmark scripts share (percentiles, wslb log and metrics)."""
 
 from __future__ import annotations
 
 import math
 
-from bench.common import cpu_sample, cpu_window, log_problems, pct
+from bench.common import (
+    cpu_sample,
+    cpu_window,
+    log_problems,
+    pct,
+    prom_by_label,
+    prom_histogram,
+)
 
 
 def test_pct_interpolates_between_ranks() -> None:
@@ -40,3 +47,31 @@ def test_cpu_window_counts_this_process() -> None:
     b = cpu_sample({"me": [os.getpid()]})
     w = cpu_window(a, b)
     assert w["me"] >= 0 and w["seconds"] > 0 and 0 <= w["machine"] <= 100
+
+
+EXPOSITION = """\
+# HELP wslb_failovers_total Sessions whose worker was lost, by outcome
+# TYPE wslb_failovers_total counter
+wslb_failovers_total{result="resumed"} 198.0
+wslb_failovers_total{result="journal_over_limit"} 2.0
+wslb_failovers_total_created 1.7e9
+# TYPE wslb_failover_pause_seconds histogram
+wslb_failover_pause_seconds_bucket{le="0.01"} 0.0
+wslb_failover_pause_seconds_bucket{le="0.1"} 150.0
+wslb_failover_pause_seconds_bucket{le="1.0"} 197.0
+wslb_failover_pause_seconds_bucket{le="+Inf"} 198.0
+wslb_failover_pause_seconds_count 198.0
+wslb_failover_pause_seconds_sum 19.8
+"""
+
+
+def test_prom_by_label_and_histogram() -> None:
+    assert prom_by_label(EXPOSITION, "wslb_failovers_total", "result") == {
+        "resumed": 198,
+        "journal_over_limit": 2,
+    }
+    h = prom_histogram(EXPOSITION, "wslb_failover_pause_seconds")
+    assert h.count == 198 and math.isclose(h.mean, 0.1)
+    assert h.quantile(50) == 0.1 and h.quantile(99) == 1.0 and h.quantile(100) == math.inf
+    empty = prom_histogram(EXPOSITION, "wslb_migration_pause_seconds")
+    assert empty.count == 0 and math.isnan(empty.quantile(50))
