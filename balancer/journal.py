@@ -298,6 +298,15 @@ class _ChatFold:
     def worker(self, obj: dict[str, Any]) -> str | None:
         """Fold one worker message; a reason when the journal lost track of the session."""
         kind = obj.get("type")
+        ans = self.answer
+        if kind == "token" and ans is not None:
+            # The hot case, one per streamed token: the next token of the running answer.
+            text = obj.get("text")
+            if obj.get("turn") == ans.turn and obj.get("i") == ans.i and type(text) is str:
+                ans.parts.append(text)
+                ans.chars += len(text)
+                ans.i += 1
+                return None
         if kind == "token":
             turn, i, text = _count(obj.get("turn")), _count(obj.get("i")), obj.get("text")
             if turn is None or i is None or not isinstance(text, str):
