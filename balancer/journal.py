@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import deque
 from typing import Any
 
@@ -177,6 +178,17 @@ def _decoded(
             k += 1
         out.append((op, payload, obj))
     return out
+
+
+# ``_ChatFold.token_run``: a run of small unmasked text frames (FIN, 7-bit length), each a chat
+# token as the workers write it; a JSON string without a quote, a backslash or a control
+# character is its own text, so the bytes between the quotes are the token's UTF-8.
+_TOKEN_RUN = re.compile(
+    rb'(?:\x81[\x00-\x7d]\{"type":"token","turn":\d+,"i":\d+,"text":"[^"\\\x00-\x1f]*"\})+'
+)
+_RUN_TURNS = re.compile(rb'\{"type":"token","turn":(\d+),')
+_RUN_IS = re.compile(rb',"i":(\d+),"text":"')
+_RUN_TEXTS = re.compile(rb'"text":"([^"\\\x00-\x1f]*)"\}')
 
 
 def _chars(messages: Any) -> int:
@@ -345,6 +357,42 @@ class _ChatFold:
                 self.pending.popleft()  # the turn failed before its first token
                 self.turns = turn
         return None
+
+    def token_run(self, buf: bytearray) -> int:
+        """The fast path of a token stream: the run of frames at the start of ``buf`` that are
+        the running answer's next tokens, exactly as the workers write them (small text frames
+        of ``{"type":"token","turn":K,"i":I,"text":"..."}`` without escapes), folded by a few
+        regex passes in C instead of a JSON decode each; they leave ``buf``. Anything else
+        (another message, an escape, another key order, a gap) stops the run where it is and
+        goes the general way. Returns the frames folded."""
+        ans = self.answer
+        assert ans is not None
+        run = _TOKEN_RUN.match(buf)
+        if run is None:
+            return 0
+        frames = run.group()
+        turns, indexes, texts = (
+            _RUN_TURNS.findall(frames),
+            _RUN_IS.findall(frames),
+            _RUN_TEXTS.findall(frames),
+        )
+        n = len(texts)
+        turn = str(ans.turn).encode()
+        if not (
+            n == len(turns) == len(indexes)
+            and turns.count(turn) == n
+            and list(map(int, indexes)) == list(range(ans.i, ans.i + n))
+        ):
+            return 0
+        try:
+            text = b"".join(texts).decode("utf-8")
+        except UnicodeDecodeError:
+            return 0
+        ans.parts.append(text)
+        ans.chars += len(text)
+        ans.i += n
+        del buf[: run.end()]
+        return n
 
     def _start(self, turn: int) -> str | None:
         if turn <= self.turns:
@@ -643,6 +691,9 @@ class Journal:
     def _fold_worker(self) -> None:
         if not self._w.buf:
             return
+        fold = self._fold
+        if isinstance(fold, _ChatFold) and fold.answer is not None and not self._w.parts:
+            self.folded += fold.token_run(self._w.buf)
         for _, _, obj in _decoded(self._w.messages()):
             self.folded += 1
             if self.trouble is not None:
