@@ -325,3 +325,33 @@ def test_reference_worker_restores_the_realtime_transcript() -> None:
     assert isinstance(got, Transcript)
     rt = restore_transcript(t["realtime"], session=sid, messages=got.messages, answer=got.answer)
     assert rt.response_id == p.rt.response_id and rt.response_max_tokens == 64
+
+
+def test_token_run_fast_path_agrees_with_the_general_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of plain tokens take the regex path; escapes, other keys, a gap or a new turn stop
+    it; either way the transcript is the one JSON decoding gives."""
+    from balancer import journal as journal_mod
+
+    sid = "fast"
+    body = tokens(sid, 1, 40, start=1)
+    body += wframe({"type": "token", "turn": 1, "i": 40, "text": 'q"uote\\n'})  # escapes
+    body += wframe({"type": "token", "turn": 1, "i": 41, "text": "ids", "ids": [1, 2]})
+    body += tokens(sid, 1, 60, start=42) + wframe({"type": "done", "turn": 1, "tokens": 60})
+    body += tokens(sid, 2, 30)  # the next turn, its prompt queued already
+
+    def build() -> dict[str, Any]:
+        j = Journal(1 << 20)
+        j.worker(wframe({"type": "hello"}))
+        j.client(cframe({"type": "prompt", "text": "a", "max_tokens": 60}))
+        j.client(cframe({"type": "prompt", "text": "b", "max_tokens": 30}))
+        j.worker(tokens(sid, 1, 1))  # the answer runs: the next fold may take the fast path
+        rng = random.Random(3)
+        feed_worker(j, body, rng)
+        return j.transcript(sid)
+
+    fast = build()
+    monkeypatch.setattr(journal_mod._ChatFold, "token_run", lambda self, buf: 0)
+    slow = build()
+    assert fast == slow
+    assert fast["answer"]["turn"] == 2 and fast["answer"]["i"] == 30
+    assert 'q"uote\\n' in fast["messages"][1]["content"]
