@@ -113,7 +113,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from backends.handoff import StateError, TranscriptAnswer
+from backends.handoff import StateError, TranscriptAnswer, chat_messages
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send, restore_transcript
 from backends.wire import (
     ITL_BUCKETS,
@@ -278,28 +278,7 @@ def _temperature(value: object) -> float | None:
 
 def parse_messages(messages: object, where: str = "messages") -> list[Msg]:
     """Chat messages as ``{"role", "content"}`` with string content (parts' texts joined)."""
-    if not isinstance(messages, list):
-        raise PromptError(f"'{where}' must be a list")
-    out: list[Msg] = []
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise PromptError(f"{where}[{n}] must be an object")
-        role = message.get("role", "user")
-        if not isinstance(role, str) or not role:
-            raise PromptError(f"{where}[{n}].role must be a non-empty string")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = "".join(
-                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-        else:
-            raise PromptError(f"{where}[{n}].content must be a string or a list of parts")
-        out.append({"role": role, "content": text})
-    return out
+    return chat_messages(messages, where, PromptError, quote=True)
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -1381,10 +1360,7 @@ class Bridge:
         protocol = value.get("protocol")
         if protocol not in PROTOCOLS:
             raise StateError(f"state.protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        try:
-            messages = parse_messages(value.get("messages"), "state.messages")
-        except PromptError as exc:
-            raise StateError(str(exc).replace("'state.messages'", "state.messages")) from None
+        messages = chat_messages(value.get("messages"), "state.messages", StateError)
         answer = None
         if value.get("answer") is not None:
             answer = _parse_answer(

@@ -41,6 +41,7 @@ queued prompts, so the worker and a transcript's ``queued`` check them the same 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
@@ -61,6 +62,7 @@ __all__ = [
     "StateError",
     "Transcript",
     "TranscriptAnswer",
+    "chat_messages",
     "parse_prompt",
     "read_state",
     "snapshot_from_json",
@@ -389,18 +391,28 @@ def transcript_from_json(
 
 
 def _transcript_messages(value: object) -> list[dict[str, str]]:
-    """``state.messages`` as ``{"role", "content"}`` with string content (the bridge's rules:
-    the role defaults to user, parts' texts are joined, null content is empty)."""
+    """``state.messages`` as ``{"role", "content"}`` with string content."""
+    return chat_messages(value, "state.messages", StateError)
+
+
+def chat_messages(
+    value: object, where: str, error: Callable[[str], Exception], quote: bool = False
+) -> list[dict[str, str]]:
+    """Chat messages as ``{"role", "content"}`` with string content, by the rules both workers
+    apply (a prompt's ``messages``, a transcript's): the role defaults to user, content parts'
+    texts are joined, null content is empty. ``error`` builds what is raised, naming
+    ``where`` (quoted with ``quote``, as a client field is)."""
     if not isinstance(value, list):
-        raise StateError("state.messages must be a list")
+        raise error(f"'{where}' must be a list" if quote else f"{where} must be a list")
     out: list[dict[str, str]] = []
     for n, message in enumerate(value):
-        where = f"state.messages[{n}]"
-        m = _object(message, where)
-        role = m.get("role", "user")
+        at = f"{where}[{n}]"
+        if not isinstance(message, dict):
+            raise error(f"{at} must be an object")
+        role = message.get("role", "user")
         if not isinstance(role, str) or not role:
-            raise StateError(f"{where}.role must be a non-empty string")
-        content = m.get("content")
+            raise error(f"{at}.role must be a non-empty string")
+        content = message.get("content")
         if content is None:
             text = ""
         elif isinstance(content, str):
@@ -410,7 +422,7 @@ def _transcript_messages(value: object) -> list[dict[str, str]]:
                 p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
             )
         else:
-            raise StateError(f"{where}.content must be a string or a list of parts")
+            raise error(f"{at}.content must be a string or a list of parts")
         out.append({"role": role, "content": text})
     return out
 
