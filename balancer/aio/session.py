@@ -390,10 +390,11 @@ class Session(asyncio.Protocol):
         if out:
             if not self.wt.is_closing():
                 self.wt.write(out)
-                if self.clog is not None:
-                    self._log_client(out)
+            # Logged even when a lost worker leg did not take it: the replay log mirrors the
+            # client's stream without a gap, and a failover hands these messages on.
+            if self.clog is not None:
+                self._log_client(out)
             if self.journal is not None:
-                # Also what a lost worker leg did not take: a failover hands it on.
                 self.journal.client(out)
         if cs.notable:
             cs.notable = False
