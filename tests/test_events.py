@@ -82,7 +82,7 @@ async def streaming_sessions(url: str, n: int, prefix: str) -> list[Any]:
 def drained(events: list[dict[str, Any]], bid: str, processes: int) -> bool:
     """Every serving process has finished its part of the drain (each drains its sessions)."""
     ends = [e for e in events if e["kind"] == "drain" and e["phase"] == "finished"]
-    return sum(e["backend"] == bid for e in ends) >= processes
+    return sum(1 for e in ends if e["backend"] == bid) >= processes
 
 
 @pytest.mark.parametrize("processes", [1, 2])
