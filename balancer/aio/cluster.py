@@ -74,7 +74,7 @@ from balancer.cluster import (
     reseed_txn,
     seed_txn,
 )
-from balancer.config import BackendCfg, ClusterCfg, ConfigError
+from balancer.config import BackendCfg, ClusterCfg
 from balancer.pool import Backend, Pool
 
 __all__ = ["Cluster", "ClusterControl", "Etcd", "EtcdError"]
@@ -720,13 +720,7 @@ class ClusterControl:
         return await self.local.migrate(sid, body)
 
     async def reload(self) -> Reply:
-        try:
-            report = await self.local.reread(backends=False)
-        except ConfigError as exc:
-            self.local.state.emit("reload", ok=False, error="; ".join(exc.errors))
-            raise ControlError(400, "; ".join(exc.errors)) from None
-        self.local.state.emit("reload", ok=True, report=report)
-        return Reply(report)
+        return await self.local.reload(backends=False)
 
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         """This instance's events (the shared drain states show as its ``state`` events)."""

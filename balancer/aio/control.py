@@ -397,9 +397,10 @@ class LocalControl:
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         return await wait_events(self.state.events, since, wait)
 
-    async def reload(self) -> Reply:
+    async def reload(self, backends: bool = True) -> Reply:
+        """``reread`` as the admin API's answer, with its event; ``backends``: as there."""
         try:
-            report = await self.reread()
+            report = await self.reread(backends)
         except ConfigError as exc:
             self.state.emit("reload", ok=False, error="; ".join(exc.errors))
             raise ControlError(400, "; ".join(exc.errors)) from None
