@@ -420,13 +420,22 @@ async def test_workers_2_shows_the_merged_view(workers: list[Worker], tmp_path: 
     lb = start_lb(workers, tmp_path, top={"workers": 2})
     try:
         conns: list[ClientConnection] = []
-        # The kernel's SO_REUSEPORT hash picks the serving process; draw until both hold some.
-        for attempt in range(10):
+
+        # The kernel's SO_REUSEPORT hash picks the serving process and the ring the backend;
+        # draw until some backend holds sessions of both processes (the drain's victim).
+        def both() -> list[str]:
+            held: dict[str, set[int]] = {}
+            for s in lb.admin("/sessions"):
+                held.setdefault(s["backend"], set()).add(s["process"])
+            return [b for b, procs in held.items() if procs == {0, 1}]
+
+        for attempt in range(20):
             conns += [await chat(lb, f"mp-{attempt}-{i}") for i in range(6)]
-            if len({s["process"] for s in lb.admin("/sessions")}) == 2:
+            if both():
                 break
         sessions = lb.admin("/sessions")
         assert {s["process"] for s in sessions} == {0, 1}
+        assert both(), sessions
         async with dashboard(lb) as dash:
             await dash.login()
             await eventually(lambda: table_matches_api(dash), 5, "merged backends")
@@ -441,7 +450,7 @@ async def test_workers_2_shows_the_merged_view(workers: list[Worker], tmp_path: 
 
             # A drain from the page reaches both processes.
             live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
-            victim = max(live, key=lambda k: live[k])
+            victim = max(both(), key=lambda k: live[k])
             await dash.row(victim).get_by_role("button", name="Drain", exact=True).click()
 
             async def drained() -> tuple[bool, Any]:
