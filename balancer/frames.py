@@ -256,7 +256,21 @@ class FrameScanner:
         """True when the forwarded stream ends between data messages."""
         return self._remaining == 0 and not self._in_message
 
+    @property
+    def at_rest(self) -> bool:
+        """Between messages with nothing held back: another relay may take the stream over
+        from here (the relay thread, ``balancer/aio/offload.py``)."""
+        return self._remaining == 0 and not self._in_message and not self._held
+
     # -- what the relay tells the scanner (it writes no field of the scanner itself) -----------
+
+    def credit(self, frames: int, nbytes: int) -> None:
+        """Count what the relay thread forwarded of this stream from rest: ``frames`` whole data
+        messages of one frame each, ``nbytes`` bytes, as if ``feed`` had returned them."""
+        self.frames += frames
+        self.messages += frames
+        self.bytes += nbytes
+        self.out_bytes += nbytes
 
     def expect_pong(self, payload: bytes) -> None:
         """The relay sent a ping with ``payload`` the other way: consume the pong answering it."""

@@ -45,6 +45,11 @@ class LiveSession(Protocol):
     prior_frames: int
     prior_messages: int
     prior_bytes: int
+    relay: int | None  # the handle in the relay thread while it relays the session
+
+    def counts(self) -> tuple[int, int, int]:
+        """Worker->client frames, messages and bytes over all legs, up to now."""
+        ...
 
 
 class Histogram:
@@ -106,6 +111,8 @@ class Stats:
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     connections_total: int = 0
     backpressure_closes: int = 0
+    # The relay thread (aio/offload.py): "taken" hand-overs, and hand-backs by reason.
+    relay_thread: Counter[str] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession) -> None:
         """Fold a finished session's counts into the totals."""
@@ -167,13 +174,14 @@ class BalancerCollector(Collector):
         messages = Counter(st.messages)
         nbytes = Counter(st.bytes)
         for s in self._sessions():
-            for direction, sc in ((C2W, s.cs), (W2C, s.ws)):
-                frames[direction] += sc.frames
-                messages[direction] += sc.messages
-                nbytes[direction] += sc.bytes
-            frames[W2C] += s.prior_frames
-            messages[W2C] += s.prior_messages
-            nbytes[W2C] += s.prior_bytes
+            cs = s.cs
+            frames[C2W] += cs.frames
+            messages[C2W] += cs.messages
+            nbytes[C2W] += cs.bytes
+            w_frames, w_messages, w_bytes = s.counts()  # also what the relay thread forwarded
+            frames[W2C] += w_frames
+            messages[W2C] += w_messages
+            nbytes[W2C] += w_bytes
         for name, doc, counts in (
             ("wslb_frames", "WebSocket frames forwarded", frames),
             ("wslb_messages", "WebSocket data messages forwarded", messages),
@@ -328,6 +336,17 @@ class BalancerCollector(Collector):
         )
         bp.add_metric([], st.backpressure_closes)
         yield bp
+        rt = CounterMetricFamily(
+            "wslb_relay_thread_handovers",
+            "Sessions handed to the relay thread (taken) and back (by reason)",
+            labels=["event"],
+        )
+        for event, n in sorted(st.relay_thread.items()):
+            rt.add_metric([event], n)
+        yield rt
+        live = GaugeMetricFamily("wslb_relay_thread_sessions", "Sessions the relay thread relays")
+        live.add_metric([], sum(1 for s in self._sessions() if s.relay is not None))
+        yield live
         ct = CounterMetricFamily("wslb_connections", "Client connections accepted")
         ct.add_metric([], st.connections_total)
         yield ct

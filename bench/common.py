@@ -35,6 +35,17 @@ __all__ = [
 ]
 
 
+def require_modules(names: Sequence[str], why: str) -> None:
+    """Stop before a long run, not after it, when a module it will need is missing."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        raise SystemExit(
+            f"{why} needs {', '.join(missing)}: pip install -e '.[bench]' (or without {why})"
+        )
+
+
 def sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
     """A SIGTERM handler (``signal.signal(signal.SIGTERM, sigterm_as_interrupt)``): the script
     stops as on Ctrl-C, so its cleanup kills what it started."""

@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import sigterm_as_interrupt  # noqa: E402
+from bench.common import require_modules, sigterm_as_interrupt  # noqa: E402
 from bench.token_stream import (  # noqa: E402
     ClientProc,
     Target,
@@ -701,6 +701,7 @@ class Wslb(Proxy):
     """wslb, one pool (consistent hashing on ``?session=``), health checks and scraping on."""
 
     kind = "wslb"
+    relay_thread = True  # the default: streaming sessions' frames forwarded by the C thread
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
         config = {
@@ -715,6 +716,7 @@ class Wslb(Proxy):
             ],
             "limits": {"max_connections": 60000, "max_connections_per_client": 60000},
             "workers": self.cores,
+            "relay": {"thread": self.relay_thread},
         }
         # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and logs
         # a warning, which problems() would report. Nothing here calls the admin API. From the
@@ -762,8 +764,17 @@ def source_state(src: Path) -> str:
     )
 
 
+class WslbEventLoop(Wslb):
+    """wslb with ``relay: {thread: false}``: every frame through the event loop (Python), the
+    relay as it was before the thread, for the before/after in the same run."""
+
+    kind = "wslb-loop"
+    relay_thread = False
+
+
 TARGETS: dict[str, type[Proxy]] = {"direct": Direct, "nginx": Nginx, "haproxy": Haproxy}
 TARGETS["wslb"] = Wslb
+TARGETS["wslb-loop"] = WslbEventLoop
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -1223,7 +1234,9 @@ def rows(results: dict[str, Result]) -> list[tuple[str, dict[str, float]]]:
 
 
 def table(results: dict[str, Result]) -> str:
-    labels: list[str] = [k for k in ("direct", "nginx", "haproxy", "wslb") if k in results]
+    labels: list[str] = [
+        k for k in ("direct", "nginx", "haproxy", "wslb-loop", "wslb") if k in results
+    ]
     labels += [k for k in results if k not in labels]
     head = ["metric (median of windows)", *labels, "wslb/nginx", "wslb/haproxy"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1273,8 +1286,14 @@ def plot(results: dict[str, Result], multi: dict[str, float], path: Path) -> Non
     import matplotlib.pyplot as plt
 
     r = dict(rows(results))
-    labels = [k for k in ("nginx", "haproxy", "wslb") if k in results]
-    colors = {"direct": "#999999", "nginx": "#009639", "haproxy": "#1f6fb2", "wslb": "#d95f02"}
+    labels = [k for k in ("nginx", "haproxy", "wslb-loop", "wslb") if k in results]
+    colors = {
+        "direct": "#999999",
+        "nginx": "#009639",
+        "haproxy": "#1f6fb2",
+        "wslb-loop": "#fdb863",
+        "wslb": "#d95f02",
+    }
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
     panels = [  # metric, title, per-window points (phase, attribute)
         ("cpu us/frame, stream", "CPU us per frame, stream", ("stream", "us_per_frame")),
@@ -1421,7 +1440,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="short smoke run (figures are rough)")
-    p.add_argument("--targets", default="direct,nginx,haproxy,wslb", help="comma-separated")
+    p.add_argument(
+        "--targets", default="direct,nginx,haproxy,wslb-loop,wslb", help="comma-separated"
+    )
     p.add_argument("--sessions", type=int, default=500, help="stream sessions")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream session")
     p.add_argument("--sat-sessions", type=int, default=32, help="unpaced sessions")
@@ -1470,6 +1491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [n for n in names if n not in TARGETS]:
         raise SystemExit(f"unknown targets {unknown}; choose from {sorted(TARGETS)}")
     cores = [int(c) for c in args.cores.split(",") if c.strip()]
+    if args.plot:  # before the run, not after it (pip install -e '.[bench]')
+        require_modules(["matplotlib"], "--plot")
     ensure_installed()
     nofile = raise_nofile(4 * max(args.hold, args.idle_base + 3 * args.idle_step) + 10000)
     log(f"RLIMIT_NOFILE {nofile}")

@@ -108,6 +108,7 @@ class FakeHost:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.wheel = TimerWheel(loop)
+        self.offload = None
         self.stats = Stats()
         self.live: list[Session] = []
         self.finished: list[Session] = []

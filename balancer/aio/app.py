@@ -37,6 +37,7 @@ import aiohttp
 from prometheus_client.registry import CollectorRegistry
 
 from balancer import frames
+from balancer.aio import offload
 from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster, ClusterControl
 from balancer.aio.control import Control, ControlError, LocalControl
@@ -159,6 +160,12 @@ class Runtime:
             await self.cluster.start()
         if self.listeners is not None:
             await self.listeners.start()
+        if self.listeners is not None and self.state.config.relay.thread and offload.AVAILABLE:
+            self.state.offload = offload.Offload(
+                self.state.loop, self.state.stats.relay_thread
+            )  # Rule 7 of session.py
+        elif self.listeners is not None and self.state.config.relay.thread:
+            log.info("relay thread: off (balancer._relay is not built or WSLB_PURE_PYTHON is set)")
         self.gc_pacer.start()  # start-up's objects are all built: freeze them
         if os.environ.get("WSLB_PURE_PYTHON"):
             log.warning("frame scanner: the Python loop (WSLB_PURE_PYTHON is set)")
@@ -204,8 +211,12 @@ class Runtime:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.idle(), t.close + 0.5)
         for s in list(state.sessions):
+            s.reclaim()
             s.ct.abort()
             s.wt.abort()
+        if state.offload is not None:
+            state.offload.close()
+            state.offload = None
         if self.listeners is not None:
             await self.listeners.wait_closed()
         await self.drainer.stop()

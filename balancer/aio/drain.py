@@ -226,6 +226,7 @@ async def close_after_answer(s: Session, backend: Backend, deadline: float) -> b
     """Close the session with 1012 once its current answer is over; False if time ran out, or
     if it left ``backend`` otherwise (its worker died and a failover moved it)."""
     loop = asyncio.get_running_loop()
+    s.reclaim()  # from the relay thread; a session on a draining worker is not offloaded again
     last_c, last_w = s.cs.messages, s.prior_messages + s.ws.messages
     awaiting = False  # a client message has had no answer yet
     while loop.time() + QUIET <= deadline:

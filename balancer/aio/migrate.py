@@ -104,6 +104,7 @@ async def migrate(state: ServerState, s: Session, to: str | None = None) -> Migr
     if s.migrating or s.failing_over or s.closing or s.finished:
         return MigrationResult(False, "busy")
     s.migrating = True
+    s.reclaim()  # from the relay thread (Rule 7): the migration reads the worker scanner
     old = s.backend
     loop = asyncio.get_running_loop()
     try:

@@ -48,6 +48,13 @@ both streams between messages is not Rule 2's: the worker leg stays OPEN, the cl
 ``worker_gone`` (Rule 2 after all: 1011). The session's ``journal`` of what was relayed is
 what the new worker is given.
 
+Rule 7 (the relay thread, ``offload.py``): a streaming session in the steady state may be
+handed to the relay thread, which then reads the worker and writes the client for it; the
+session's ``relay`` is its handle there. Every rule above runs in Python only: each entry point
+that writes to the client, closes a leg or decides on the worker's stream first takes the
+session back (``reclaim``), and the thread returns it by itself at anything but a whole data
+frame. What the thread read and did not forward (``carry``) is scanned before the next read.
+
 Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
 aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
 scanners recognise in the pong, so endpoints' own pings and pongs pass through untouched; no pong
@@ -67,6 +74,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol, cast
 
+from balancer.aio.offload import NOMEM, OFFLOAD_AFTER, Offload
 from balancer.aio.wheel import Bucket, TimerWheel
 from balancer.config import Config, FailoverCfg, Limits, Timeouts
 from balancer.frames import OP_CLOSE, OP_PING, CloseCode, FrameScanner, build_frame, close_payload
@@ -87,6 +95,7 @@ __all__ = [
     "pause_reading",
 ]
 
+NEVER = 1 << 62  # an ``offload_at`` no frame count reaches
 PAUSES_KEPT = 20  # migration pauses a session remembers (GET /sessions)
 # Client bytes kept per session for replay after a migration. Chat clients send little (prompts),
 # so 256 KiB covers many messages; a session that outgrows it falls back to the graceful close.
@@ -126,6 +135,7 @@ class SessionHost(Protocol):
     loop: asyncio.AbstractEventLoop
     wheel: TimerWheel
     stats: Stats
+    offload: Offload | None  # the relay thread, where it runs
 
     def session_started(self, s: Session) -> None: ...
 
@@ -251,6 +261,7 @@ class Session(asyncio.Protocol):
         "_last_active",
         "_last_msgs",
         "backend",
+        "carry",
         "client",
         "clog",
         "clog_base",
@@ -266,6 +277,7 @@ class Session(asyncio.Protocol):
         "leg_start_msg",
         "migrating",
         "migrations",
+        "offload_at",
         "paused_since",
         "pauses",
         "peer",
@@ -276,6 +288,7 @@ class Session(asyncio.Protocol):
         "prior_bytes",
         "prior_frames",
         "prior_messages",
+        "relay",
         "req",
         "secure",
         "settings",
@@ -354,6 +367,11 @@ class Session(asyncio.Protocol):
         self.journal = Journal(settings.journal_limit, sid) if settings.journal_limit else None
         self.failovers = 0
         self.failing_over = False
+        # Rule 7: the handle in the relay thread while it relays the session, the frame count
+        # at which the session is offered to it next, and what it read but did not forward.
+        self.relay: int | None = None
+        self.offload_at = OFFLOAD_AFTER if state.offload is not None else NEVER
+        self.carry = b""
         pool.attach(sid, backend, state.loop.time())
         state.session_started(self)
         self._schedule_tick(settings.first_tick)
@@ -372,6 +390,9 @@ class Session(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         """Bytes from the worker."""
         ws = self.ws
+        if self.carry:  # read by the relay thread before these (Rule 7)
+            data = self.carry + data
+            self.carry = b""
         out = ws.feed(data)
         if out and not self.ct.is_closing():  # uvloop raises on a write to a closed handle
             self.ct.write(out)
@@ -382,6 +403,8 @@ class Session(asyncio.Protocol):
             # (a method call here would cost every read).
             ws.notable = False
             self._worker_event()
+        if ws.frames >= self.offload_at:
+            self._offload()
 
     def client_data(self, data: bytes) -> None:
         """Bytes from the client."""
@@ -395,6 +418,8 @@ class Session(asyncio.Protocol):
             if self.clog is not None:
                 self._log_client(out)
             if self.journal is not None:
+                if self.relay is not None:
+                    self.flush_record()  # the worker's bytes before this message come first
                 self.journal.client(out)
         if cs.notable:
             cs.notable = False
@@ -429,8 +454,104 @@ class Session(asyncio.Protocol):
             return None
         return bytes(self.clog[start - self.clog_base :])
 
+    # -- the relay thread (Rule 7) ---------------------------------------------------------
+
+    def _offload(self) -> None:
+        """Hand the session to the relay thread if it is in the steady state (``offload.py``)."""
+        ws = self.ws
+        self.offload_at = ws.frames + OFFLOAD_AFTER
+        off = self.state.offload
+        limit = min(ws.max_frame_size, ws.max_message_size)
+        if (
+            off is None
+            or self.relay is not None
+            or self.phase is not Phase.RELAYING
+            or self.client is not Leg.OPEN
+            or self.worker is not Leg.OPEN
+            or self.migrating
+            or self.holding
+            or self.failing_over
+            or self.paused_since
+            or self.pending_client_close is not None
+            or self.backend.admin_state != ACTIVE
+            or not ws.at_rest
+            or ws.closed
+            or ws.drop_close
+            or self.carry
+            or limit < 125
+            or self.ct.is_closing()
+            or self.wt.is_closing()
+            or self.ct.get_write_buffer_size()
+        ):
+            return
+        try:
+            wfd = self.wt.get_extra_info("socket").fileno()
+            cfd = self.ct.get_extra_info("socket").fileno()
+            self.relay = off.take(self, wfd, cfd, limit, self.journal is not None)
+        except (OSError, AttributeError) as exc:  # a transport without a socket (tests), EMFILE
+            log.debug("session %s stays in the event loop: %s", self.sid, exc)
+            self.offload_at = NEVER
+            return
+        pause_reading(self.wt, True)
+
+    def reclaim(self) -> None:
+        """Take the session back from the relay thread (nothing when it is not there)."""
+        handle = self.relay
+        if handle is None:
+            return
+        self.relay = None
+        off = self.state.offload
+        assert off is not None
+        r = off.give_back(handle)
+        ws = self.ws
+        if r.frames or r.nbytes:
+            ws.credit(r.frames, r.nbytes)
+        if r.record and self.journal is not None:
+            self.journal.worker(r.record)
+        self.offload_at = ws.frames + OFFLOAD_AFTER
+        if r.backlog and not self.ct.is_closing():
+            self.ct.write(r.backlog)  # before anything the event loop writes to the client
+        if r.reason == NOMEM:  # the stream lost bytes: it cannot go on
+            self._end("relay out of memory")
+            self.ct.abort()
+            self.wt.abort()
+            return
+        self.carry = r.carry
+        if not self.paused_since:
+            pause_reading(self.wt, False)
+        if self.carry:
+            self.state.loop.call_soon(self._scan_carry)
+
+    def _scan_carry(self) -> None:
+        if self.carry and self.phase is not Phase.FINISHED:
+            self.data_received(b"")
+
+    def flush_record(self) -> None:
+        """Move what the relay thread forwarded into the journal (failover pools)."""
+        if self.relay is not None and self.journal is not None:
+            off = self.state.offload
+            assert off is not None
+            record = off.take_record(self.relay)
+            if record:
+                self.journal.worker(record)
+
+    def counts(self) -> tuple[int, int, int]:
+        """Frames, data messages and bytes worker->client over all legs, including what the
+        relay thread forwarded (without taking the session back)."""
+        ws = self.ws
+        frames, messages, nbytes = ws.frames, ws.messages, ws.bytes
+        if self.relay is not None and self.state.offload is not None:
+            f, b = self.state.offload.counts(self.relay)
+            frames, messages, nbytes = frames + f, messages + f, nbytes + b
+        return (
+            self.prior_frames + frames,
+            self.prior_messages + messages,
+            self.prior_bytes + nbytes,
+        )
+
     def hold(self) -> None:
         """Stop reading the client (its bytes wait in the kernel: bounded by the socket)."""
+        self.reclaim()
         self.holding = True
         pause_reading(self.ct, True)
 
@@ -524,6 +645,7 @@ class Session(asyncio.Protocol):
     # -- events (the rules of the module docstring) ----------------------------------------
 
     def _client_event(self) -> None:
+        self.reclaim()
         cs = self.cs
         if cs.error is not None:
             self._client_violation(cs.error.code, cs.error.reason)
@@ -578,6 +700,9 @@ class Session(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The worker leg closed (Rule 2), or failover takes the session (Rule 6)."""
+        self.reclaim()
+        if self.carry:  # what the relay thread read before the end is relayed first
+            self.data_received(b"")
         if self._may_fail_over():
             self.failing_over = True
             self.hold()
@@ -624,6 +749,7 @@ class Session(asyncio.Protocol):
 
     def client_lost(self) -> None:
         """The client leg closed (Rule 2)."""
+        self.reclaim()
         self.client = self.client.lost()
         if self.worker is Leg.OPEN:
             self._end("client went away")
@@ -633,6 +759,7 @@ class Session(asyncio.Protocol):
     # -- closing ---------------------------------------------------------------------------
 
     def _send_client_close(self, code: int, reason: str) -> None:
+        self.reclaim()
         self.pending_client_close = None
         if self.client is not Leg.OPEN:
             return
@@ -647,6 +774,7 @@ class Session(asyncio.Protocol):
         self._begin_closing()
 
     def _send_worker_close(self, code: int, reason: str) -> None:
+        self.reclaim()
         if self.worker is not Leg.OPEN:
             return
         self.worker = Leg.CLOSING
@@ -673,6 +801,7 @@ class Session(asyncio.Protocol):
     def close(self, code: int, reason: str) -> None:
         """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``
         (the worker 1001 where the client gets 1012: it is the one going away)."""
+        self.reclaim()
         self._end(reason)
         self._send_client_close(code, reason)
         worker_code = CloseCode.GOING_AWAY if code == CloseCode.SERVICE_RESTART else code
@@ -692,6 +821,7 @@ class Session(asyncio.Protocol):
 
     def _maybe_finish(self) -> None:
         """Rule 1's TCP closes, and Rule 5's single FINISHED."""
+        self.reclaim()
         # A close wslb sent on the worker's behalf waits for the client's answer (or the timer).
         if self.client is Leg.CLOSING and self.cs.close is not None:
             self.ct.close()
@@ -725,6 +855,7 @@ class Session(asyncio.Protocol):
         """Called by the wheel (which has cleared ``self.timer``)."""
         if self.phase is Phase.FINISHED:
             return
+        self.reclaim()  # the heartbeat writes to both legs and reads the worker's scanner
         if self.phase is Phase.CLOSING:
             self._close_timeout()
             return
@@ -795,15 +926,12 @@ class Session(asyncio.Protocol):
     @property
     def totals(self) -> tuple[int, int, int, int]:
         """Data messages client->worker and worker->client, then bytes each way."""
-        return (
-            self.cs.messages,
-            self.prior_messages + self.ws.messages,
-            self.cs.bytes,
-            self.prior_bytes + self.ws.bytes,
-        )
+        _, messages, nbytes = self.counts()
+        return self.cs.messages, messages, self.cs.bytes, nbytes
 
     def describe(self) -> dict[str, Any]:
         """The session as the admin API shows it."""
+        frames, messages, _ = self.counts()
         return {
             "id": self.sid,
             "pool": self.pool.name,
@@ -812,12 +940,13 @@ class Session(asyncio.Protocol):
             "since": self.started_wall,
             "messages": {
                 "client_to_worker": self.cs.messages,
-                "worker_to_client": self.prior_messages + self.ws.messages,
+                "worker_to_client": messages,
             },
             "frames": {
                 "client_to_worker": self.cs.frames,
-                "worker_to_client": self.prior_frames + self.ws.frames,
+                "worker_to_client": frames,
             },
+            "relayed_by": "thread" if self.relay is not None else "event loop",
             "migrations": self.migrations,
             "migration_pauses_ms": [round(p * 1e3, 3) for p in self.pauses],
             "failover": self.failover_view(),
@@ -828,6 +957,7 @@ class Session(asyncio.Protocol):
         j = self.journal
         if j is None:
             return None
+        self.flush_record()
         trouble = j.trouble
         return {
             "journal_bytes": j.size,

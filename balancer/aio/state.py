@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from balancer.aio.offload import Offload
 from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
 from balancer.auth import Authenticator
@@ -72,6 +73,7 @@ class ServerState:
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
         self.handoff_http: aiohttp.ClientSession | None = None  # set while serving
+        self.offload: Offload | None = None  # the relay thread, set while serving (app.py)
         # Longest prefix first; for one prefix, the pools naming a model before the one that
         # names none.
         self._routes = sorted(

@@ -48,6 +48,7 @@ from balancer.config.model import (
     LogCfg,
     OutlierCfg,
     PoolCfg,
+    RelayCfg,
     Timeouts,
     Tls,
     UpstreamTls,
@@ -343,6 +344,7 @@ class _Builder(_Reader):
             cluster=self.cluster(root),
             trusted_proxies=trusted,
             log=self.log(root),
+            relay=self.relay(root),
             source=source,
         )
 
@@ -781,6 +783,10 @@ class _Builder(_Reader):
             format=self.string(lg, "format", p, d.format),
             access=self.boolean(lg, "access", p, d.access),
         )
+
+    def relay(self, root: dict[object, object]) -> RelayCfg:
+        r, p = self.section(root, "relay", ()), ("relay",)
+        return RelayCfg(thread=self.boolean(r, "thread", p, RelayCfg().thread))
 
     def cluster(self, root: dict[object, object]) -> ClusterCfg | None:
         c = self.get(root, "cluster", ())

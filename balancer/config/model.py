@@ -249,6 +249,14 @@ class LogCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayCfg:
+    """``thread``: streaming sessions' worker-to-client frames are forwarded by a thread in C
+    (``balancer/aio/offload.py``) where it is built; false keeps every session in Python."""
+
+    thread: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class JwtCfg:
     """JWT check: exactly one of ``secret`` (HS*) or ``public_key_file`` (RS/PS/ES/EdDSA)."""
 
@@ -291,6 +299,7 @@ class Config:
     # Proxies whose X-Forwarded-For / PROXY header names the client (ip_network objects).
     trusted_proxies: tuple[IPNetwork, ...] = ()
     log: LogCfg = LogCfg()
+    relay: RelayCfg = RelayCfg()
     source: str = "<config>"
 
     def backend_ids(self) -> tuple[str, ...]:

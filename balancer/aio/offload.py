@@ -1,0 +1,140 @@
+"""The relay thread (``balancer/_relay.c``) as the event loop sees it.
+
+At stream load the relay's cost is per read: a token is one small frame, and entering Python for
+it costs more than nginx spends on the whole frame; in one event loop each read also waits
+behind the others' Python work. A session that streams is therefore handed to a thread written
+in C, which forwards its worker-to-client data frames itself and hands the session back for
+everything the relay's rules must see. The rules, from the event loop's side:
+
+- **Taken** (``Session._offload``): only in the steady state - both legs open, the session
+  relaying, no migration, hold, failover or drain, the worker's stream between messages with
+  nothing held back, nothing waiting to be written to the client, and the session has streamed
+  ``OFFLOAD_AFTER`` frames since it was last taken back (an idle session stays in Python: it
+  costs nothing there, and the heartbeat would take it back every ``ping_interval`` anyway).
+  The event loop stops reading the worker; the thread reads it and writes the client.
+- **Given back** (``Session.reclaim``), before the event loop writes to the client, closes either
+  leg, or reads the worker's scanner for a decision (heartbeat, migration, drain, failover,
+  shutdown), and when the thread returns the session (a control frame, a fragment, anything its
+  walk does not take, the worker's EOF, an error). The thread's counts are credited to the
+  worker's scanner, its unsent bytes are written to the client first, and the bytes it had read
+  but not forwarded are scanned by Python next, before anything read later (the session keeps
+  them as its ``carry`` until its worker leg is read again).
+- The client leg stays with the event loop throughout (client frames are few in LLM serving and
+  carry what migration and failover log). Counters shown while a session is away are its
+  scanner's plus the thread's (``Session.counts``).
+
+``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON=1``; config
+``relay.thread: false`` turns the thread off too. Every session then runs in Python, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from types import ModuleType
+from typing import Protocol
+
+__all__ = ["AVAILABLE", "OFFLOAD_AFTER", "Offload", "Offloadable", "Returned"]
+
+log = logging.getLogger("wslb.server")
+
+_relay: ModuleType | None
+try:
+    from balancer import _relay
+except ImportError:  # no C compiler at install, or not Linux
+    _relay = None
+
+AVAILABLE = _relay is not None and os.environ.get("WSLB_PURE_PYTHON") != "1"
+# Frames a session streams in Python before it is handed to the thread (again).
+OFFLOAD_AFTER = 16
+
+# Why the thread returned a session (``Returned.reason``), as the C module numbers them.
+REASONS = {0: "taken back", 1: "frame", 2: "eof", 3: "read error", 4: "write error", 5: "no memory"}
+NOMEM = 5
+RETURNED = 1  # the event kinds of Relay.events(); RECORD = 2
+
+
+class Offloadable(Protocol):
+    """What the offload calls on a session it relays."""
+
+    def reclaim(self) -> None: ...
+
+    def flush_record(self) -> None: ...
+
+
+class Returned:
+    """What a session gets back from the thread (``Offload.give_back``)."""
+
+    __slots__ = ("backlog", "carry", "frames", "nbytes", "reason", "record")
+
+    def __init__(
+        self, carry: bytes, backlog: bytes, record: bytes, frames: int, nbytes: int, reason: int
+    ) -> None:
+        self.carry = carry  # read from the worker, not scanned yet (from a frame boundary)
+        self.backlog = backlog  # scanned and counted, not yet written to the client
+        self.record = record  # forwarded since the last take_record (record set)
+        self.frames = frames  # whole data messages forwarded (one frame each)
+        self.nbytes = nbytes  # bytes forwarded (including the backlog)
+        self.reason = reason
+
+
+class Offload:
+    """One serving process's relay thread, and the sessions it relays now."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, counts: Counter[str]) -> None:
+        """``counts``: where hand-overs are counted (``Stats.relay_thread``)."""
+        assert _relay is not None
+        self.loop = loop
+        self._relay = _relay.Relay()
+        self._fd: int = self._relay.fileno()
+        loop.add_reader(self._fd, self._events)
+        self.sessions: dict[int, Offloadable] = {}
+        self.handovers = counts
+
+    def take(self, s: Offloadable, worker_fd: int, client_fd: int, limit: int, record: bool) -> int:
+        """Hand ``s`` to the thread; its handle. Raises OSError (the session stays here)."""
+        handle: int = self._relay.add(worker_fd, client_fd, limit, record)
+        self.sessions[handle] = s
+        self.handovers["taken"] += 1
+        return handle
+
+    def give_back(self, handle: int) -> Returned:
+        """Take a session back from the thread (it touches its sockets no more)."""
+        self.sessions.pop(handle, None)
+        carry, backlog, record, frames, nbytes, reason, err = self._relay.remove(handle)
+        self.handovers[REASONS.get(reason, str(reason))] += 1
+        if reason == NOMEM:
+            log.error("relay thread out of memory (errno %d)", err)
+        return Returned(carry, backlog, record, frames, nbytes, reason)
+
+    def counts(self, handle: int) -> tuple[int, int]:
+        """(frames, bytes) the thread forwarded for a session it relays."""
+        frames, nbytes = self._relay.counts(handle)
+        return int(frames), int(nbytes)
+
+    def take_record(self, handle: int) -> bytes:
+        record: bytes = self._relay.take_record(handle)
+        return record
+
+    @property
+    def live(self) -> int:
+        return int(self._relay.live)
+
+    def _events(self) -> None:
+        for handle, kind in self._relay.events():
+            s = self.sessions.get(handle)
+            if s is None:
+                continue  # taken back meanwhile
+            if kind == RETURNED:
+                s.reclaim()
+            else:
+                s.flush_record()
+
+    def close(self) -> None:
+        """Take every session back and stop the thread."""
+        for s in list(self.sessions.values()):
+            s.reclaim()
+        self.loop.remove_reader(self._fd)
+        self._relay.close()
