@@ -13,16 +13,20 @@ in the pool's total, as a live session does, until the key returns (its session 
 back: the count does not grow) or the hold expires. So the bounded-load rule counts
 conversations rather than open sockets, and a returning key is not pushed off its worker because
 it was between turns. The rule, exactly: a placement never takes a backend's counted load above
-``ring.load_bound`` of the pool's counted total after it, with the backends' *effective* weights
-at that moment. A key taking back its held place (on the backend it was last placed on, its ring
-order unchanged) adds nothing to either, so it fits wherever the backend is within its bound
-counting the key's place already: as docs/config.md has it, affinity holds while the worker is
-under its bound. It moves only when that backend's bound fell below its count meanwhile
-(effective weights moved, sessions ended elsewhere); ``weights.denoise`` and the smoothing keep
-scrape noise out of the weights so that this is rare. A held place is a reservation, not a
-session: when its backend's counted load is above its bound (the same bound, of the current
-total), places held there are given up, the longest-quiet conversations first, until it is
-within the bound again or holds none; live sessions are never moved for the bound.
+its *limit*, ``ring.load_bound`` of the pool's counted total after it with the backends'
+*effective* weights at that moment and a factor that ``balancer.selection`` states:
+``hash_balance_factor`` for new keys and for any key on an overloaded backend,
+``affinity_ceiling`` for a key returning to a backend that is not overloaded. A key taking back
+its held place adds nothing to either count, so it fits wherever the backend is within its
+limit counting the key's place already. A held place is a reservation, not a session: when its
+backend's counted load is above its limit (of the current total), places held there are given
+up, the longest-quiet conversations first, until it is within the limit again or holds none;
+live sessions are never moved for a bound.
+
+Overload is the pool's state, refreshed with the weights (``refresh``): the set of backends
+``selection.overloaded`` finds among the ready backends with fresh signals, given the set before,
+so that its hysteresis holds across refreshes. Under ``workers: N`` every process works it out
+from the same published signals.
 
 Under ``workers: N`` each process keeps its own holds and publishes its live sessions plus
 held places on the board, so every process's bounds count them (``remote_sessions``); a key that
@@ -107,6 +111,10 @@ class Pool:
         self.name = cfg.name
         self.balance = cfg.balance
         self.factor = cfg.hash_balance_factor
+        self.ceiling = cfg.affinity_ceiling
+        self.overload_ratio = cfg.overload_ratio
+        # Backends measured overloaded relative to their peers (``selection.overloaded``).
+        self.overloaded: set[str] = set()
         self.backends: dict[str, Backend] = {}
         self.ring = Ring({})
         # key -> (backend placed on, the key's first ready backend on the ring then, loop time)
@@ -201,14 +209,20 @@ class Pool:
             b.effective_weight = b.weight * b.factor
         # Shares among the ready backends with fresh signals, without the scrape noise.
         fresh = {b.id: b.factor for b in self.backends.values() if b.ready and not b.stale}
-        for bid, f in denoise(fresh, w.coefficients.noise_band).items():
+        denoised = denoise(fresh, w.coefficients.noise_band)
+        for bid, f in denoised.items():
             b = self.backends[bid]
             b.effective_weight = b.weight * f
+        self.overloaded = selection.overloaded(denoised, self.overloaded, self.overload_ratio)
         if held and self.balance == "consistent":
             self._trim_holds()
 
+    def limit(self, b: Backend) -> float:
+        """The factor of ``b``'s bound for a key returning to it (module docstring)."""
+        return self.factor if b.id in self.overloaded else max(self.factor, self.ceiling)
+
     def _trim_holds(self) -> None:
-        """Give up held places on backends above their bound (module docstring), oldest first.
+        """Give up held places on backends above their limit (module docstring), oldest first.
 
         Giving one up lowers the total, and so every bound a little: repeat until no backend is
         over, or those that are hold no places.
@@ -218,7 +232,7 @@ class Pool:
         total = sum(b.counted for b in ready)
 
         def over(b: Backend) -> bool:
-            return b.counted > load_bound(total, self.factor, b.effective_weight, weight_sum)
+            return b.counted > load_bound(total, self.limit(b), b.effective_weight, weight_sum)
 
         in_pool = set(ready)
         held = self._held
@@ -256,6 +270,8 @@ class Pool:
                 self.factor,
                 held_on=hold[0] if hold is not None else None,
                 remembered=remembered[:2] if remembered is not None else None,
+                ceiling=self.ceiling,
+                overloaded=self.overloaded,
             )
         if self.balance == "least_conn":
             return selection.least_conn(ready)

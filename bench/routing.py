@@ -2,31 +2,42 @@
 """Routing benchmark: KV-cache locality, TTFT and balance of wslb's balancing modes.
 
 A multi-turn chat workload runs against reference workers (``backends.worker``) with a finite
-KV cache, through wslb, once per balancing mode and once more with one worker hot:
+KV cache, through wslb, once per balancing mode and run:
 
-- ``--sessions`` chat sessions arrive as a Poisson process over ``--arrival-s`` seconds. Each has
-  ``--turns`` turns (uniform in the range) with an exponential think time (``--think-s`` mean)
-  between them. Every session starts with the same ``--system-words`` system prompt; user prompts
-  and answers are ``--prompt-words`` words / ``--answer-tokens`` tokens, so the context grows
-  turn by turn. A share ``--reconnect-share`` of the sessions opens a new WebSocket for every
-  turn (as stateless HTTP-style chat clients do); the others keep one connection per session.
-  Every prompt carries the whole conversation (``messages``), as chat-completions clients send
-  it, so a session that lands on a new worker still has its context (and pays its prefill).
-- Modes: ``consistent`` with load-aware effective weights, ``consistent`` with static weights,
-  ``least_conn`` and ``round_robin`` (the last two with the same load-aware weights as the first,
-  or static ones with ``--baseline-weights static``). The session plan (arrivals, prompts,
-  think times) is the same for every mode; every run starts fresh workers and a fresh wslb.
-- Runs: ``even`` (identical workers) and ``hetero`` (the last worker has
+- ``--workload issue17`` (the default) is issue 17's: 90 sessions of 5 turns, one WebSocket per
+  turn, three identical workers; ``mixed`` is the benchmark's earlier one (300 sessions of 4-6
+  turns, half of them reconnecting per turn, four workers). Sessions arrive as a Poisson
+  process over ``--arrival-s`` seconds, with an exponential think time (``--think-s`` mean)
+  between turns. Every session starts with the same ``--system-words`` system prompt; user
+  prompts and answers are ``--prompt-words`` words / ``--answer-tokens`` tokens, so the context
+  grows turn by turn. Every prompt carries the whole conversation (``messages``), as
+  chat-completions clients send it, so a session that lands on a new worker still has its
+  context (and pays its prefill).
+- Modes (``--modes``): ``default`` is ``consistent`` with wslb's defaults (load-aware weights,
+  affinity first: ``affinity_ceiling`` 2, ``overload_ratio`` 1.5); ``strict-bound`` the same
+  with ``affinity_ceiling`` = c, the rule before issue 17 (every placement within c x its
+  share); ``static-bound`` that rule with static weights; ``static-sticky`` static weights and
+  c = ``--sticky-factor`` (100: nothing ever moves); ``round_robin`` (and ``least_conn``) with
+  the load-aware weights (or static ones with ``--baseline-weights static``). The session
+  plan (arrivals, prompts, think times) is the same for every mode; every run starts fresh
+  workers and a fresh wslb.
+- Runs (``--runs``): ``even`` (identical workers); ``hetero`` (the last worker has
   ``--hot-background-util`` of its GPU taken by something else: prefill and decode run
-  1/(1-U) slower and its GPU utilisation reads at least U).
+  1/(1-U) slower and its GPU utilisation reads at least U); ``hot`` (the worker the ring gives
+  the most sessions gets far more load mid-run: ``--side-streams`` connections straight to it,
+  bypassing wslb, answering ``--side-tokens``-token prompts back to back during
+  ``--side-window``, so it decodes more streams than ``--max-batch``: every stream slows,
+  requests queue, its utilisation reads 1).
 
 Measured in the client: TTFT (prompt sent -> first token) for first and follow-up turns apart,
 cached tokens per turn (``done.cached_tokens``), the worker of every turn, tokens, failures.
 wslb's admin API is polled every ``--poll-s`` for live sessions, held places and effective
-weights per worker (the bounded-load check uses what wslb counts: live + held).
-Prints one table per run, writes ``docs/routing.md`` (tables, command, machine, parameters,
-definitions; text after an ``<!-- analysis -->`` line of an existing file is kept) and a plot
-``docs/routing.png`` (if matplotlib is importable).
+weights per worker (the bounded-load check uses what wslb counts: live + held); the polls'
+weights also tell when a worker is overloaded by wslb's rule (``selection.overloaded``).
+Prints one set of tables per run and issue 17's targets (MET / MISSED), writes
+``docs/routing.md`` (tables, command, machine, parameters, definitions; text after an
+``<!-- analysis -->`` line of an existing file is kept) and a plot ``docs/routing.png`` (if
+matplotlib is importable).
 
 The machine may be shared: each run records the CPU cores this benchmark and everything else
 used meanwhile (``--wait-idle-s`` waits for the others to go quiet first). ``--modes`` also
@@ -34,7 +45,7 @@ takes weight variants (``NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT]``), ``--code`` r
 checkout's wslb.
 
 Not a test: ``pytest`` only collects ``tests/``. ``python bench/routing.py --help``;
-``--quick`` for a version of about two minutes.
+``--quick`` for a small version.
 """
 
 from __future__ import annotations
@@ -67,15 +78,42 @@ from websockets.asyncio.client import ClientConnection, connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from balancer.config import PoolCfg  # noqa: E402
 from balancer.pool import HOLD_S  # noqa: E402
-from balancer.ring import load_bound  # noqa: E402
+from balancer.ring import Ring, load_bound  # noqa: E402
+from balancer.selection import overloaded as selection_overloaded  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
 from bench.common import pct  # noqa: E402
 from tests.procs import Procs, Worker, Wslb, free_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
+DEFAULT_OVERLOAD_RATIO = PoolCfg("").overload_ratio
+DEFAULT_CEILING = PoolCfg("").affinity_ceiling
 LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "tpot": 1.0, "min_factor": 0.05}
 STATIC = {"gpu": 0.0, "kv_cache": 0.0, "queue": 0.0, "tpot": 0.0, "min_factor": 0.05}
+NEW = "default"  # consistent with wslb's defaults: the mode the targets are about
+KNOWN_MODES = (NEW, "strict-bound", "static-bound", "static-sticky", "least_conn", "round_robin")
+DEFAULT_MODES = (NEW, "strict-bound", "static-bound", "static-sticky", "round_robin")
+WORKLOADS: dict[str, dict[str, Any]] = {
+    # Issue 17's: 90 sessions, 5 turns, one WebSocket per turn, three identical workers.
+    "issue17": {
+        "sessions": 90,
+        "turns": (5, 5),
+        "arrival_s": 20.0,
+        "think_s": 1.5,
+        "reconnect_share": 1.0,
+        "workers": 3,
+    },
+    # The benchmark's earlier workload (docs/routing.md before issue 17).
+    "mixed": {
+        "sessions": 300,
+        "turns": (4, 6),
+        "arrival_s": 24.0,
+        "think_s": 1.5,
+        "reconnect_share": 0.5,
+        "workers": 4,
+    },
+}
 
 
 # -- parameters ------------------------------------------------------------------------------
@@ -131,6 +169,8 @@ class Mode:
     name: str
     balance: str
     coefficients: dict[str, float]
+    factor: float | None = None  # hash_balance_factor; None: --factor
+    pool: dict[str, Any] = field(default_factory=dict)  # more pool keys (affinity_ceiling, ...)
 
 
 @dataclass(frozen=True)
@@ -139,6 +179,19 @@ class LbParams:
     scrape_s: float
     poll_s: float
     smoothing_s: float | None = None  # weights.smoothing; None: the balancer's default
+
+
+@dataclass(frozen=True)
+class SideLoad:
+    """The ``hot`` run's load sent straight to one worker, bypassing wslb (another tenant, a
+    batch job): ``streams`` connections answering ``tokens``-token prompts back to back from
+    ``start_s`` to ``end_s`` of the run."""
+
+    worker: str
+    streams: int
+    tokens: int
+    start_s: float
+    end_s: float
 
 
 # -- the session plan --------------------------------------------------------------------------
@@ -217,6 +270,7 @@ class Poll:
     weights: dict[str, float]
     kv: dict[str, float]
     held: dict[str, int] = field(default_factory=dict)  # places held between sessions
+    stale: dict[str, bool] = field(default_factory=dict)  # signals_stale
 
 
 class SessionError(Exception):
@@ -255,7 +309,8 @@ class Fleet:
                 {
                     "name": "chat",
                     "balance": mode.balance,
-                    "hash_balance_factor": lbp.factor,
+                    "hash_balance_factor": mode.factor or lbp.factor,
+                    **mode.pool,
                     "session_key": ["query:session"],
                     "weights": {
                         "scrape_interval": f"{lbp.scrape_s:g}s",
@@ -455,6 +510,7 @@ async def poll_admin(lb: Wslb, period: float, out: list[Poll], t0: float) -> Non
                         {b["id"]: float(b["effective_weight"]) for b in data},
                         {b["id"]: float(b["signals"].get("kv_cache_usage") or 0.0) for b in data},
                         {b["id"]: int(b.get("held") or 0) for b in data},
+                        {b["id"]: bool(b.get("signals_stale")) for b in data},
                     )
                 )
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
@@ -462,21 +518,64 @@ async def poll_admin(lb: Wslb, period: float, out: list[Poll], t0: float) -> Non
             await asyncio.sleep(period)
 
 
+async def side_stream(url: str, sid: str, side: SideLoad, t0: float) -> int:
+    """One of the side load's connections: prompts back to back until ``side.end_s``; returns
+    the tokens it received. Errors end it quietly (the side load is not measured)."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + side.start_s - loop.time()))
+    tokens = 0
+    with contextlib.suppress(Exception):
+        async with connect(
+            f"{url}?session={sid}", compression=None, ping_interval=None, max_size=None
+        ) as ws:
+            await ws.recv()  # hello
+            while loop.time() < t0 + side.end_s:
+                prompt = {"type": "prompt", "text": "more", "max_tokens": side.tokens}
+                await ws.send(json.dumps(prompt))
+                deadline = t0 + side.end_s
+                while True:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        await ws.send(json.dumps({"type": "cancel"}))
+                        return tokens
+                    m = json.loads(await asyncio.wait_for(ws.recv(), left))
+                    if m.get("type") == "token":
+                        tokens += 1
+                    elif m.get("type") == "done":
+                        break
+    return tokens
+
+
 async def drive(
-    plans: list[SessionPlan], system: str, lb: Wslb, poll_s: float, timeout: float
+    plans: list[SessionPlan],
+    system: str,
+    lb: Wslb,
+    poll_s: float,
+    timeout: float,
+    side: tuple[str, SideLoad] | None = None,
 ) -> tuple[list[SessionRecord], list[Poll], float]:
+    """Run every session through wslb (and the side load straight to its worker, if any)."""
     loop = asyncio.get_running_loop()
     polls: list[Poll] = []
     t0 = loop.time() + 0.2
     poller = asyncio.create_task(poll_admin(lb, poll_s, polls, t0))
+    extra = []
+    if side is not None:
+        url, load = side
+        extra = [
+            asyncio.create_task(side_stream(url, f"side-{i}", load, t0))
+            for i in range(load.streams)
+        ]
     try:
         records = await asyncio.gather(
             *(run_session(p, system, lb.url, t0, timeout) for p in plans)
         )
+        await asyncio.gather(*extra)
     finally:
-        poller.cancel()
+        for task in [poller, *extra]:
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await poller
+            await asyncio.gather(poller, *extra, return_exceptions=True)
     return list(records), polls, loop.time() - t0
 
 
@@ -518,8 +617,57 @@ class Result:
     mean_weight: dict[str, float]
     mean_kv_usage: dict[str, float]
     duration_s: float
+    turn_follow_p99: float = math.nan  # follow-up prompt sent -> done
+    overload_polls: float = 0.0  # share of polls with some worker measured overloaded
+    overloaded_workers: list[str] = field(default_factory=list)
+    overload_ratio_max: float = math.nan  # max counted / bound of an overloaded worker
+    overload_ratio_settled: float = math.nan  # ... from GRACE s after it became overloaded
+    overload_over_settled: float = math.nan  # share of those polls with it above its bound
     cpu_ours: float = math.nan  # cores used by this script, its workers and wslb
     cpu_other: float = math.nan  # cores used by everything else on the machine meanwhile
+
+
+def overload_seen(
+    polls: list[Poll], factor: float, ratio: float, grace: float
+) -> tuple[float, list[str], float, float, float]:
+    """What the polls show while a worker is overloaded, by ``selection.overloaded``'s rule
+    applied to the effective weights wslb reported (static weights 1, as this benchmark
+    configures them; wslb's own state is refreshed more often, so this is its replica):
+    (share of polls with one, which, max counted / bound of an overloaded worker, the same
+    from ``grace`` s after it became so, share of those later polls where it was above)."""
+    was: set[str] = set()
+    since: dict[str, float] = {}
+    with_any = 0
+    seen: set[str] = set()
+    ratios: list[float] = []
+    settled: list[float] = []
+    for p in polls:
+        fresh = {b: w for b, w in p.weights.items() if not p.stale.get(b, False)}
+        now = selection_overloaded(fresh, was, ratio)
+        for b in now - was:
+            since[b] = p.t
+        was = now
+        if not now:
+            continue
+        with_any += 1
+        seen |= now
+        counted = {b: n + p.held.get(b, 0) for b, n in p.sessions.items()}
+        total = sum(counted.values())
+        wsum = sum(p.weights.values())
+        for b in now:
+            bound = load_bound(total, factor, p.weights[b], wsum)
+            r = counted[b] / bound if bound else (math.inf if counted[b] else 0.0)
+            ratios.append(r)
+            if p.t - since[b] >= grace:
+                settled.append(r)
+    n = len(polls) or 1
+    return (
+        with_any / n,
+        sorted(seen),
+        max(ratios, default=math.nan),
+        max(settled, default=math.nan),
+        sum(r > 1.0 for r in settled) / len(settled) if settled else math.nan,
+    )
 
 
 def analyse(
@@ -529,6 +677,8 @@ def analyse(
     polls: list[Poll],
     duration: float,
     factor: float,
+    overload_ratio: float = DEFAULT_OVERLOAD_RATIO,
+    grace: float = 5.0,
 ) -> Result:
     turns = [t for r in records for t in r.turns]
     first = [t.ttft for t in turns if t.index == 0]
@@ -568,6 +718,9 @@ def analyse(
             any_over |= n > bound
         over += any_over
     ids = sorted({b for p in polls for b in p.sessions})
+    ov_share, ov_workers, ov_max, ov_settled, ov_over = overload_seen(
+        polls, factor, overload_ratio, grace
+    )
     return Result(
         run=run,
         mode=mode,
@@ -613,6 +766,12 @@ def analyse(
         },
         mean_kv_usage={b: sum(p.kv.get(b, 0.0) for p in loaded) / max(1, len(loaded)) for b in ids},
         duration_s=duration,
+        turn_follow_p99=pct([t.done_at - t.sent_at for t in follow], 99),
+        overload_polls=ov_share,
+        overloaded_workers=ov_workers,
+        overload_ratio_max=ov_max,
+        overload_ratio_settled=ov_settled,
+        overload_over_settled=ov_over,
     )
 
 
@@ -665,38 +824,74 @@ def detail_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def targets(results: list[Result], runs: list[str], factor: float) -> list[str]:
+def overload_table(results: list[Result], grace: float) -> str:
+    head = (
+        "| mode | polls with a worker overloaded | overloaded | max load / bound while "
+        f"overloaded | ... from {grace:g} s after it became so (polls above) "
+        "| follow-up turn p99 s |"
+    )
+    lines = [head, "|" + " --- |" * 6]
+    for r in results:
+        settled = (
+            "-"
+            if math.isnan(r.overload_ratio_settled)
+            else f"{r.overload_ratio_settled:.2f} ({r.overload_over_settled:.0%})"
+        )
+        lines.append(
+            f"| {r.mode} | {r.overload_polls:.0%} | {', '.join(r.overloaded_workers) or '-'} "
+            f"| {'-' if math.isnan(r.overload_ratio_max) else f'{r.overload_ratio_max:.2f}'} "
+            f"| {settled} | {r.turn_follow_p99:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def targets(results: list[Result], runs: list[str], factor: float, grace: float) -> list[str]:
+    """Issue 17's targets for the new default (``NEW``), each against modes of the same run."""
     out = []
     for run in runs:
         rs = {r.mode: r for r in results if r.run == run}
-        la = rs.get("consistent-load-aware")
-        if la is None:
+        new = rs.get(NEW)
+        if new is None:
             continue
-        others = [r for m, r in rs.items() if m != la.mode]
-        best = all(la.ttft_follow_p99 <= r.ttft_follow_p99 for r in others)
-        rank = sorted(rs.values(), key=lambda r: r.ttft_follow_p99)
-        order = ", ".join(f"{r.mode} {ms(r.ttft_follow_p99)}" for r in rank)
-        out.append(
-            f"- {run}: load-aware consistent has the best follow-up TTFT p99: "
-            f"{'MET' if best else 'MISSED'} ({order} ms)"
+        order = ", ".join(
+            f"{r.mode} {ms(r.ttft_follow_p99)}"
+            for r in sorted(rs.values(), key=lambda r: r.ttft_follow_p99)
         )
         rr = rs.get("round_robin")
         if run == "even" and rr is not None:
-            ok = la.ttft_follow_p99 <= 0.5 * rr.ttft_follow_p99
+            ok = new.ttft_follow_p99 <= 0.5 * rr.ttft_follow_p99
             out.append(
-                f"- {run}: ... at most half of round_robin's: {'MET' if ok else 'MISSED'} "
-                f"({ms(la.ttft_follow_p99)} vs 0.5 x {ms(rr.ttft_follow_p99)} ms)"
+                f"- {run}: follow-up TTFT p99 at most 0.5 x round_robin's: {verdict(ok)} "
+                f"({ms(new.ttft_follow_p99)} vs 0.5 x {ms(rr.ttft_follow_p99)} ms; {order} ms)"
             )
-        ok = la.hit >= 0.9 * la.ideal
+        static = rs.get("static-bound")
+        if run == "hetero" and static is not None:
+            ok = new.ttft_follow_p99 <= static.ttft_follow_p99
+            out.append(
+                f"- {run}: follow-up TTFT p99 at most static hashing's (c = {factor:g}): "
+                f"{verdict(ok)} ({order} ms)"
+            )
+        if new.overloaded_workers:
+            ok = not new.overload_ratio_settled > 1.0
+            out.append(
+                f"- {run}: no worker above c x its share while overload is measured "
+                f"(c = {factor:g}, from {grace:g} s after it is): {verdict(ok)} "
+                f"(overloaded {', '.join(new.overloaded_workers)} in "
+                f"{new.overload_polls:.0%} of polls; max load / bound "
+                f"{new.overload_ratio_settled:.2f}, above in {new.overload_over_settled:.0%} "
+                f"of those polls; from its first poll overloaded {new.overload_ratio_max:.2f})"
+            )
+        else:
+            out.append(f"- {run}: no worker measured overloaded (the bound target does not apply)")
+        ok = new.hit >= 0.95 * new.ideal
         out.append(
-            f"- {run}: KV hit rate >= 90% of ideal: {'MET' if ok else 'MISSED'} "
-            f"({la.hit:.1%} of {la.ideal:.1%} = {la.hit / la.ideal:.1%})"
-        )
-        ok = la.bound_ratio_max <= 1.0
-        out.append(
-            f"- {run}: no worker above c x its share (c = {factor:g}, admin polls): "
-            f"{'MET' if ok else 'MISSED'} (max counted load / bound = "
-            f"{la.bound_ratio_max:.2f}, above in {la.bound_over_polls:.1%} of polls)"
+            f"- {run}: KV hit at least 95% of the ideal: {verdict(ok)} "
+            f"({new.hit:.1%} of {new.ideal:.1%} = {new.hit / new.ideal:.1%}; "
+            f"{new.changed} of {new.sessions} sessions moved)"
         )
     return out
 
@@ -724,6 +919,10 @@ def write_doc(
     lb: LbParams,
     baseline: str,
     elapsed: float,
+    modes: list[Mode],
+    hot: dict[str, str],
+    side: SideLoad | None,
+    grace: float,
 ) -> None:
     kept = ""
     if path.exists():
@@ -733,8 +932,17 @@ def write_doc(
     run_names = {
         "even": f"even: {wp.count} identical workers",
         "hetero": (
-            f"hetero: w{wp.count} hot (--background-util {wp.hot_background_util:g}: "
-            f"prefill and decode {1 / (1 - wp.hot_background_util):.1f}x slower)"
+            f"hetero: {hot.get('hetero', '-')} hot from the start (--background-util "
+            f"{wp.hot_background_util:g}: prefill and decode "
+            f"{1 / (1 - wp.hot_background_util):.1f}x slower)"
+        ),
+        "hot": (
+            f"hot: {side.worker} gets far more load mid-run ({side.streams} streams of "
+            f"{side.tokens}-token answers sent straight to it, t = {side.start_s:g}-"
+            f"{side.end_s:g} s; it decodes more than --max-batch {wp.max_batch}, so every "
+            "stream slows and requests queue)"
+            if side is not None
+            else "hot"
         ),
     }
     parts = [
@@ -758,9 +966,14 @@ def write_doc(
         f"{w.turns[0]}-{w.turns[1]} turns each, think time exponential mean {w.think_s:g} s "
         f"(capped at {5 * w.think_s:g} s), shared system prompt {w.system_words} words, "
         f"user prompts {w.prompt_words[0]}-{w.prompt_words[1]} words, answers "
-        f"{w.answer_tokens[0]}-{w.answer_tokens[1]} tokens; {w.reconnect_share:.0%} of the "
-        "sessions reconnect for every turn, the others keep one connection; every prompt "
-        f"carries the whole conversation (`messages`); seed {w.seed}",
+        f"{w.answer_tokens[0]}-{w.answer_tokens[1]} tokens; "
+        + (
+            "every session opens a new WebSocket for every turn"
+            if w.reconnect_share >= 1
+            else f"{w.reconnect_share:.0%} of the sessions reconnect for every turn, the "
+            "others keep one connection"
+        )
+        + f"; every prompt carries the whole conversation (`messages`); seed {w.seed}",
         f"- workers: {wp.count} x `backends.worker --tokens-per-s {wp.tokens_per_s:g} "
         f"--prefill-ms-per-token {wp.prefill_ms_per_token:g} --kv-capacity-tokens "
         f"{wp.kv_capacity_tokens} --max-batch {wp.max_batch} --session-ttl {wp.session_ttl:g}`",
@@ -773,6 +986,18 @@ def write_doc(
         + f"held places {HOLD_S:g} s, noise band {Coefficients().noise_band:g}, "
         f"load-aware coefficients `{LOAD_AWARE}`, static `{STATIC}`; `least_conn` and "
         f"`round_robin` use the {baseline} weights; admin polled every {lb.poll_s:g} s",
+        "- modes: "
+        + "; ".join(
+            f"`{m.name}`: {m.balance}, "
+            + ("load-aware" if m.coefficients.get("gpu") else "static")
+            + " weights"
+            + (f", c = {m.factor:g}" if m.factor else "")
+            + "".join(f", `{k}: {v:g}`" for k, v in m.pool.items())
+            for m in modes
+        )
+        + f" (`{NEW}`: wslb's defaults, `affinity_ceiling: {DEFAULT_CEILING:g}`, "
+        f"`overload_ratio: {DEFAULT_OVERLOAD_RATIO:g}`; `affinity_ceiling` = c is the strict "
+        "bound, the rule before)",
         "",
     ]
     for run in runs:
@@ -780,7 +1005,9 @@ def write_doc(
         if not rs:
             continue
         parts += [f"## {run_names[run]}", "", table(rs), "", detail_table(rs), ""]
-    parts += ["## Targets", "", *targets(results, runs, lb.factor), ""]
+        parts += [overload_table(rs, grace), ""]
+    grace_text = f"{grace:g}"
+    parts += ["## Targets", "", *targets(results, runs, lb.factor, grace), ""]
     parts += [
         "## Definitions",
         "",
@@ -820,6 +1047,17 @@ def write_doc(
         "elsewhere or its weight drops (wslb does not move live sessions for that), so this is "
         "observed at every poll, a stricter test than the rule. For `least_conn` and `round_robin` "
         "it is the same ratio, for comparison (with their own `held` counts).",
+        "- **overloaded**: a worker is overloaded by wslb's rule (`balancer/selection.py`): "
+        "the median effective weight of the workers with fresh signals is at least "
+        "`overload_ratio` times its own, until it is less than `1 + (overload_ratio - 1) / 2` "
+        "times. The benchmark applies the rule to the effective weights of each admin poll "
+        "(wslb does not report its own overload state), with the default ratio for every mode; "
+        "static weights are never overloaded. **max load / bound while overloaded**: the "
+        "overloaded worker's counted load (live + held) over its `c` bound, at those polls; "
+        "wslb never moves a live session, so right after a worker becomes overloaded the "
+        "sessions it is answering are still there, hence the second figure, from `GRACE` s "
+        "later. **follow-up turn p99**: prompt sent -> `done` of follow-up turns (decode "
+        "included, which is what a busy worker slows).",
         "- **weight spread**: median over loaded polls of the largest / smallest effective "
         "weight (1.00 with static weights; identical workers should stay near 1).",
         "- **CPU cores ours / others**: cores used during the run by this script, its workers "
@@ -830,7 +1068,7 @@ def write_doc(
         "wrong token count or a turn over the timeout.",
         "",
     ]
-    text = "\n".join(parts)
+    text = "\n".join(parts).replace("`GRACE` s", f"{grace_text} s")
     if kept:
         text += "\n" + kept
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -847,7 +1085,7 @@ def plot(path: Path, results: list[Result], runs: list[str]) -> bool:
         print("warning: matplotlib is not importable; no plot written", file=sys.stderr)
         return False
     modes = list(dict.fromkeys(r.mode for r in results))
-    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:red"]
+    colors = ["tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:red", "tab:orange"]
     fig, grid = plt.subplots(2, 2, figsize=(13, 8.5))
     axes = list(grid.flat)
     width = 0.8 / max(1, len(modes))
@@ -872,7 +1110,7 @@ def plot(path: Path, results: list[Result], runs: list[str]) -> bool:
         ax.set_xticks(x, runs)
         ax.set_title(title)
         if "/" in title:
-            ax.axhline(1.0 if "bound" in title else 0.9, color="gray", ls="--", lw=0.8)
+            ax.axhline(1.0 if "bound" in title else 0.95, color="gray", ls="--", lw=0.8)
     axes[0].legend(fontsize=8)
     fig.suptitle("wslb routing benchmark (bench/routing.py)")
     fig.tight_layout()
@@ -883,6 +1121,14 @@ def plot(path: Path, results: list[Result], runs: list[str]) -> bool:
 
 
 # -- main --------------------------------------------------------------------------------------
+
+
+def window(s: str) -> tuple[float, float]:
+    a, _, b = s.partition("-")
+    lo, hi = float(a), float(b)
+    if not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"expected START-END with 0 <= START < END, got {s!r}")
+    return lo, hi
 
 
 def pair(s: str) -> tuple[int, int]:
@@ -920,18 +1166,25 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
-    a("--quick", action="store_true", help="small version (~1-2 min): fewer, shorter sessions")
-    a("--sessions", type=int, default=None, help="sessions per run (default 300; quick 60)")
-    a("--turns", type=pair, default=None, help="turns per session LO-HI (default 4-6; quick 2-3)")
-    a("--arrival-s", type=float, default=None, help="arrival window (default 24; quick 5)")
-    a("--think-s", type=float, default=None, help="mean think time (default 1.5; quick 1)")
+    a(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="issue17",
+        help="issue17: 90 sessions of 5 turns, a connection per turn, 3 workers; mixed: 300 "
+        "sessions of 4-6 turns, half reconnecting, 4 workers (the options below override it)",
+    )
+    a("--quick", action="store_true", help="small version (~3 min): fewer, shorter sessions")
+    a("--sessions", type=int, default=None, help="sessions per run")
+    a("--turns", type=pair, default=None, help="turns per session LO-HI")
+    a("--arrival-s", type=float, default=None, help="arrival window")
+    a("--think-s", type=float, default=None, help="mean think time")
     a("--system-words", type=int, default=200)
     a("--prompt-words", type=pair, default=(20, 60))
     a("--answer-tokens", type=pair, default=(20, 60))
-    a("--reconnect-share", type=float, default=0.5)
+    a("--reconnect-share", type=float, default=None, help="sessions opening a connection per turn")
     a("--turn-timeout-s", type=float, default=30.0)
     a("--seed", type=int, default=1)
-    a("--workers", type=int, default=4)
+    a("--workers", type=int, default=None)
     a("--tokens-per-s", type=float, default=40.0)
     a("--prefill-ms-per-token", type=float, default=1.0)
     a("--kv-capacity-tokens", type=int, default=32_000)
@@ -942,14 +1195,30 @@ def build_parser() -> argparse.ArgumentParser:
     a("--scrape-s", type=float, default=0.5, help="wslb weights.scrape_interval")
     a("--poll-s", type=float, default=0.25, help="admin poll period")
     a("--smoothing-s", type=float, default=20.0, help="wslb weights.smoothing (0: none)")
+    a("--sticky-factor", type=float, default=100.0, help="c of the static-sticky mode")
     a("--baseline-weights", choices=["load-aware", "static"], default="load-aware")
     a(
         "--modes",
-        default="consistent-load-aware;consistent-static;least_conn;round_robin",
-        help="';'-separated: the four names, or NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT] for a "
-        "variant (e.g. 'consistent-gpu=consistent:0.5,0,0')",
+        default=";".join(DEFAULT_MODES),
+        help="';'-separated: known names (" + ", ".join(KNOWN_MODES) + "), or "
+        "NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT] for a variant (e.g. "
+        "'consistent-gpu=consistent:0.5,0,0')",
     )
-    a("--runs", default="even,hetero")
+    a("--runs", default="even,hetero,hot", help="any of even, hetero, hot")
+    a("--side-streams", type=int, default=24, help="hot run: streams sent straight to the worker")
+    a("--side-tokens", type=int, default=200, help="hot run: tokens per side-load answer")
+    a(
+        "--side-window",
+        type=window,
+        default=(8.0, 24.0),
+        help="hot run: START-END seconds of the side load",
+    )
+    a(
+        "--overload-grace-s",
+        type=float,
+        default=5.0,
+        help="load / bound of an overloaded worker is judged from this long after it became so",
+    )
     a("--doc", type=Path, default=ROOT / "docs" / "routing.md", help="'-' for none")
     a("--png", type=Path, default=ROOT / "docs" / "routing.png", help="'-' for none")
     a("--json", type=Path, default=None, help="also write raw results here")
@@ -975,21 +1244,27 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    q = args.quick
+    preset = dict(WORKLOADS[args.workload])
+    if args.quick:
+        preset.update(sessions=30, turns=(3, 3), arrival_s=6.0, think_s=1.0)
     w = Workload(
-        sessions=args.sessions or (60 if q else 300),
-        turns=args.turns or ((2, 3) if q else (4, 6)),
-        think_s=args.think_s or (1.0 if q else 1.5),
-        arrival_s=args.arrival_s or (5.0 if q else 24.0),
+        sessions=args.sessions or int(preset["sessions"]),
+        turns=args.turns or preset["turns"],
+        think_s=args.think_s or float(preset["think_s"]),
+        arrival_s=args.arrival_s or float(preset["arrival_s"]),
         system_words=args.system_words,
         prompt_words=args.prompt_words,
         answer_tokens=args.answer_tokens,
-        reconnect_share=args.reconnect_share,
+        reconnect_share=(
+            args.reconnect_share
+            if args.reconnect_share is not None
+            else float(preset["reconnect_share"])
+        ),
         turn_timeout_s=args.turn_timeout_s,
         seed=args.seed,
     )
     wp = WorkerParams(
-        count=args.workers,
+        count=args.workers or int(preset["workers"]),
         tokens_per_s=args.tokens_per_s,
         prefill_ms_per_token=args.prefill_ms_per_token,
         kv_capacity_tokens=args.kv_capacity_tokens,
@@ -1001,9 +1276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s, smoothing_s=args.smoothing_s
     )
     baseline = LOAD_AWARE if args.baseline_weights == "load-aware" else STATIC
+    strict = {"affinity_ceiling": args.factor}  # the ceiling at c: the bound before issue 17
     all_modes = {
-        "consistent-load-aware": Mode("consistent-load-aware", "consistent", LOAD_AWARE),
-        "consistent-static": Mode("consistent-static", "consistent", STATIC),
+        NEW: Mode(NEW, "consistent", LOAD_AWARE),
+        "strict-bound": Mode("strict-bound", "consistent", LOAD_AWARE, pool=strict),
+        "static-bound": Mode("static-bound", "consistent", STATIC, pool=strict),
+        "static-sticky": Mode("static-sticky", "consistent", STATIC, factor=args.sticky_factor),
         "least_conn": Mode("least_conn", "least_conn", baseline),
         "round_robin": Mode("round_robin", "round_robin", baseline),
     }
@@ -1013,9 +1291,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--modes: {exc}") from None
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in runs:
-        if r not in ("even", "hetero"):
-            raise SystemExit(f"unknown run {r!r} (even, hetero)")
+        if r not in ("even", "hetero", "hot"):
+            raise SystemExit(f"unknown run {r!r} (even, hetero, hot)")
     system, plans = make_plan(w)
+    # hetero: the last worker is slow from the start; hot: the worker the ring gives the most
+    # sessions (the one a skewed hash loads most anyway) gets the side load.
+    ids = [f"w{i + 1}" for i in range(wp.count)]
+    ring = Ring(dict.fromkeys(ids, 1.0))
+    owned = {i: sum(ring.owner(p.sid) == i for p in plans) for i in ids}
+    hot_of = {"hetero": ids[-1], "hot": max(ids, key=lambda i: (owned[i], i))}
+    lo, hi = args.side_window
+    side = SideLoad(hot_of["hot"], args.side_streams, args.side_tokens, lo, hi)
     command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     print(f"# {command.strip()}\n# {machine()}", flush=True)
 
@@ -1036,19 +1322,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmpdir = tempfile.mkdtemp(prefix="wslb-routing-")
     try:
         for run in runs:
-            hot = {f"w{wp.count}"} if run == "hetero" else set()
+            hot = {hot_of["hetero"]} if run == "hetero" else set()
             for mode in modes:
                 wait_idle(args.wait_idle_s)
                 with Fleet(Path(tmpdir), args.code.resolve()) as fleet:
                     fleet.start_workers(wp, hot)
                     lb = fleet.start_lb(mode, lbp)
                     cpu = CpuMeter(fleet.pids)
+                    target = next(x for x in fleet.workers if x.id == side.worker)
                     with asyncio.Runner(loop_factory=loop_factory) as runner:
                         records, polls, duration = runner.run(
-                            drive(plans, system, lb, lbp.poll_s, w.turn_timeout_s)
+                            drive(
+                                plans,
+                                system,
+                                lb,
+                                lbp.poll_s,
+                                w.turn_timeout_s,
+                                (target.url, side) if run == "hot" else None,
+                            )
                         )
                     ours, other = cpu.read()
-                res = analyse(run, mode.name, records, polls, duration, lbp.factor)
+                res = analyse(
+                    run,
+                    mode.name,
+                    records,
+                    polls,
+                    duration,
+                    lbp.factor,
+                    float(mode.pool.get("overload_ratio", DEFAULT_OVERLOAD_RATIO)),
+                    args.overload_grace_s,
+                )
                 res.cpu_ours, res.cpu_other = ours, other
                 results.append(res)
                 polls_of[(run, mode.name)] = polls
@@ -1082,11 +1385,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in runs:
         rs = [r for r in results if r.run == run]
         print(f"\n## {run}\n\n{table(rs)}\n\n{detail_table(rs)}")
-    print("\n## Targets\n\n" + "\n".join(targets(results, runs, lbp.factor)))
+        print(f"\n{overload_table(rs, args.overload_grace_s)}")
+    grace = args.overload_grace_s
+    print("\n## Targets\n\n" + "\n".join(targets(results, runs, lbp.factor, grace)))
     print(f"\nwall time {elapsed:.0f} s")
     if str(args.doc) != "-":
         write_doc(
-            args.doc, command.strip(), results, runs, w, wp, lbp, args.baseline_weights, elapsed
+            args.doc,
+            command.strip(),
+            results,
+            runs,
+            w,
+            wp,
+            lbp,
+            args.baseline_weights,
+            elapsed,
+            modes,
+            {r: hot_of[r] for r in runs if r in hot_of},
+            side if "hot" in runs else None,
+            grace,
         )
         print(f"wrote {args.doc}")
     if str(args.png) != "-" and plot(args.png, results, runs):

@@ -16,12 +16,16 @@ from balancer.config import (
     PoolCfg,
     WeightsCfg,
 )
-from balancer.pool import Pool
+from balancer.pool import DRAINING, Pool
 from balancer.weights import Signals
 
 
 def make_pool(
-    n: int = 4, balance: str = "consistent", c: float = 1.25, weights: list[float] | None = None
+    n: int = 4,
+    balance: str = "consistent",
+    c: float = 1.25,
+    weights: list[float] | None = None,
+    ceiling: float = PoolCfg("").affinity_ceiling,
 ) -> Pool:
     ws = weights or [1.0] * n
     cfg = PoolCfg(
@@ -30,6 +34,7 @@ def make_pool(
         session_key=(KeySource("query", "session"),),
         balance=balance,
         hash_balance_factor=c,
+        affinity_ceiling=ceiling,
         weights=WeightsCfg(),
         health=HealthCfg(),
         outlier=OutlierCfg(),
@@ -109,7 +114,7 @@ def test_not_ready_backends_are_skipped_and_keys_come_back() -> None:
             assert b.id == before[k]
     pool.backends["w1"].healthy = True
     assert all(pool.select(k).id == before[k] for k in keys)  # type: ignore[union-attr]
-    pool.backends["w2"].admin_state = "draining"
+    pool.backends["w2"].admin_state = DRAINING
     assert all(pool.select(k).id != "w2" for k in keys)  # type: ignore[union-attr]
 
 
@@ -237,12 +242,13 @@ def test_held_places_yield_when_their_worker_goes_above_its_bound() -> None:
     assert hot.counted == before + 1
 
 
-@pytest.mark.parametrize("c", [1.1, 1.25])
-def test_bound_holds_at_every_placement_with_held_places(c: float) -> None:
-    """No placement takes a backend's counted load (live + held) above its bound."""
+@pytest.mark.parametrize(("c", "ceiling"), [(1.1, 1.1), (1.25, 1.25), (1.1, 2.0), (1.25, 2.0)])
+def test_bound_holds_at_every_placement_with_held_places(c: float, ceiling: float) -> None:
+    """No placement takes a backend's counted load (live + held) above its limit: the bound
+    for a new key, the ceiling for a key returning to its worker (none is overloaded here)."""
     import random
 
-    pool = make_pool(n=4, c=c)
+    pool = make_pool(n=4, c=c, ceiling=ceiling)
     rng = random.Random(7)
     live: dict[str, str] = {}
     now = 0.0
@@ -254,11 +260,13 @@ def test_bound_holds_at_every_placement_with_held_places(c: float) -> None:
             continue
         if key in live:
             continue
+        returning = pool.last_backend(key)
         b = pool.select(key, now=now)
         assert b is not None
         before = b.counted
         pool.attach(key, b, now=now)
         live[key] = b.id
         total = sum(x.counted for x in pool.backends.values())
+        limit = max(c, ceiling) if returning == b.id else c
         # Taking back its own held place leaves the count as it was; anything else fits.
-        assert b.counted == before or b.counted <= math.ceil(c * total / 4 - 1e-9), step
+        assert b.counted == before or b.counted <= math.ceil(limit * total / 4 - 1e-9), step

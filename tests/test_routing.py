@@ -148,6 +148,61 @@ async def test_a_slow_decoder_gets_fewer_sessions_from_its_inter_token_latency(
             w.stop()
 
 
+async def hello_worker(url: str, key: str) -> str:
+    """Open the key's session, read the worker's hello, close (a turn of a client that opens a
+    connection per turn)."""
+    async with connect(f"{url}/ws?session={key}") as ws:
+        return str(json.loads(await ws.recv())["worker"])
+
+
+@pytest.mark.parametrize("ceiling", [None, 1.25])
+async def test_conversations_stay_on_their_workers_when_a_worker_joins(
+    tmp_path: Path, ceiling: float | None
+) -> None:
+    """A new user's config (backends only). 30 conversations between turns hold their places,
+    13 of them on w0 (its bound, ceil(1.25 x 30 / 3)); a fourth worker joins and every bound
+    shrinks (w0's to 10). w0 is not overloaded, so its conversations come back to it, above the
+    bound, and new keys that hash to w0 go elsewhere. With ``affinity_ceiling: 1.25`` (the
+    strict bound, the rule before) some of them are pushed off to a cold KV cache."""
+    from balancer.ring import Ring
+
+    workers = [Worker(f"w{i}").start() for i in range(4)]
+    backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers[:3]]
+    cfg = pool_config(backends, **({} if ceiling is None else {"affinity_ceiling": ceiling}))
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        three = Ring({w.id: 1.0 for w in workers[:3]})
+        four = Ring({w.id: 1.0 for w in workers})
+        names = (f"chat-{i}" for i in range(10_000))
+        own = [k for k in names if three.owner(k) == "w0" == four.owner(k)][:20]
+        rest = [k for k in (f"rest-{i}" for i in range(1000)) if three.owner(k) != "w0"][:10]
+        order = [k for t in zip(own[::2], own[1::2], rest, strict=True) for k in t]
+        first = {k: await hello_worker(lb.url, k) for k in order}
+        on_w0 = [k for k in own if first[k] == "w0"]
+
+        def counted() -> dict[str, int]:
+            return {b["id"]: b["sessions"] + b["held"] for b in lb.admin("/backends")}
+
+        await wait_for(lambda: sum(counted().values()) == 30, what="sessions held")
+        assert len(on_w0) == 13 == counted()["w0"], counted()
+        w3 = workers[3]
+        lb.admin_post("/backends", {"id": w3.id, "url": f"ws://127.0.0.1:{w3.port}"})
+        await wait_for(lambda: lb.admin("/backends/w3")["state"] == "active", what="w3 active")
+        again = {k: await hello_worker(lb.url, k) for k in on_w0}
+        moved = [k for k in on_w0 if again[k] != "w0"]
+        if ceiling is None:
+            assert moved == [], again
+            assert counted()["w0"] == 13  # above its bound of ceil(1.25 x 30 / 4) = 10
+            fresh = [k for k in (f"new-{i}" for i in range(1000)) if four.owner(k) == "w0"][:3]
+            assert "w0" not in [await hello_worker(lb.url, k) for k in fresh]
+        else:
+            assert len(moved) >= 3, again  # w0's places gave way down to its bound
+    finally:
+        lb.stop()
+        for w in workers:
+            w.stop()
+
+
 class Toggle:
     """A websockets worker whose /healthz answers 200 or 503 on demand."""
 

@@ -245,12 +245,12 @@ def test_a_slow_decoder_loses_weight_before_its_streams_pile_up() -> None:
     whole keeps equal shares), and a stale or missing figure does not count."""
     pool = make_pool(n=4, c=1.25)  # smoothing 20 s
     slow = pool.backends["w3"]
-    for b in pool.backends.values():  # before the first tokens: no figure yet
-        b.signals = Signals(at=9.0, gpu_util=0.3)
+    for x in pool.backends.values():  # before the first tokens: no figure yet
+        x.signals = Signals(at=9.0, gpu_util=0.3)
     pool.refresh(9.0)
     assert slow.effective_weight == pytest.approx(0.85)
-    for b in pool.backends.values():  # a second later, not 20 s of smoothing later
-        b.signals = Signals(at=10.0, gpu_util=0.3, tpot=0.05 if b is slow else 0.02)
+    for x in pool.backends.values():  # a second later, not 20 s of smoothing later
+        x.signals = Signals(at=10.0, gpu_util=0.3, tpot=0.05 if x is slow else 0.02)
     pool.refresh(10.0)
     assert slow.effective_weight == pytest.approx(0.85 * 0.4 * 1.15)  # band: 0.4 -> 0.46
     assert [pool.backends[f"w{i}"].effective_weight for i in range(3)] == [pytest.approx(0.85)] * 3
@@ -276,8 +276,8 @@ def test_hot_worker_takes_fewer_new_sessions_and_keeps_ring_and_affinity() -> No
     owners_before = {k: pool.ring.owner(k) for k in keys}
     ring = pool.ring
     pool.backends["w0"].signals = Signals(at=100.0, gpu_util=1.0, kv_cache_usage=0.9, waiting=6)
-    for b in ("w1", "w2"):
-        pool.backends[b].signals = Signals(at=100.0, gpu_util=0.1, kv_cache_usage=0.1)
+    for bid in ("w1", "w2"):
+        pool.backends[bid].signals = Signals(at=100.0, gpu_util=0.1, kv_cache_usage=0.1)
     counts = {"w0": 0, "w1": 0, "w2": 0}
     for k in keys:
         b = pool.select(k, now=101.0)
@@ -334,9 +334,9 @@ def test_probe_flips_after_fall_and_rise() -> None:
     b = pool.backends["w0"]
     assert not b.probe(False, rise=2, fall=3)
     assert not b.probe(False, rise=2, fall=3)
-    assert b.probe(False, rise=2, fall=3) and not b.healthy and b.state == "down"
+    assert b.probe(False, rise=2, fall=3) and b.state == "down"
     assert not b.probe(True, rise=2, fall=3)
-    assert b.probe(True, rise=2, fall=3) and b.healthy
+    assert b.probe(True, rise=2, fall=3) and b.state == "active"
     assert place(pool, "after") in {"w0", "w1"}
 
 

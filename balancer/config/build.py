@@ -502,6 +502,8 @@ class _Builder(_Reader):
             backends=self.backends(item, p),
             upstream_tls=self.upstream_tls(item, p),
             affinity_hold=self.duration(item, "affinity_hold", p, 30.0),
+            affinity_ceiling=self.number(item, "affinity_ceiling", p, 2.0),
+            overload_ratio=self.number(item, "overload_ratio", p, 1.5),
         )
 
     def upstream_tls(self, item: dict[object, object], path: _Path) -> UpstreamTls | None:

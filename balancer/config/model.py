@@ -210,6 +210,11 @@ class PoolCfg:
     backends: tuple[BackendCfg, ...] = ()
     upstream_tls: UpstreamTls | None = None
     affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends
+    # A returning key stays on a worker that is not overloaded up to this many times its
+    # weighted share (``balancer.selection``); at or below hash_balance_factor: the strict bound.
+    affinity_ceiling: float = 2.0
+    # Pressure (the median load factor / the worker's) at which a worker counts as overloaded.
+    overload_ratio: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)
