@@ -48,7 +48,7 @@ except ImportError:  # no C compiler at install, or not Linux
 
 AVAILABLE = _relay is not None and os.environ.get("WSLB_PURE_PYTHON") != "1"
 # Frames a session streams in Python before it is handed to the thread (again).
-OFFLOAD_AFTER = 16
+OFFLOAD_AFTER = 4
 
 # Why the thread returned a session (``Returned.reason``), as the C module numbers them.
 REASONS = {0: "taken back", 1: "frame", 2: "eof", 3: "read error", 4: "write error", 5: "no memory"}
