@@ -1250,7 +1250,7 @@ def table(results: dict[str, Result]) -> str:
 
 
 def targets_report(results: dict[str, Result]) -> list[str]:
-    """Issue 6's targets for wslb, each against the best of nginx and HAProxy in this run."""
+    """Issue 6 and 17's targets for wslb, each against nginx and HAProxy in this run."""
     r = dict(rows(results))
     out = []
 
@@ -1276,6 +1276,12 @@ def targets_report(results: dict[str, Result]) -> list[str]:
     check("cpu/frame saturation <= 0.9x best", "cpu us/frame, saturation", 0.9, both)
     check("idle memory/session <= haproxy", "idle KB/session", 1.0, ("haproxy",))
     check("added p99 latency <= nginx", "added latency p99 us", 1.0, ("nginx",))
+    check("latency p99 <= nginx", "latency p99 us", 1.0, ("nginx",))
+    lat = r["latency p50 us (worker to client)"]
+    if "wslb" in lat and "nginx" in lat:
+        w, n = lat["wslb"], lat["nginx"]
+        verdict = "MET" if w <= n + 50 else "MISSED"
+        out.append(f"latency p50 within 50 us of nginx: wslb {w:.1f} vs nginx {n:.1f}: {verdict}")
     return out
 
 
