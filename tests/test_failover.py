@@ -27,6 +27,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from backends.model import token_text
+from balancer.aio import offload
 from tests.procs import ROOT, Wslb, free_port
 
 TOKENS = 150  # at the workers' 50 tokens/s: 3 s per answer
@@ -118,6 +119,17 @@ def failovers(lb: Wslb) -> Counter[str]:
     return out
 
 
+def relay_thread(lb: Wslb) -> Counter[str]:
+    """``wslb_relay_thread_handovers_total`` by event (aio/offload.py)."""
+    text = lb.admin("/metrics")
+    out: Counter[str] = Counter()
+    for m in re.finditer(
+        r'^wslb_relay_thread_handovers_total\{event="([\w ]+)"\} (\S+)$', text, re.M
+    ):
+        out[m.group(1)] += int(float(m.group(2)))
+    return out
+
+
 async def until(cond: Any, timeout: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -155,6 +167,11 @@ async def test_kill_busiest_worker_mid_answer(system: tuple[Wslb, list[int]]) ->
         assert c.ws is not None and c.ws.close_code is None  # no close, no reconnect
         await c.close()
     assert f"backend {victim} is down" in lb.output()  # at once, not after failed checks
+    if offload.AVAILABLE:
+        # The answers streamed through the relay thread, which saw the worker go (Rule 7):
+        # the journal's record came from the thread.
+        handovers = relay_thread(lb)
+        assert handovers["taken"] > 0 and handovers["eof"] + handovers["read error"] > 0, handovers
 
 
 async def test_two_workers_killed_one_after_the_other(system: tuple[Wslb, list[int]]) -> None:
