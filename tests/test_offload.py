@@ -379,7 +379,7 @@ async def test_stock_echo_server_through_the_thread(
         config["relay"] = {"thread": False}
     lb = Wslb(config, tmp_path).start()
     try:
-        await asyncio.gather(*(echo_run(lb, seed) for seed in range(4)))
+        await asyncio.gather(*(echo_run(lb, seed) for seed in range(6)))
         taken = metric(lb, "wslb_relay_thread_handovers", '{event="taken"}')
         if thread and offload.AVAILABLE:
             assert taken > 0, "no session went to the relay thread"

@@ -9,8 +9,9 @@ everything the relay's rules must see. The rules, from the event loop's side:
 - **Taken** (``Session._offload``): only in the steady state - both legs open, the session
   relaying, no migration, hold, failover or drain, the worker's stream between messages with
   nothing held back, nothing waiting to be written to the client, and the session has streamed
-  ``OFFLOAD_AFTER`` frames since it was last taken back (an idle session stays in Python: it
-  costs nothing there, and the heartbeat would take it back every ``ping_interval`` anyway).
+  ``OFFLOAD_AFTER`` frames (an idle session stays in Python: it costs nothing there, and the
+  heartbeat would take it back every ``ping_interval`` anyway); one the thread gave back is
+  offered again at its next data frame.
   The event loop stops reading the worker; the thread reads it and writes the client.
 - **Given back** (``Session.reclaim``), before the event loop writes to the client, closes either
   leg, or reads the worker's scanner for a decision (heartbeat, migration, drain, failover,

@@ -212,11 +212,12 @@ class ClientLeg(asyncio.Protocol):
     # Slots, not a dict. ``data_received`` is a slot holding the session's bound ``client_data``
     # (the transport calls the session directly: one Python call per read, not two); uvloop keeps
     # the same bound method, so it costs nothing more.
-    __slots__ = ("data_received", "session")
+    __slots__ = ("data_received", "full", "session")
 
     def __init__(self, session: Session) -> None:
         self.session = session
         self.data_received = session.client_data  # type: ignore[method-assign]
+        self.full = False  # the client's transport asked us to stop writing (backpressure)
 
     def eof_received(self) -> bool | None:
         return None  # close our side too; connection_lost follows
@@ -226,12 +227,15 @@ class ClientLeg(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """The client does not keep up: stop reading the worker."""
+        self.full = True
         self.session.paused_since = self.session.state.loop.time()
         pause_reading(self.session.wt, True)
 
     def resume_writing(self) -> None:
+        self.full = False
         self.session.paused_since = 0.0
-        pause_reading(self.session.wt, False)
+        if self.session.relay is None:  # else the relay thread reads the worker
+            pause_reading(self.session.wt, False)
 
 
 def _scanners(limits: Any) -> tuple[FrameScanner, FrameScanner]:
@@ -482,6 +486,7 @@ class Session(asyncio.Protocol):
             or self.ct.is_closing()
             or self.wt.is_closing()
             or self.ct.get_write_buffer_size()
+            or self._client_full()
         ):
             return
         try:
@@ -508,7 +513,9 @@ class Session(asyncio.Protocol):
             ws.credit(r.frames, r.nbytes)
         if r.record and self.journal is not None:
             self.journal.worker(r.record)
-        self.offload_at = ws.frames + OFFLOAD_AFTER
+        # A session the thread relayed streams: offered again at its next data frame (after a
+        # heartbeat or a pong, only that frame and the carry pass through Python).
+        self.offload_at = ws.frames + 1
         if r.backlog and not self.ct.is_closing():
             self.ct.write(r.backlog)  # before anything the event loop writes to the client
         if r.reason == NOMEM:  # the stream lost bytes: it cannot go on
@@ -517,10 +524,17 @@ class Session(asyncio.Protocol):
             self.wt.abort()
             return
         self.carry = r.carry
-        if not self.paused_since:
+        # Read the worker again unless the client is the one not keeping up: ``paused_since``
+        # is also set when the *worker* does not read (its leg's backpressure), and keeping the
+        # worker's stream unread then would deadlock both.
+        if not self._client_full():
             pause_reading(self.wt, False)
         if self.carry:
             self.state.loop.call_soon(self._scan_carry)
+
+    def _client_full(self) -> bool:
+        leg = self.ct.get_protocol()
+        return isinstance(leg, ClientLeg) and leg.full
 
     def _scan_carry(self) -> None:
         if self.carry and self.phase is not Phase.FINISHED:
