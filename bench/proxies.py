@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import psutil
 
@@ -435,6 +435,33 @@ class ClientConn(asyncio.Protocol):
             self.st.note(f"session lost: {exc!r}")
 
 
+Conn = TypeVar("Conn", bound="ClientConn")
+
+
+async def dial(
+    loop: asyncio.AbstractEventLoop,
+    src: str,
+    dest: tuple[str, int],
+    factory: Callable[[], Conn],
+    timeouts: tuple[float, float] = (10.0, 15.0),
+) -> Conn:
+    """A client connection from ``src``, upgraded: each loopback source address has its own
+    ephemeral ports per destination, so many sources hold many sessions. ``timeouts``: for the
+    connect and for the 101. Raises OSError, TimeoutError or ConnectionError (socket closed)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+        sock.bind((src, 0))
+        await asyncio.wait_for(loop.sock_connect(sock, dest), timeouts[0])
+        _, proto = await loop.create_connection(factory, sock=sock)
+        await asyncio.wait_for(proto.upgraded, timeouts[1])
+    except (OSError, TimeoutError, ConnectionError):
+        sock.close()
+        raise
+    return proto
+
+
 async def _client(spec: dict[str, Any]) -> None:
     """Line protocol with the parent: ``open N RATE G`` (RATE -1: idle) opens N sessions to the
     addresses of group G and answers ``ready {...}`` once they are up or failed; ``snap``
@@ -456,18 +483,9 @@ async def _client(spec: dict[str, Any]) -> None:
         src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
         request = upgrade_request(host, port, f"{path}?session=bench-{spec['prefix']}-{i}")
         async with sem:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                sock.setblocking(False)
-                sock.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
-                sock.bind((src, 0))
-                await asyncio.wait_for(loop.sock_connect(sock, (host, port)), 10)
-                _, proto = await loop.create_connection(
-                    lambda: ClientConn(st, request, rate), sock=sock
-                )
-                await asyncio.wait_for(proto.upgraded, 15)
+                proto = await dial(loop, src, (host, port), lambda: ClientConn(st, request, rate))
             except (OSError, TimeoutError, ConnectionError) as exc:
-                sock.close()
                 st.failed += 1
                 st.note(f"connect {i}: {exc!r}")
                 return

@@ -90,11 +90,11 @@ import psutil  # noqa: E402
 from bench.common import log_problems, prom_by_label, sigterm_as_interrupt  # noqa: E402
 from bench.proxies import (  # noqa: E402
     FRAME_HEAD,
-    IP_BIND_ADDRESS_NO_PORT,
     ClientConn,
     ClientStats,
     WorkerConn,
     _run_uvloop,
+    dial,
     machine,
     next_frame,
     percentile,
@@ -214,18 +214,15 @@ async def _client(spec: dict[str, Any]) -> None:
         host, port, path = targets[i % len(targets)]
         request = upgrade_request(host, port, f"{path}?session=scale-{i}")
         async with sem:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                sock.setblocking(False)
-                sock.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
-                sock.bind((sources[i % len(sources)], 0))
-                await asyncio.wait_for(loop.sock_connect(sock, (host, port)), 15)
-                _, proto = await loop.create_connection(
-                    lambda: ScaleClientConn(st, request, rate), sock=sock
+                proto = await dial(
+                    loop,
+                    sources[i % len(sources)],
+                    (host, port),
+                    lambda: ScaleClientConn(st, request, rate),
+                    (15.0, 30.0),
                 )
-                await asyncio.wait_for(proto.upgraded, 30)
             except (OSError, TimeoutError, ConnectionError) as exc:
-                sock.close()
                 st.failed += 1
                 st.note(f"connect {i}: {exc!r}")
                 return
