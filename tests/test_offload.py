@@ -202,9 +202,7 @@ def test_stops_at_the_first_frame_it_must_not_take(relay: Any, seed: int) -> Non
         writer.join()
         carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
         got += read_available(p.cpeer)
-        rest = read_available(p.wours, until_eof=eof, timeout=1.0) if eof else b""
-        if not eof:
-            rest = read_available(p.wours)
+        rest = read_available(p.wours, until_eof=eof, timeout=1.0)
         forwarded = bytes(got) + backlog
         assert forwarded + carry + rest == data
         assert record == forwarded

@@ -227,7 +227,7 @@ async def close_after_answer(s: Session, backend: Backend, deadline: float) -> b
     if it left ``backend`` otherwise (its worker died and a failover moved it)."""
     loop = asyncio.get_running_loop()
     s.reclaim()  # from the relay thread; a session on a draining worker is not offloaded again
-    last_c, last_w = s.cs.messages, s.prior_messages + s.ws.messages
+    last_c, last_w = s.totals[:2]
     awaiting = False  # a client message has had no answer yet
     while loop.time() + QUIET <= deadline:
         await asyncio.sleep(QUIET)
@@ -235,7 +235,7 @@ async def close_after_answer(s: Session, backend: Backend, deadline: float) -> b
             return False
         if s.failing_over:
             continue  # quiet because its worker is gone: the failover decides
-        c, w = s.cs.messages, s.prior_messages + s.ws.messages
+        c, w = s.totals[:2]
         if w != last_w:
             awaiting = False  # the worker is answering (or has answered)
         elif c != last_c:

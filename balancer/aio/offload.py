@@ -119,10 +119,6 @@ class Offload:
         record: bytes = self._relay.take_record(handle)
         return record
 
-    @property
-    def live(self) -> int:
-        return int(self._relay.live)
-
     def _events(self) -> None:
         for handle, kind in self._relay.events():
             s = self.sessions.get(handle)
