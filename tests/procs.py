@@ -11,6 +11,7 @@ worker from another checkout (a ``git worktree`` of the commit under test).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import json
@@ -36,10 +37,28 @@ ROOT = Path(__file__).resolve().parent.parent
 Backends = list[dict[str, Any]]  # GET /backends
 
 
+_RECENT: collections.deque[int] = collections.deque(maxlen=2048)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A free port on ``host``, never one this process was handed recently.
+
+    The kernel may give the same port to two ``bind(0)`` calls in a row once the first socket is
+    closed (2 triples in 20,000 here): a test that asks for three ports would then write a config
+    with two listeners on one port, which wslb rejects (exit 2).
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _RECENT:
+            _RECENT.append(port)
+            return port
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports on ``host``."""
+    return [free_port(host) for _ in range(n)]
 
 
 def wait_port(

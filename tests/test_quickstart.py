@@ -43,7 +43,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psutil
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import ROOT, free_ports
 
 README = ROOT / "README.md"
 CHAT_CLIENT = "examples/chat_client.py"
@@ -74,15 +74,6 @@ def test_readme_quick_start_is_parsed() -> None:
     assert [s[:2] for s in steps] == [["pip", "install"], ["wslb", "--config"]], steps
     assert talk[0][:2] == ["python", CHAT_CLIENT], talk[0]
     assert ["wslb", "ctl", "backends"] in talk
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all bound at once, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def user_env(venv: Path, **extra: str) -> dict[str, str]:
