@@ -491,6 +491,20 @@ TWO_POOLS = with_(
         (with_(BASE, "listen", "127.0.0.1:8081"), "admin: '127.0.0.1:8081' is the same address"),
         (with_(BASE, "listen", ":8081"), "admin: '127.0.0.1:8081' overlaps"),
         (
+            with_(with_(BASE, "listen", "127.0.0.1:9001"), "pools.0.backends.0.spawn", "reference"),
+            "pools[0].backends[0].url: the spawned worker's address 127.0.0.1:9001 is the same "
+            "address as the listen address 127.0.0.1:9001",
+        ),
+        (
+            with_(
+                with_(BASE, "pools.0.backends.1.url", "ws://localhost:8081"),
+                "pools.0.backends.1.spawn",
+                "reference",
+            ),
+            "pools[0].backends[1].url: the spawned worker's address localhost:8081 is the same "
+            "address as the admin address 127.0.0.1:8081",
+        ),
+        (
             with_(TWO_POOLS, "pools.1.match.path_prefix", "/"),
             "pools[1].match.path_prefix: duplicate path_prefix '/' (also pools[0])",
         ),

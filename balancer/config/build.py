@@ -326,6 +326,7 @@ class _Builder(_Reader):
         listen = self.listeners(root)
         admin = self.admin(root, listen)
         pools = self.pools(root)
+        self.spawned_clashes(listen, admin)
         trusted = self.networks(root, "trusted_proxies")
         if not root.get("trusted_proxies") and any(lst.proxy_protocol for lst in listen):
             self.error(
@@ -464,6 +465,24 @@ class _Builder(_Reader):
             if b.spawn is not None and b.url and _url_problem(b.url) is None:
                 self._unique(spawn_ports, b.port, (*bp, "url"), "port of a spawned worker")
         return tuple(out)
+
+    def spawned_clashes(self, listen: tuple[Listener, ...], admin: Admin) -> None:
+        """A spawned worker would bind wslb's own listen or admin address (and fail to start)."""
+        ours = [(lst, "the listen address") for lst in listen]
+        ours.append((Listener(admin.host, admin.port), "the admin address"))
+        for b, bp in self.backend_paths:
+            if b.spawn is None or not b.url or _url_problem(b.url) is not None:
+                continue
+            host = "127.0.0.1" if b.host == "localhost" else b.host
+            for lst, what in ours:
+                clash = _clash(Listener(host, b.port), lst)
+                if clash:
+                    addr = _join_host_port(b.host, b.port)
+                    self.error(
+                        (*bp, "url"),
+                        f"the spawned worker's address {addr} {clash} {what} {lst}",
+                    )
+                    break
 
     def _unique(
         self,
