@@ -189,6 +189,26 @@ async def test_reload_applies_backends_and_weights(lb: Wslb, workers: list[Worke
     assert call(lb, "GET", "/backends/a2")[0] == 200
 
 
+def test_reload_lists_what_it_did_not_apply(lb: Wslb) -> None:
+    """A setting a reload cannot apply is named, with its pool, in ``ignored`` and in the log."""
+    cfg = yaml.safe_load(lb.path.read_text())
+    cfg["pools"][0]["hash_balance_factor"] = 2.0
+    cfg["pools"][0]["health"] = {"interval": "7s"}
+    cfg["pools"].append({"name": "new", "match": {"path_prefix": "/new"}, "backends": []})
+    cfg["timeouts"]["idle"] = "5m"
+    cfg["log"] = {"format": "json"}
+    lb.path.write_text(yaml.safe_dump(cfg))
+    status, report = call(lb, "POST", "/reload", {})
+    assert status == 200
+    assert report["ignored"] == [
+        "pool chat: hash_balance_factor, health (restart to apply)",
+        "new pool new (restart to add pools)",
+        "timeouts, log (restart to apply)",
+    ]
+    assert report["added"] == report["removed"] == report["updated"] == []
+    assert "did not apply: timeouts, log (restart to apply)" in lb.output()
+
+
 async def test_sighup_reloads(lb: Wslb, workers: list[Worker]) -> None:
     import asyncio
     import signal

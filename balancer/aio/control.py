@@ -23,7 +23,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import psutil
@@ -453,12 +453,29 @@ class LocalControl:
                     self.drainer.start(pool, b, False, float("inf"))
                 self.spawn(self.remove_when_drained(pool, b))
                 report["removed"].append(bid)
-        if (new.listen, new.admin, new.timeouts, new.limits) != (
-            current.listen,
-            current.admin,
-            current.timeouts,
-            current.limits,
-        ):
-            report["ignored"].append("listen/admin/timeouts/limits (restart to apply)")
+            changed = _changed(current.pool(pcfg.name), pcfg, ("name", "backends"))
+            if changed:
+                keys = ", ".join(changed)
+                report["ignored"].append(f"pool {pcfg.name}: {keys} (restart to apply)")
+        names = {p.name for p in new.pools}
+        for pcfg in current.pools if backends else ():
+            if pcfg.name not in names:
+                report["ignored"].append(f"pool {pcfg.name} removed (restart to remove pools)")
+        changed = _changed(current, new, ("pools", "source"))
+        if changed:
+            report["ignored"].append(f"{', '.join(changed)} (restart to apply)")
         log.info("reloaded %s: %s", self.config_path, report)
+        for what in report["ignored"]:
+            log.warning("reload of %s did not apply: %s", self.config_path, what)
         return report
+
+
+def _changed(old: object, new: object, skip: tuple[str, ...]) -> list[str]:
+    """Names of the dataclass fields that differ between ``old`` and ``new``, but ``skip``."""
+    if old is None:
+        return []
+    return [
+        f.name
+        for f in fields(new)  # type: ignore[arg-type]
+        if f.name not in skip and getattr(old, f.name) != getattr(new, f.name)
+    ]
