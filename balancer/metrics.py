@@ -143,6 +143,7 @@ class BackendView:
     scrape_age: float | None = None
     ejected_for: float = 0.0
     ejections: int = 0
+    overloaded: bool = False  # measured overloaded relative to its peers (balancer.selection)
     held: int = 0  # places held for keys between sessions (counted in bounds; balancer.pool)
     health_reason: str | None = None  # why it is down (the last failed check), None while up
     health_kind: str | None = None  # that reason's kind: refused, timeout, http_status, ...
@@ -232,6 +233,11 @@ class BalancerCollector(Collector):
             "Seconds of ejection left (0 if not ejected)",
             labels=["pool", "backend"],
         )
+        overloaded = GaugeMetricFamily(
+            "wslb_backend_overloaded",
+            "1 while measured overloaded relative to its peers (returning keys get the c bound)",
+            labels=["pool", "backend"],
+        )
         down = GaugeMetricFamily(
             "wslb_backend_down",
             "1 while health checks hold the backend down, labelled with the kind of failure",
@@ -252,9 +258,23 @@ class BalancerCollector(Collector):
                 if value is not None:
                     signal.add_metric([*labels, name], value)
             ejected.add_metric(labels, b.ejected_for)
+            overloaded.add_metric(labels, 1 if b.overloaded else 0)
             if not b.healthy:
                 down.add_metric([*labels, b.health_kind or "unknown"], 1)
-        yield from (active, total, up, state, weight, healthy, stale, age, signal, ejected, down)
+        yield from (
+            active,
+            total,
+            up,
+            state,
+            weight,
+            healthy,
+            stale,
+            age,
+            signal,
+            ejected,
+            overloaded,
+            down,
+        )
         for name, doc, counts in (
             ("wslb_backend_ejections", "Outlier ejections", st.ejections),
             ("wslb_scrape_failures", "Failed metrics scrapes", st.scrape_failures),

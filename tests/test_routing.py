@@ -69,6 +69,8 @@ async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Pat
         views = {b["id"]: b for b in lb.admin("/backends")}
         assert views["hot"]["signals"]["gpu_util"] >= 0.9
         assert views["hot"]["effective_weight"] < 0.25
+        # Below its peers' median / overload_ratio: its returning keys get the c bound too.
+        assert [b for b, v in views.items() if v["overloaded"]] == ["hot"]
         # The backend whose metrics endpoint is dead: stale, static weight, still routable.
         assert views["blind"]["signals_stale"] and views["blind"]["effective_weight"] == 1.0
         assert views["blind"]["state"] == "active"
@@ -81,6 +83,8 @@ async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Pat
         assert 'wslb_backend_signals_stale{backend="blind",pool="chat"} 1.0' in metrics
         assert 'wslb_scrape_failures_total{backend="blind"}' in metrics
         assert 'wslb_backend_signal{backend="hot",pool="chat",signal="gpu_util"}' in metrics
+        assert 'wslb_backend_overloaded{backend="hot",pool="chat"} 1.0' in metrics
+        assert 'wslb_backend_overloaded{backend="cold0",pool="chat"} 0.0' in metrics
     finally:
         for ws in conns:
             await ws.close()

@@ -217,6 +217,7 @@ class FanoutControl:
                 own["state"] = _combine_state([b["state"] for b in theirs])
                 own["ejected_for"] = max(b["ejected_for"] for b in theirs)
                 own["ejections"] = max(b["ejections"] for b in theirs)
+                own["overloaded"] = own["overloaded"] or any(b["overloaded"] for b in theirs)
                 drains = [b["drain"] for b in theirs if b["drain"]]
                 own["drain"] = _merge_drains(drains) if drains else None
                 # Probes count in the supervisor, sessions' moves in the serving processes.

@@ -402,6 +402,7 @@
     if (b.state === "ejected" && isNum(b.ejected_for)) {
       healthText += ` (ejected ${Math.ceil(b.ejected_for)}s more)`;
     }
+    if (b.overloaded === true) healthText += ", overloaded";
     setText(c.health, healthText);
     c.health.title = isNum(health.since) ? `since ${clock(new Date(health.since * 1000))}` : "";
     setText(c.weight, num(b.weight));
