@@ -180,6 +180,12 @@ async def test_migrate_one_session_on_request_and_roll_back_on_refusal(tmp_path:
             workers: list[str] = []
             reader = asyncio.ensure_future(read_answer(ws, "one", 1, workers))
             await asyncio.sleep(0.3)
+            # Its own worker, or none of the pool's: refused before the freeze (no pause).
+            for to in ("src", "nope"):
+                status, body = await asyncio.to_thread(
+                    _post_status, lb, "/sessions/one/migrate", {"to": to}
+                )
+                assert status == 409 and body["result"] == "target" and body["pause_ms"] is None
             # A target without the handoff API refuses the thaw: the session goes back.
             status, body = await asyncio.to_thread(
                 _post_status, lb, "/sessions/one/migrate", {"to": "old-school"}
@@ -192,7 +198,8 @@ async def test_migrate_one_session_on_request_and_roll_back_on_refusal(tmp_path:
             await asyncio.wait_for(reader, 10)
             assert workers == ["dst"]
             s = lb.admin("/sessions/one")
-            assert s["migrations"] == 2 and s["backend"] == "dst"  # moved back, then moved
+            # Moved back, then moved; the refused targets above never froze it.
+            assert s["migrations"] == 2 and s["backend"] == "dst"
     finally:
         lb.stop()
         for w in (a, b, c):

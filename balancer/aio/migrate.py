@@ -148,6 +148,8 @@ async def _migrate(
 ) -> MigrationResult:
     if s.clog is None:
         raise MigrationError("disabled", "drain.migrate is false for this pool")
+    if to is not None:
+        _named(s, old, to)  # a target that cannot take the session costs it no pause
     # HOLDING: wait for the client to finish a message in flight, then stop reading it.
     if not await wait_until(lambda: s.cs.at_message_boundary or s.closing, STEP_TIMEOUT):
         raise MigrationError("client_mid_message")
@@ -239,14 +241,20 @@ async def watch_first_message(
 
 def _target(s: Session, old: Backend, to: str | None, loop: asyncio.AbstractEventLoop) -> Backend:
     if to is not None:
-        target = s.pool.backends.get(to)
-        if target is None or target is old or not target.ready:
-            raise MigrationError("target", f"{to} is not a ready backend of the pool")
-        return target
+        return _named(s, old, to)  # again: it may have gone down during the freeze
     chosen = s.pool.select(s.sid, [old.id], loop.time())
     if chosen is None:
         raise MigrationError("no_target")
     return chosen
+
+
+def _named(s: Session, old: Backend, to: str) -> Backend:
+    target = s.pool.backends.get(to)
+    if target is None or not target.ready:
+        raise MigrationError("target", f"{to} is not a ready backend of the pool")
+    if target is old:
+        raise MigrationError("target", f"the session is on {to} already")
+    return target
 
 
 async def _move(
