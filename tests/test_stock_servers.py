@@ -308,3 +308,45 @@ async def test_killed_server_goes_down_with_its_reason(tmp_path: Path) -> None:
 
         keys = [f"after-kill-{i}" for i in range(4)]
         assert await asyncio.gather(*map(new_session, keys)) == ["a"] * len(keys)
+
+
+@pytest.mark.parametrize("kind", ["fastapi", "websockets"])
+async def test_failover_enabled_in_front_of_a_stock_server_ends_a_lost_session_with_1011(
+    tmp_path: Path, kind: str
+) -> None:
+    """The repo's ``balancer.yaml`` turns failover on; a new user keeps it in front of servers
+    that have no thaw (the FastAPI app's token stream is not wslb's chat protocol). A server
+    killed mid-answer: its session gets 1011 at once (not a hang, not another server's words),
+    the metric names why, and a reconnect is answered by b."""
+    with contextlib.ExitStack() as es:
+        servers = {bid: es.enter_context(Server(kind, tmp_path)) for bid in IDS}
+        cfg = new_user_config(servers)
+        cfg["pools"][0]["failover"] = {"enabled": True}
+        lb = Wslb(cfg, tmp_path)
+        es.callback(stop_wslb, lb)
+        lb.start()
+        stack = Stack(kind, servers, lb)
+        async with contextlib.AsyncExitStack() as aes:
+            key, ws = await session_on(stack, "a", aes)
+            if stack.echo:
+                for i in range(3):
+                    await ws.send(f"m{i}")
+                    assert await asyncio.wait_for(ws.recv(), 5) == f"m{i}"
+            else:
+                await ws.send("tell me about websockets")
+                for _ in range(4):
+                    msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                    assert msg["type"] == "token", msg
+            servers["a"].kill()
+            t0 = time.monotonic()
+            assert await expect_close(ws, timeout=10) == 1011
+            assert time.monotonic() - t0 < 5
+        metrics = await stack.admin("/metrics")
+        counted = re.findall(r'wslb_failovers_total\{result="(\w+)"\} ([0-9.]+)', metrics)
+        results = {r for r, n in counted if float(n) > 0}
+        # Neither speaks the chat or the Realtime protocol: nothing wslb could hand on.
+        assert results == {"unknown_protocol"}, counted
+        async with asyncio.timeout(15), connect(stack.url(key)) as again:
+            answered = await stack.turn(again)
+            assert stack.echo or answered == "b"
+        assert lb.proc is not None and lb.proc.poll() is None
