@@ -1,5 +1,5 @@
 """Helpers the benchmark scripts share: percentiles, CPU accounting from /proc, wslb's log and
-metrics, SIGTERM as Ctrl-C.
+metrics, SIGTERM as Ctrl-C, the machine's description, a list-of-sizes argument.
 
 Benchmarks only (not imported by ``balancer``); each script puts the repository root on
 ``sys.path`` before importing this module as ``bench.common``. The processes they start (wslb,
@@ -9,14 +9,18 @@ reference workers, their own children), the ports and wslb's admin API are ``tes
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
+import platform
 import re
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from types import FrameType
 
 import psutil
@@ -24,10 +28,14 @@ import psutil
 __all__ = [
     "CpuSample",
     "PromHistogram",
+    "cpu_model",
     "cpu_sample",
     "cpu_seconds",
     "cpu_window",
+    "dist_version",
     "log_problems",
+    "machine_line",
+    "parse_sizes",
     "pct",
     "prom_by_label",
     "prom_histogram",
@@ -188,3 +196,42 @@ def prom_histogram(text: str, name: str) -> PromHistogram:
     count = sum(int(v) for _, v in _samples(text, f"{name}_count"))
     total = sum(v for _, v in _samples(text, f"{name}_sum"))
     return PromHistogram(buckets, count, total)
+
+
+# -- the machine, and arguments -----------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, "unknown CPU" where it has none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def dist_version(dist: str) -> str:
+    """An installed distribution's version, "absent" when it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def machine_line() -> str:
+    """One line for a report: CPUs, kernel, Python."""
+    return (
+        f"{os.cpu_count()} CPUs ({cpu_model()}), {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``N`` or ``N,N,...`` (session counts of a sweep), each at least 1: an argparse type."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,...: {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("session counts must be at least 1")
+    return sizes

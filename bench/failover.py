@@ -69,6 +69,7 @@ from bench.common import (  # noqa: E402
     cpu_sample,
     cpu_window,
     log_problems,
+    parse_sizes,
     pct,
     prom_by_label,
     prom_histogram,
@@ -763,16 +764,6 @@ def info_lines(info: dict[str, Any]) -> list[str]:
         "wslb, the workers and the clients share the machine (and whatever else runs on it: "
         "see 'other jobs')",
     ]
-
-
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or N,N,...: {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError("session counts must be at least 1")
-    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import cpu_sample, cpu_window, pct, sigterm_as_interrupt  # noqa: E402
+from bench.common import (  # noqa: E402
+    cpu_model,
+    cpu_sample,
+    cpu_window,
+    dist_version,
+    parse_sizes,
+    pct,
+    sigterm_as_interrupt,
+)
 from tests.procs import Procs, Worker, Wslb  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
@@ -704,26 +711,13 @@ async def _measure(
 
 
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
     return {
         "nproc": os.cpu_count(),
-        "cpu": model,
+        "cpu": cpu_model(),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "uvloop": version("uvloop"),
-        "aiohttp": version("aiohttp"),
+        "uvloop": dist_version("uvloop"),
+        "aiohttp": dist_version("aiohttp"),
         "loadavg_before": os.getloadavg(),
         "tree": tree_state(),
         "command": " ".join(["python", "bench/migration.py", *map(shlex.quote, sys.argv[1:])]),
@@ -888,16 +882,6 @@ def report(info: dict[str, Any], results: list[RunResult], args: argparse.Namesp
 
 
 # -- main ------------------------------------------------------------------------------------
-
-
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or N,N,...: {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError("session counts must be at least 1")
-    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:

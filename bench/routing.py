@@ -56,8 +56,6 @@ import contextlib
 import datetime as dt
 import json
 import math
-import os
-import platform
 import random
 import secrets
 import shlex
@@ -83,7 +81,7 @@ from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import Ring, load_bound  # noqa: E402
 from balancer.selection import overloaded as selection_overloaded  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
-from bench.common import pct  # noqa: E402
+from bench.common import machine_line, pct  # noqa: E402
 from tests.procs import Procs, Worker, Wslb, free_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
@@ -896,19 +894,6 @@ def targets(results: list[Result], runs: list[str], factor: float, grace: float)
     return out
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (
-        f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}"
-    )
-
-
 def write_doc(
     path: Path,
     command: str,
@@ -957,7 +942,7 @@ def write_doc(
         "",
         f"- date: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}; "
         f"wall time {elapsed:.0f} s",
-        f"- machine: {machine()}; load generator, wslb and workers all on 127.0.0.1",
+        f"- machine: {machine_line()}; load generator, wslb and workers all on 127.0.0.1",
         f"- CPU during the runs: this benchmark {min(r.cpu_ours for r in results):.2f}-"
         f"{max(r.cpu_ours for r in results):.2f} cores, other processes on the machine "
         f"{min(r.cpu_other for r in results):.2f}-{max(r.cpu_other for r in results):.2f} "
@@ -1304,7 +1289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lo, hi = args.side_window
     side = SideLoad(hot_of["hot"], args.side_streams, args.side_tokens, lo, hi)
     command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
-    print(f"# {command.strip()}\n# {machine()}", flush=True)
+    print(f"# {command.strip()}\n# {machine_line()}", flush=True)
 
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     with contextlib.suppress(ImportError):

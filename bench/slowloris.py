@@ -42,7 +42,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import random
 import resource
 import secrets
@@ -64,7 +63,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import cpu_seconds, log_problems, pct, sigterm_as_interrupt  # noqa: E402
+from bench.common import (  # noqa: E402
+    cpu_seconds,
+    log_problems,
+    machine_line,
+    pct,
+    sigterm_as_interrupt,
+)
 from tests.procs import Procs, Wslb, die_with_parent, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -670,19 +675,6 @@ class AttackerProc:
             self._reader.cancel()
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (
-        f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}"
-    )
-
-
 def fmt_stats(s: ProcStats) -> str:
     tasks = f"tasks {s.tasks}" if s.tasks is not None else f"threads {s.threads} (no /debug/stats)"
     return f"rss {s.rss_mb:.1f} MB, fds {s.fds}, {tasks}, connections {s.connections}"
@@ -852,7 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return attacker_main(args)
 
     soft, hard = raise_nofile()
-    print(f"slowloris run, {dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}: {machine()}")
+    print(f"slowloris run, {dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}: {machine_line()}")
     print(
         f"wslb + {args.workers} spawned reference workers on {HOST}; timeouts.handshake "
         f"{args.handshake_timeout:g}s; RLIMIT_NOFILE {soft}/{hard} (inherited by wslb); "

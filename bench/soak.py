@@ -82,6 +82,7 @@ if str(ROOT) not in sys.path:
 from backends.model import token_text  # noqa: E402
 from bench.common import (  # noqa: E402
     log_problems,
+    machine_line,
     prom_by_label,
     prom_histogram,
     sigterm_as_interrupt,
@@ -91,7 +92,6 @@ from bench.slowloris import (  # noqa: E402
     fd_diff,
     fd_table,
     fds_settled,
-    machine,
     port_names,
     proc_stats,
     raise_nofile,
@@ -822,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.print_every = 15.0 if args.duration <= 300 else 60.0
 
     soft, hard = raise_nofile()
-    print(f"soak run, {dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}: {machine()}")
+    print(f"soak run, {dt.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}: {machine_line()}")
     print(
         f"wslb + {args.workers} spawned reference workers on 127.0.0.1; {args.duration:g} s, "
         f"{args.sessions} sessions at {args.tokens_per_s:g} tokens/s, a worker "

@@ -46,7 +46,6 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import sigterm_as_interrupt  # noqa: E402
+from bench.common import cpu_model, dist_version, sigterm_as_interrupt  # noqa: E402
 from tests.procs import Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
 
 GAP_BIN_S = 1e-4  # inter-token gaps are histogrammed in 0.1 ms bins
@@ -840,26 +839,13 @@ def check(result: ModeResult, last: Sample, target: Target, n_cpu: int) -> None:
 
 
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
     return {
         "nproc": os.cpu_count(),
-        "cpu": model,
+        "cpu": cpu_model(),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "uvloop": version("uvloop"),
-        "aiohttp": version("aiohttp"),
+        "uvloop": dist_version("uvloop"),
+        "aiohttp": dist_version("aiohttp"),
     }
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+
+import pytest
 
 from bench.common import (
     cpu_sample,
     cpu_window,
+    dist_version,
     log_problems,
+    parse_sizes,
     pct,
     prom_by_label,
     prom_histogram,
@@ -75,3 +80,12 @@ def test_prom_by_label_and_histogram() -> None:
     assert h.quantile(50) == 0.1 and h.quantile(99) == 1.0 and h.quantile(100) == math.inf
     empty = prom_histogram(EXPOSITION, "wslb_migration_pause_seconds")
     assert empty.count == 0 and math.isnan(empty.quantile(50))
+
+
+def test_parse_sizes_takes_a_list_and_names_what_is_wrong() -> None:
+    assert parse_sizes("50") == [50] and parse_sizes("50, 100,200,") == [50, 100, 200]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected N or N,N"):
+        parse_sizes("50,lots")
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+        parse_sizes("0,5")
+    assert dist_version("uvloop")[0].isdigit() and dist_version("no-such-dist-x") == "absent"
