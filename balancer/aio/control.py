@@ -431,8 +431,7 @@ class LocalControl:
         for pcfg in new.pools if backends else ():
             pool = self.state.pool(pcfg.name)
             if pool is None:
-                report["ignored"].append(f"new pool {pcfg.name} (restart to add pools)")
-                continue
+                continue  # a new pool: below
             wanted = {b.id: b for b in pcfg.backends}
             for bid, bcfg in wanted.items():
                 cur = pool.backends.get(bid)
@@ -455,12 +454,17 @@ class LocalControl:
                     self.drainer.start(pool, b, False, float("inf"))
                 self.spawn(self.remove_when_drained(pool, b))
                 report["removed"].append(bid)
+        # What needs a restart. (In cluster mode too: only the backends live in etcd.)
+        for pcfg in new.pools:
+            if self.state.pool(pcfg.name) is None:
+                report["ignored"].append(f"new pool {pcfg.name} (restart to add pools)")
+                continue
             changed = _changed(current.pool(pcfg.name), pcfg, ("name", "backends"))
             if changed:
                 keys = ", ".join(changed)
                 report["ignored"].append(f"pool {pcfg.name}: {keys} (restart to apply)")
         names = {p.name for p in new.pools}
-        for pcfg in current.pools if backends else ():
+        for pcfg in current.pools:
             if pcfg.name not in names:
                 report["ignored"].append(f"pool {pcfg.name} removed (restart to remove pools)")
         changed = _changed(current, new, ("pools", "source"))
