@@ -108,7 +108,7 @@ class FakeHost:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.wheel = TimerWheel(loop)
-        self.offload = None
+        self.offload: Any = None  # the relay thread (``Offload``) where a test plays it
         self.stats = Stats()
         self.live: list[Session] = []
         self.finished: list[Session] = []
@@ -515,3 +515,76 @@ async def test_rule6_resume_on_a_new_leg_reads_the_client_again() -> None:
     assert not failing_over(s) and reading(ct) and s.failovers == 1
     assert nwt.protocol is s
     assert ct.frames(masked=False)[-1] == (OP_TEXT, b'{"type":"token","turn":1,"i":0,"text":"a"}')
+
+
+class ThreadForwards:
+    """The relay thread as ``Session`` sees it (``state.offload``), for one session: what it
+    forwarded waits in ``record`` until ``take_record``."""
+
+    def __init__(self) -> None:
+        self.record = bytearray()
+
+    def take_record(self, handle: int) -> bytes:
+        out = bytes(self.record)
+        self.record.clear()
+        return out
+
+    def counts(self, handle: int) -> tuple[int, int]:
+        return 0, 0
+
+
+class AnswersAtOnce(FakeTransport):
+    """A worker leg whose worker answers each message before ``write`` returns, its answer
+    forwarded by the relay thread at once: the widest the race between the two threads gets."""
+
+    def __init__(self, thread: ThreadForwards, answer: list[bytes]) -> None:
+        super().__init__()
+        self.thread = thread
+        self.answer = answer
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        super().write(data)
+        for frame in self.answer:
+            self.thread.record += frame
+
+
+@pytest.mark.parametrize(
+    ("hello", "prompt", "answer"),
+    [
+        (
+            '{"type":"hello"}',
+            '{"type":"prompt","text":"hi"}',
+            ['{"type":"token","turn":1,"i":0,"text":"a"}'],
+        ),
+        (
+            '{"type":"session.created","session":{"model":"m"}}',
+            '{"type":"response.create"}',
+            [
+                '{"type":"response.created","response":{"id":"r1"}}',
+                '{"type":"response.output_item.added","item":{"id":"i1"}}',
+            ],
+        ),
+    ],
+    ids=["chat", "realtime"],
+)
+async def test_the_journal_has_the_client_message_before_the_threads_answer_to_it(
+    hello: str, prompt: str, answer: list[str]
+) -> None:
+    """Rule 7 with failover: the worker's answer to a client message, forwarded by the relay
+    thread while the event loop was still between writing that message and journalling it,
+    comes after it in the journal. (It came first once: the Realtime ``response.create`` then
+    stayed queued in the transcript, and the failover's target answered it with
+    ``conversation_already_has_active_response``.)"""
+    host = FakeHost(asyncio.get_running_loop())
+    thread = ThreadForwards()
+    host.offload = thread
+    s, _, _, _ = make(host, failover=True)
+    s.data_received(_text(hello))
+    s.wt = AnswersAtOnce(thread, [_text(obj) for obj in answer])
+    s.relay = 1  # the thread relays the worker's frames from here on
+    s.client_data(_text(prompt, mask=True))
+    s.flush_record()
+    assert s.journal is not None
+    t = s.journal.transcript("sid")
+    assert t["queued"] == []
+    assert t["turns"] == 1

@@ -415,16 +415,20 @@ class Session(asyncio.Protocol):
         cs = self.cs
         out = cs.feed(data)
         if out:
+            journal = self.journal
+            if journal is not None and self.relay is not None:
+                # The worker's bytes before this message come first in the journal: taken
+                # before the write, as the thread may forward the worker's answer to it (the
+                # worker's ``response.created``) before this thread gets to the next line.
+                self.flush_record()
             if not self.wt.is_closing():
                 self.wt.write(out)
             # Logged even when a lost worker leg did not take it: the replay log mirrors the
             # client's stream without a gap, and a failover hands these messages on.
             if self.clog is not None:
                 self._log_client(out)
-            if self.journal is not None:
-                if self.relay is not None:
-                    self.flush_record()  # the worker's bytes before this message come first
-                self.journal.client(out)
+            if journal is not None:
+                journal.client(out)
         if cs.notable:
             cs.notable = False
             self._client_event()
