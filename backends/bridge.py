@@ -93,29 +93,39 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-import socket
-import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
 import aiohttp
-from aiohttp import WSMsgType, web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backends.handoff import StateError, TranscriptAnswer, chat_messages
-from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send, restore_transcript
-from backends.wire import (
+from backends.handoff import ProtocolError, StateError, TranscriptAnswer, chat_messages
+from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.server import (
+    Connection,
+    RealtimeConnection,
+    Server,
+    active_sessions_metric,
+    add_listen_options,
+    add_log_level,
+    add_max_tokens_default,
+    add_session_ttl,
+    add_subprotocols,
+    announce,
+    check_listen_options,
+    connections_metric,
+    handoffs_metric,
+    inter_token_latency_metric,
+    json_error,
+    run_process,
+    serve_until_signal,
+    subprotocols,
+)
+from backends.wire import (  # all of them re-exported: both workers speak wire's constants
     ITL_BUCKETS,
     MAX_QUEUED_PROMPTS,
     MAX_SESSION_ID_LEN,
@@ -125,17 +135,25 @@ from backends.wire import (
     REALTIME_PATH,
     RESUME_HEADER,
     Histogram,
-    Outbox,
 )
 
 __all__ = [
     "FLAVORS",
+    "ITL_BUCKETS",
+    "MAX_QUEUED_PROMPTS",
+    "MAX_SESSION_ID_LEN",
+    "MAX_STATE_BYTES",
+    "METRICS_CONTENT_TYPE",
     "METRIC_NAMES",
+    "READY_PREFIX",
+    "REALTIME_PATH",
+    "RESUME_HEADER",
     "STATE_VERSION",
     "Bridge",
     "BridgeConfig",
     "EngineError",
     "EngineLost",
+    "Histogram",
     "build_parser",
     "config_from_args",
     "main",
@@ -206,7 +224,7 @@ class EngineLost(EngineError):
     """The engine was lost: its connection refused, reset or cut before the answer's end."""
 
 
-class PromptError(Exception):
+class PromptError(ProtocolError):
     """A client message the bridge cannot act on; reported as an ``error`` message."""
 
 
@@ -279,10 +297,6 @@ def _temperature(value: object) -> float | None:
 def parse_messages(messages: object, where: str = "messages") -> list[Msg]:
     """Chat messages as ``{"role", "content"}`` with string content (parts' texts joined)."""
     return chat_messages(messages, where, PromptError, quote=True)
-
-
-def _dumps(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def _count(value: object) -> int | None:
@@ -625,90 +639,34 @@ class _Thawed:
     since: float
 
 
-class _Connection:
-    """One chat-protocol WebSocket: reads client messages, answers prompts one at a time.
-
-    ``sent`` and ``received`` count data messages as the handoff API reports them. A frozen
-    connection sends nothing more and drops client messages unread, until the peer closes it. A
-    dropped one (its engine lost mid-answer, ``drop``) sends nothing more either; its transport
-    is aborted.
+class _Connection(Connection[Prompt]):
+    """One chat-protocol WebSocket in front of the engine (states: ``backends.server``). A
+    dropped one (its engine lost mid-answer, ``drop``) has its transport aborted.
     """
 
     protocol = "wslb-chat"
 
     def __init__(self, bridge: Bridge, ws: web.WebSocketResponse, session: _Session) -> None:
+        super().__init__(bridge, ws, session.sid)
         self.bridge = bridge
-        self.ws = ws
         self.session = session
-        self.queue: asyncio.Queue[Prompt] = asyncio.Queue(MAX_QUEUED_PROMPTS)
         self.current: Answer | None = None
         self.stop = asyncio.Event()
-        self.answers: asyncio.Task[None] | None = None
-        self.sent = 0
-        self.received = 0
-        self.frozen = False
-        self.attached = True
         self.resumed: Answer | None = None
         self.last_chunk: float | None = None
         self.transport: asyncio.Transport | None = None
         """The connection's TCP transport (aborted by ``drop``)."""
-        self.dropped = False
 
-    @property
-    def sid(self) -> str:
-        return self.session.sid
+    def read_prompt(self, obj: dict[str, Any]) -> Prompt:
+        cfg = self.bridge.config
+        return parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
 
-    async def send(self, obj: dict[str, Any]) -> None:
-        # Counted before the write, which aiohttp makes synchronously (no compression) before
-        # its first await: a freeze runs either before the frame is written or after.
-        if self.frozen:
-            raise ConnectionResetError("session frozen")
-        if self.dropped:
-            raise ConnectionResetError("connection dropped")
-        self.sent += 1
-        await self.ws.send_str(_dumps(obj))
+    def current_turn(self) -> int | None:
+        return None if self.current is None else self.current.turn
 
-    async def error(self, message: str) -> None:
-        with contextlib.suppress(ConnectionError):
-            await self.send({"type": "error", "error": message})
-
-    async def greet(self) -> None:
-        await self.send({"type": "hello", "worker": self.bridge.worker_id, "session": self.sid})
-
-    async def on_binary(self) -> None:
-        await self.error("binary messages are not supported; send JSON text")
-
-    async def on_text(self, data: str) -> None:
-        try:
-            obj = json.loads(data)
-        except ValueError as exc:
-            await self.error(f"invalid JSON: {exc}")
-            return
-        if not isinstance(obj, dict):
-            await self.error("a message must be a JSON object")
-            return
-        kind = obj.get("type")
-        if kind == "prompt":
-            cfg = self.bridge.config
-            try:
-                prompt = parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
-            except PromptError as exc:
-                await self.error(str(exc))
-                return
-            try:
-                self.queue.put_nowait(prompt)
-            except asyncio.QueueFull:
-                await self.error(f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})")
-        elif kind == "cancel":
-            self.cancel(obj.get("turn"))
-        else:
-            await self.error(f"unknown message type: {kind!r}")
-
-    def cancel(self, turn: object) -> None:
-        current = self.current
-        if current is None or (turn is not None and turn != current.turn):
-            return
-        current.cancelled = True
+    def interrupt(self) -> None:
+        if self.current is not None:
+            self.current.cancelled = True
         self.stop.set()
 
     def begin(self, prompt: Prompt) -> Answer:
@@ -787,39 +745,18 @@ class _Connection:
             self.session.messages = ans.rollback
 
     def freeze(self) -> dict[str, Any]:
-        self.frozen = True
-        self.attached = False
-        if self.answers is not None:
-            self.answers.cancel()
+        self.halt()
         return self.export()
 
-    def retire(self) -> None:
-        """Another connection of the session was frozen: stop this one and close it (1012)."""
-        self.frozen = True
-        self.attached = False
-        if self.answers is not None:
-            self.answers.cancel()
-        self.bridge.background(
-            asyncio.create_task(self.ws.close(code=1012, message=b"session moved"))
-        )
-
-    async def answer_loop(self) -> None:
-        """A thawed answer if any, then the queued prompts in order, until the end."""
-        try:
-            resumed, self.resumed = self.resumed, None
-            if resumed is not None:
-                await self.run(resumed)
-            while True:
-                prompt = await self.queue.get()
-                ans = self.begin(prompt)
-                self.current = ans
-                await self.run(ans)
-        except ConnectionError:
-            pass  # the client left; the reader notices and cleans up
-        except Exception:
-            log.exception("answer failed on session %s", self.sid)
-            with contextlib.suppress(Exception):
-                await self.ws.close(code=1011, message=b"internal error")
+    async def answer(self) -> None:
+        resumed, self.resumed = self.resumed, None
+        if resumed is not None:
+            await self.run(resumed)
+        while True:
+            prompt = await self.queue.get()
+            ans = self.begin(prompt)
+            self.current = ans
+            await self.run(ans)
 
     async def run(self, ans: Answer) -> None:
         """Stream the answer from the engine, then end it with done (or the failure); a lost
@@ -860,12 +797,10 @@ class _Connection:
         transport.abort()
 
 
-class _RealtimeConnection(_Connection):
-    """A connection speaking the OpenAI Realtime protocol (as the reference worker's).
-
-    A ``Respond`` is queued as a prompt of its messages at once (before any await, so a freeze
-    finds it); each chunk is a ``delta``, the end ``finish``. Server events go through
-    ``outbox``, written in order by whoever flushes; a freeze exports what is still in it.
+class _RealtimeConnection(RealtimeConnection[Prompt], _Connection):
+    """A connection speaking the OpenAI Realtime protocol (``backends.server``): a
+    ``Respond`` is queued as a prompt of its messages; each chunk is a ``delta``, the end
+    ``finish``.
     """
 
     protocol = "openai-realtime"
@@ -878,35 +813,14 @@ class _RealtimeConnection(_Connection):
         rt: RealtimeSession,
     ) -> None:
         super().__init__(bridge, ws, session)
-        self.rt = rt
-        self.outbox = Outbox(self.send)
+        self.open_realtime(rt)
 
-    async def greet(self) -> None:
-        await self.outbox.push(self.rt.opened())
-
-    async def error(self, message: str) -> None:
-        await self.outbox.push(self.rt.error(message))
-
-    async def on_binary(self) -> None:
-        await self.outbox.push(self.rt.binary())
-
-    async def on_text(self, data: str) -> None:
-        for out in self.rt.receive(data):
-            if isinstance(out, Send):
-                self.outbox.append(out)
-            elif isinstance(out, Respond):
-                prompt = Prompt(
-                    out.max_tokens,
-                    messages=tuple(dict(m) for m in out.messages),
-                    temperature=self.bridge.config.temperature,
-                )
-                try:
-                    self.queue.put_nowait(prompt)
-                except asyncio.QueueFull:  # one response at a time: the protocol forbids more
-                    self.outbox.extend(self.rt.finish("incomplete"))
-            elif isinstance(out, Cancel):
-                self.cancel(None)
-        await self.outbox.flush(quiet=True)
+    def respond(self, out: Respond) -> Prompt:
+        return Prompt(
+            out.max_tokens,
+            messages=tuple(dict(m) for m in out.messages),
+            temperature=self.bridge.config.temperature,
+        )
 
     def begin(self, prompt: Prompt) -> Answer:
         s = self.session
@@ -956,14 +870,11 @@ class _RealtimeConnection(_Connection):
         state["queued"] = []
         if state["answer"] is None:
             state["messages"] = self.rt.messages()
-        state["realtime"] = self.rt.snapshot(unsent=self.outbox)
-        self.outbox.clear()
-        return state
+        return self.realtime_state(state)
 
     def abandon(self) -> None:
         self.current = None
-        if self.rt.response_id is not None:
-            self.rt.finish()  # the answer died with the connection; the next one starts fresh
+        super().abandon()
 
 
 class _BridgeCollector(Collector):
@@ -974,11 +885,7 @@ class _BridgeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         b = self.bridge
-        yield GaugeMetricFamily(
-            "wslb_worker_active_sessions",
-            "Sessions with at least one open WebSocket connection",
-            value=sum(1 for s in b.sessions.values() if s.connections > 0),
-        )
+        yield active_sessions_metric(sum(1 for s in b.sessions.values() if s.connections > 0))
         yield GaugeMetricFamily(
             "wslb_worker_sessions",
             "Sessions held (open, or closed within --session-ttl, or thawed)",
@@ -988,59 +895,41 @@ class _BridgeCollector(Collector):
         yield GaugeMetricFamily(
             "wslb_worker_queue_depth",
             "Prompts waiting behind another answer on their connection",
-            value=sum(c.queue.qsize() for c in b.connections),
+            value=b.queued_prompts(),
         )
         yield GaugeMetricFamily(
             "wslb_worker_engine_up",
             "1 while the engine's health route answers 200",
             value=1.0 if b.engine.up else 0.0,
         )
-        yield CounterMetricFamily(
-            "wslb_worker_connections", "WebSocket connections accepted", value=b.connections_total
-        )
-        handoffs = CounterMetricFamily(
-            "wslb_worker_handoffs",
-            "Sessions frozen here (moved away) and thawed here (moved in)",
-            labels=["direction"],
-        )
-        for direction, count in b.handoffs.items():
-            handoffs.add_metric([direction], count)
-        yield handoffs
+        yield connections_metric(b)
+        yield handoffs_metric(b)
         yield CounterMetricFamily(
             "wslb_worker_engine_errors", "Answers the engine failed", value=b.engine_errors
         )
-        yield HistogramMetricFamily(
-            "wslb_worker_inter_token_latency_seconds",
-            "Time between a stream's successive chunks",
-            buckets=b.itl.cumulative(),
-            sum_value=b.itl.sum,
-        )
+        yield inter_token_latency_metric(b, "Time between a stream's successive chunks")
 
 
-class Bridge:
-    """The bridge's HTTP/WebSocket server in front of one engine."""
+_State: TypeAlias = tuple[_Session, _Thawed]
+"""A thaw's state, read: the session to hold and its pending answer and queue."""
+_Claim: TypeAlias = tuple[_Session, _Thawed | None]
+"""An upgrade's session and, for a resume, its thawed answer and queue."""
+
+
+class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
+    """The bridge's HTTP/WebSocket server (``backends.server``) in front of one engine."""
+
+    id_prefix = "bridge"
+    logger = log
 
     def __init__(self, config: BridgeConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.engine = _Engine(config)
-        self.worker_id = config.worker_id or f"bridge-{config.port}"
-        self.port = config.port
         self.sessions: dict[str, _Session] = {}
-        self.connections: set[_Connection] = set()
-        self._by_session: dict[str, list[_Connection]] = {}
         self._thawed: dict[str, _Thawed] = {}
         self.streams = 0
-        self.connections_total = 0
         self.engine_errors = 0
-        self.handoffs = {"freeze": 0, "thaw": 0}
-        self.itl = Histogram(ITL_BUCKETS)
-        self.draining = False
-        self.registry = CollectorRegistry()
         self.registry.register(_BridgeCollector(self))
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._runner: web.AppRunner | None = None
         self._http: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self._wake_poller = asyncio.Event()
@@ -1050,43 +939,12 @@ class Bridge:
         assert self._http is not None, "Bridge.start() first"
         return self._http
 
-    def background(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_STATE_BYTES)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_post("/wslb/sessions/{sid}/freeze", self._freeze)
-        app.router.add_post("/wslb/sessions/{sid}/thaw", self._thaw)
-        app.router.add_get("/{tail:.*}", self._websocket)
-        return app
-
-    async def start(self) -> None:
-        """Bind and listen (``self.port`` is the bound port), and start polling the engine."""
-        cfg = self.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((cfg.host, cfg.port))
-            sock.listen(1024)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self.port = sock.getsockname()[1]
-        if cfg.worker_id is None:
-            self.worker_id = f"bridge-{self.port}"
+    async def _starting(self) -> None:
+        """Start the engine client and poll the engine (its first probe answered)."""
         # No pool limit: each stream holds a connection for its whole answer.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.engine.check(self.http)
         self._poller = asyncio.create_task(self._poll())
-        runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=2.0)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        self._runner = runner
 
     async def _poll(self) -> None:
         while True:
@@ -1109,45 +967,16 @@ class Bridge:
             del self.sessions[sid]
             self._thawed.pop(sid, None)
 
-    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
-        """Health 503; wait until no WebSocket is open, at most ``grace`` s (see worker)."""
-        self.draining = True
-        waits = [asyncio.ensure_future(self._idle.wait())]
-        if hurry is not None:
-            waits.append(asyncio.ensure_future(hurry.wait()))
-        try:
-            await asyncio.wait(waits, timeout=max(0.0, grace), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        return self._idle.is_set()
-
-    async def close(self, timeout: float | None = None) -> None:
-        """Stop: close every WebSocket with 1001, stop the server and the engine client."""
-        self.draining = True
-        limit = self.config.close_timeout if timeout is None else timeout
-        if self.connections:
-            await asyncio.gather(
-                *(self._close_ws(c.ws, limit) for c in list(self.connections)),
-                return_exceptions=True,
-            )
+    async def _closing(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+
+    async def _closed(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None
-
-    @staticmethod
-    async def _close_ws(ws: web.WebSocketResponse, limit: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-            await asyncio.wait_for(
-                ws.close(code=1001, message=b"worker shutting down"), timeout=limit
-            )
 
     # -- the engine -------------------------------------------------------------------------
 
@@ -1280,75 +1109,34 @@ class Bridge:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    async def _healthz(self, request: web.Request) -> web.Response:
-        if self.draining:
-            return web.json_response({"status": "draining"}, status=503)
+    def _health(self) -> web.Response:
         engine = self.engine
         if not engine.up:
             return web.json_response({"status": "engine down", "error": engine.why}, status=503)
         return web.json_response({"status": "ok", "flavor": engine.flavor, "model": engine.model})
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.registry), headers={"Content-Type": METRICS_CONTENT_TYPE}
-        )
-
     # -- handoff ----------------------------------------------------------------------------
 
-    async def _freeze(self, request: web.Request) -> web.Response:
-        # No await before the export: the freeze is one step of the event loop.
-        if not self.config.handoff:
-            return _error(404, "this worker has no handoff API")
-        sid = request.match_info["sid"]
-        conns = self._by_session.get(sid, [])
-        live = [c for c in conns if not c.frozen and not c.dropped]
-        if not live:
-            if any(c.frozen for c in conns):
-                return _error(409, f"session {sid!r} is already frozen")
-            return _error(404, f"no open connection for session {sid!r}")
-        conn = live[-1]
-        state = conn.freeze()
-        for other in live[:-1]:
-            other.retire()
+    def _moved_away(self, sid: str) -> None:
         self._thawed.pop(sid, None)
         self.sessions.pop(sid, None)  # the conversation lives on where it is thawed
-        self.handoffs["freeze"] += 1
-        log.info("froze session %s: sent=%d received=%d", sid, conn.sent, conn.received)
-        return web.json_response({"state": state, "sent": conn.sent, "received": conn.received})
 
-    async def _thaw(self, request: web.Request) -> web.Response:
-        if not self.config.handoff:
-            return _error(404, "this worker has no handoff API")
-        if self.draining:
-            return _error(503, "worker shutting down")
+    def _unavailable(self) -> str | None:
         if not self.engine.up and self.config.engine_lost == "drop":
             # It would be dropped at its first answer: let the balancer try the next worker.
-            return _error(503, f"engine down: {self.engine.why}")
-        sid = request.match_info["sid"]
-        if len(sid) > MAX_SESSION_ID_LEN:
-            return _error(400, "session id too long")
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return _error(400, f"invalid JSON: {exc}")
-        if not isinstance(body, dict) or "state" not in body:
-            return _error(400, "expected an object with 'state'")
-        try:
-            session, thawed = self._parse_state(body["state"], sid)
-        except StateError as exc:
-            return _error(400, str(exc))
-        if self._by_session.get(sid):
-            return _error(409, f"session {sid!r} has an open connection here")
+            return f"engine down: {self.engine.why}"
+        return None
+
+    def _install(self, sid: str, state: _State) -> None:
+        session, thawed = state
         now = time.monotonic()
         session.idle_since = now
         thawed.since = now
         self.sessions[sid] = session
         self._thawed[sid] = thawed
-        self.handoffs["thaw"] += 1
         log.info("thawed session %s (%s)", sid, thawed.protocol)
-        return web.json_response({"ok": True})
 
-    def _parse_state(self, value: object, sid: str) -> tuple[_Session, _Thawed]:
+    def _read_state(self, value: object, sid: str) -> _State:
         """Validate a handoff state (the transcript form, or this bridge's superset of it)."""
         cfg = self.config
         if not isinstance(value, dict):
@@ -1418,112 +1206,49 @@ class Bridge:
 
     # -- WebSocket --------------------------------------------------------------------------
 
-    async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        if self.draining:
-            return web.json_response({"error": "worker shutting down"}, status=503)
-        named = (
-            request.headers.get("X-Session-Id", "").strip()
-            or request.query.get("session", "").strip()
-        )
-        resume = request.headers.get(RESUME_HEADER)
-        if resume is not None:
-            sid = resume.strip()
-            if named and named != sid:
-                return _error(400, f"{RESUME_HEADER} and X-Session-Id name different sessions")
-        else:
-            sid = named or uuid.uuid4().hex
-        if not sid or len(sid) > MAX_SESSION_ID_LEN:
-            return _error(400, "session id empty or too long")
-        ws = web.WebSocketResponse(
-            protocols=self.config.subprotocols, compress=False, timeout=self.config.close_timeout
-        )
-        if not ws.can_prepare(request).ok:
-            return web.json_response(
-                {"error": "expected a WebSocket upgrade"},
-                status=426,
-                headers={"Upgrade": "websocket", "Connection": "Upgrade"},
-            )
+    def _claim(self, sid: str, resume: bool) -> _Claim | web.Response:
         self._expire(time.monotonic())
         thawed = self._thawed.pop(sid, None)
-        if resume is not None and thawed is None:
-            return _error(409, f"session {sid!r} was not thawed here")
+        if resume and thawed is None:
+            return json_error(409, f"session {sid!r} was not thawed here")
         session = self.sessions.get(sid)
         if session is None:
             session = self.sessions[sid] = _Session(sid)
-        if thawed is not None and resume is None:
+        if thawed is not None and not resume:
             _drop_thawed(session, thawed)  # a plain connection: the pending answer is dropped
             thawed = None
-        ws.headers["X-Session-Id"] = sid
-        await ws.prepare(request)
-        transport = request.transport
-        self.connections_total += 1
+        return session, thawed
+
+    def _new_connection(
+        self, request: web.Request, ws: web.WebSocketResponse, sid: str, claim: _Claim
+    ) -> _Connection:
+        session, _ = claim
         conn: _Connection
         if request.path == REALTIME_PATH:
             if session.realtime is None:
-                cfg = self.config
-                session.realtime = RealtimeSession(
-                    sid,
-                    model=request.query.get("model") or None,
-                    default_max_tokens=cfg.max_tokens_default,
-                    max_tokens_limit=cfg.max_tokens_limit,
-                )
+                session.realtime = self._new_realtime(request, sid)
             conn = _RealtimeConnection(self, ws, session, session.realtime)
         else:
             conn = _Connection(self, ws, session)
-        conn.transport = transport
-        self.connections.add(conn)
-        self._idle.clear()
-        self._by_session.setdefault(sid, []).append(conn)
-        session.connections += 1
-        if thawed is not None:
-            conn.resumed = thawed.answer
-            for prompt in thawed.queued:
-                conn.queue.put_nowait(prompt)
-        try:
-            conn.answers = asyncio.create_task(conn.answer_loop())
-            if resume is None:
-                await conn.greet()
-            elif isinstance(conn, _RealtimeConnection):
-                await conn.outbox.push(conn.rt.resumed())
-                for event in thawed.events if thawed is not None else ():
-                    await conn.on_text(_dumps(event))
-            async for msg in ws:
-                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    break
-                if conn.frozen:
-                    continue  # the balancer replays it to the session's new worker
-                conn.received += 1
-                if msg.type == WSMsgType.TEXT:
-                    await conn.on_text(msg.data)
-                else:
-                    await conn.on_binary()
-        except ConnectionError:
-            pass
-        finally:
-            if conn.answers is not None:
-                conn.answers.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.answers
-            if conn.attached:
-                conn.abandon()
-            self._forget(conn)
-        return ws
+        conn.transport = request.transport
+        return conn
 
-    def _forget(self, conn: _Connection) -> None:
-        self.connections.discard(conn)
-        siblings = self._by_session.get(conn.sid)
-        if siblings is not None:
-            with contextlib.suppress(ValueError):
-                siblings.remove(conn)
-            if not siblings:
-                del self._by_session[conn.sid]
-        if conn.attached:
-            session = conn.session
-            session.connections -= 1
-            if session.connections == 0:
-                session.idle_since = time.monotonic()
-        if not self.connections:
-            self._idle.set()
+    def _attach(self, conn: _Connection, claim: _Claim, resume: bool) -> Sequence[dict[str, Any]]:
+        conn.session.connections += 1
+        _, thawed = claim
+        if thawed is None:
+            return ()
+        conn.resumed = thawed.answer
+        for prompt in thawed.queued:
+            conn.queue.put_nowait(prompt)
+        return thawed.events
+
+    def _detach(self, conn: _Connection) -> None:
+        conn.abandon()
+        session = conn.session
+        session.connections -= 1
+        if session.connections == 0:
+            session.idle_since = time.monotonic()
 
 
 def _drop_thawed(session: _Session, thawed: _Thawed) -> None:
@@ -1599,10 +1324,6 @@ def _parse_answer(value: object, messages: list[Msg], limit: int, default_max: i
     return ans
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wslb-worker --engine openai",
@@ -1625,21 +1346,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sent as 'Authorization: Bearer KEY' to the engine (default: none)",
     )
-    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    add("--port", type=int, default=9001, help="port; 0 picks a free one (default: %(default)s)")
-    add("--id", dest="worker_id", default=None, help="worker id (default: bridge-PORT)")
-    add(
-        "--session-ttl",
-        type=float,
-        default=300.0,
-        help="seconds a session is kept after its last connection closes (default: %(default)s)",
-    )
-    add(
-        "--max-tokens-default",
-        type=int,
-        default=64,
-        help="max_tokens of a prompt that gives none (default: %(default)s)",
-    )
+    add_listen_options(parser, "bridge")
+    add_session_ttl(parser)
+    add_max_tokens_default(parser)
     add(
         "--temperature",
         type=float,
@@ -1647,7 +1356,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="temperature of a prompt that gives none, and of Realtime responses "
         "(default: the engine's)",
     )
-    add("--subprotocols", default="", help="comma-separated subprotocols to accept (default: none)")
+    add_subprotocols(parser)
     add("--no-handoff", action="store_true", help="no handoff API (no live migration)")
     add(
         "--health-interval",
@@ -1677,7 +1386,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds after SIGTERM that live sessions are still served (default: %(default)s)",
     )
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_level(parser)
     return parser
 
 
@@ -1687,10 +1396,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
     args = parser.parse_args(argv)
     if not args.engine_url.startswith(("http://", "https://")):
         parser.error("--engine-url must be an http:// or https:// URL")
-    if not 0 <= args.port <= 65535:
-        parser.error("--port must be in 0..65535")
-    if args.max_tokens_default < 0:
-        parser.error("--max-tokens-default must be >= 0")
+    check_listen_options(parser, args)
     if args.temperature is not None and not 0 <= args.temperature <= MAX_TEMPERATURE:
         parser.error(f"--temperature must be in 0..{MAX_TEMPERATURE:g}")
     for name in ("session_ttl", "drain_grace"):
@@ -1707,7 +1413,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
         model=args.model,
         flavor=args.engine_flavor,
         api_key=args.engine_api_key,
-        subprotocols=tuple(p.strip() for p in args.subprotocols.split(",") if p.strip()),
+        subprotocols=subprotocols(args),
         handoff=not args.no_handoff,
         max_tokens_default=args.max_tokens_default,
         temperature=args.temperature,
@@ -1732,53 +1438,13 @@ async def serve(config: BridgeConfig, ready: Callable[[Bridge], None] | None = N
         bridge.engine.url,
         "up" if bridge.engine.up else f"down: {bridge.engine.why}",
     )
-    if ready is not None:
-        ready(bridge)
-    stop = asyncio.Event()
-    hurry = asyncio.Event()
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, on_signal)
-    try:
-        await stop.wait()
-        await bridge.drain(config.drain_grace, hurry)
-    finally:
-        await bridge.close(timeout=0.1 if hurry.is_set() else None)
-
-
-def _announce(bridge: Bridge) -> None:
-    host = bridge.config.host
-    shown = f"[{host}]" if ":" in host else host
-    print(
-        f"{READY_PREFIX} id={bridge.worker_id} port={bridge.port} url=ws://{shown}:{bridge.port}/ws",
-        flush=True,
-    )
+    await serve_until_signal(bridge, ready)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``wslb-worker --engine openai ...`` (``backends.worker.main`` dispatches here)."""
     config, level = config_from_args(argv)
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(config, ready=_announce))
-    except OSError as exc:
-        print(f"wslb-worker: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run_process(lambda: serve(config, ready=announce), level)
 
 
 if __name__ == "__main__":

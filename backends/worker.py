@@ -70,37 +70,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
-import signal
-import socket
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeAlias, cast
 
-from aiohttp import WSMsgType, web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from backends.gpu import NvmlGpu, open_gpu
-from backends.handoff import (
-    ProtocolError,
-    StateError,
-    Transcript,
-    parse_prompt,
-    read_state,
-    snapshot_to_json,
-)
+from backends.handoff import Transcript, parse_prompt, read_state, snapshot_to_json
 from backends.model import (
     Model,
     ModelConfig,
@@ -112,8 +94,28 @@ from backends.model import (
     Turn,
     TurnResult,
 )
-from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send, restore_transcript
-from backends.wire import (
+from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.server import (
+    Connection,
+    RealtimeConnection,
+    Server,
+    active_sessions_metric,
+    add_listen_options,
+    add_log_level,
+    add_max_tokens_default,
+    add_session_ttl,
+    add_subprotocols,
+    announce,
+    check_listen_options,
+    connections_metric,
+    handoffs_metric,
+    inter_token_latency_metric,
+    json_error,
+    run_process,
+    serve_until_signal,
+    subprotocols,
+)
+from backends.wire import (  # all of them re-exported: both workers speak wire's constants
     ITL_BUCKETS,
     MAX_QUEUED_PROMPTS,
     MAX_SESSION_ID_LEN,
@@ -123,14 +125,19 @@ from backends.wire import (
     REALTIME_PATH,
     RESUME_HEADER,
     Histogram,
-    Outbox,
 )
 
 __all__ = [
+    "ITL_BUCKETS",
     "MAX_QUEUED_PROMPTS",
+    "MAX_SESSION_ID_LEN",
+    "MAX_STATE_BYTES",
+    "METRICS_CONTENT_TYPE",
     "METRIC_NAMES",
     "READY_PREFIX",
+    "REALTIME_PATH",
     "RESUME_HEADER",
+    "Histogram",
     "Worker",
     "WorkerConfig",
     "build_parser",
@@ -180,10 +187,6 @@ class WorkerConfig:
     """Seconds after SIGTERM that live sessions keep being served (to be migrated away)."""
 
 
-def _dumps(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 class _Waker:
     """An interruptible sleep, so a cancel ends a long prefill or a slow token at once."""
 
@@ -213,50 +216,25 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class _Connection:
-    """One WebSocket connection: reads client messages, answers prompts one at a time.
+QueuedItem: TypeAlias = tuple[Prompt, int]
+"""A prompt waiting behind another answer, with its ``max_tokens``."""
 
-    ``sent`` and ``received`` count data messages as the handoff API reports them. A frozen
-    connection sends nothing more and drops client messages unread; it stays open until the
-    peer closes it. ``attached`` is False once the model no longer counts this connection
-    (after a freeze), so closing it cannot touch a session that lives on elsewhere.
+
+class _Connection(Connection[QueuedItem]):
+    """One chat-protocol WebSocket on the simulated model (states: ``backends.server``).
+
+    ``attached`` is False once the model no longer counts this connection (after a freeze).
     """
 
     def __init__(self, worker: Worker, ws: web.WebSocketResponse, session: str) -> None:
+        super().__init__(worker, ws, session)
         self.worker = worker
-        self.ws = ws
-        self.session = session
         self.turn_words = 0  # prompt tokens of the current turn (Realtime usage)
-        self.queue: asyncio.Queue[tuple[Prompt, int]] = asyncio.Queue(MAX_QUEUED_PROMPTS)
         self.current: Turn | None = None
         self.cancelled = False
         self.waker = _Waker()
-        self.answers: asyncio.Task[None] | None = None
-        self.sent = 0
-        self.received = 0
-        self.frozen = False
-        self.attached = True
         self.resumed: Turn | None = None  # a thawed answer, finished before the queue
         self.resume_delay = 0.0  # KV transfer time before the first turn, if none was thawed
-
-    async def send(self, obj: dict[str, Any]) -> None:
-        # Counted before the write, which aiohttp does synchronously (no compression) before
-        # any await: a freeze can only run before the frame is written or after it was.
-        if self.frozen:
-            raise ConnectionResetError("session frozen")
-        self.sent += 1
-        await self.ws.send_str(_dumps(obj))
-
-    async def error(self, message: str) -> None:
-        with contextlib.suppress(ConnectionError):
-            await self.send({"type": "error", "error": message})
-
-    async def greet(self) -> None:
-        """The first message of a new (not resumed) connection."""
-        await self.send({"type": "hello", "worker": self.worker.worker_id, "session": self.session})
-
-    async def on_binary(self) -> None:
-        await self.error("binary messages are not supported; send JSON text")
 
     async def emit_token(self, token: Token) -> None:
         await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
@@ -277,95 +255,48 @@ class _Connection:
         """The handoff state of a frozen connection's session."""
         return snapshot_to_json(snapshot)
 
-    def abandon(self) -> None:
-        """The connection ended without a freeze (the session stays for a reconnect)."""
-
-    async def on_text(self, data: str) -> None:
-        try:
-            obj = json.loads(data)
-        except ValueError as exc:
-            await self.error(f"invalid JSON: {exc}")
-            return
-        if not isinstance(obj, dict):
-            await self.error("a message must be a JSON object")
-            return
-        kind = obj.get("type")
-        if kind == "prompt":
-            cfg = self.worker.config
-            try:
-                request = parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
-            except ProtocolError as exc:
-                await self.error(str(exc))
-                return
-            try:
-                self.queue.put_nowait(request)
-            except asyncio.QueueFull:
-                await self.error(f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})")
-                return
-        elif kind == "cancel":
-            self.cancel(obj.get("turn"))
-        else:
-            await self.error(f"unknown message type: {kind!r}")
+    def read_prompt(self, obj: dict[str, Any]) -> QueuedItem:
+        cfg = self.worker.config
+        return parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
 
     def stopped(self) -> bool:
         """True once the current answer was cancelled (a call, so mypy does not narrow it)."""
         return self.cancelled or self.frozen
 
-    def cancel(self, turn: object) -> None:
-        current = self.current
-        if current is None or (turn is not None and turn != current.turn):
-            return
+    def current_turn(self) -> int | None:
+        return None if self.current is None else self.current.turn
+
+    def interrupt(self) -> None:
         self.cancelled = True
         self.waker.interrupt()
 
-    def freeze(self) -> SessionSnapshot:
+    def freeze(self) -> dict[str, Any]:
         """Stop at a message boundary and export the session (see the module docstring).
 
         Synchronous, so no message can be sent or acted on between the decision and the
         snapshot: the answer task is suspended at an await, where cancelling it stops it.
         """
-        self.frozen = True
-        self.attached = False
-        if self.answers is not None:
-            self.answers.cancel()
+        self.halt()
         queued: list[QueuedPrompt] = []
         while not self.queue.empty():
             prompt, max_tokens = self.queue.get_nowait()
             queued.append(QueuedPrompt(prompt, max_tokens))
         turn, self.current = self.current, None
-        return self.worker.model.freeze(self.session, turn, queued, self.cancelled)
+        return self.export(self.worker.model.freeze(self.sid, turn, queued, self.cancelled))
 
-    def retire(self) -> None:
-        """Another connection of the session was frozen: stop this one and close it (1012)."""
-        self.frozen = True
-        self.attached = False
-        if self.answers is not None:
-            self.answers.cancel()
-        task = asyncio.create_task(self.ws.close(code=1012, message=b"session moved"))
-        self.worker.background(task)
-
-    async def answer_loop(self) -> None:
-        """Answer a thawed answer if any, then queued prompts in order, until the end."""
-        try:
-            resumed, self.resumed = self.resumed, None
-            if resumed is not None:
-                await self.run_turn(resumed, resumed=True)
-            elif self.resume_delay > 0:
-                await self.waker.sleep(self.resume_delay)
-            model = self.worker.model
-            while True:
-                prompt, max_tokens = await self.queue.get()
-                self.turn_words = len(prompt.words)
-                turn = model.start_turn(self.session, prompt, max_tokens, time.monotonic())
-                self.current, self.cancelled = turn, False
-                await self.run_turn(turn)
-        except ConnectionError:
-            pass  # the client left; the reader notices and cleans up
-        except Exception:
-            # A bug must not leave a connection that silently never answers again.
-            log.exception("answer failed on session %s", self.session)
-            with contextlib.suppress(Exception):
-                await self.ws.close(code=1011, message=b"internal error")
+    async def answer(self) -> None:
+        resumed, self.resumed = self.resumed, None
+        if resumed is not None:
+            await self.run_turn(resumed, resumed=True)
+        elif self.resume_delay > 0:
+            await self.waker.sleep(self.resume_delay)
+        model = self.worker.model
+        while True:
+            prompt, max_tokens = await self.queue.get()
+            self.turn_words = len(prompt.words)
+            turn = model.start_turn(self.sid, prompt, max_tokens, time.monotonic())
+            self.current, self.cancelled = turn, False
+            await self.run_turn(turn)
 
     async def run_turn(self, turn: Turn, resumed: bool = False) -> None:
         """Wait out the prefill, stream the tokens at the simulated rate, then send ``done``.
@@ -428,46 +359,20 @@ class _Connection:
             await self.emit_token(token)
 
 
-class _RealtimeConnection(_Connection):
-    """A connection speaking the OpenAI Realtime protocol (``backends.protocol.realtime``).
-
-    The protocol session (``rt``) turns client events into server events and actions; this
-    shell runs the actions on the same turn machinery as the chat protocol: a ``Respond`` is
-    queued as a ``messages`` prompt at once (before any await, so a freeze finds it in the
-    queue), each token becomes a ``response.output_text.delta``, the end ``finish``. Server
-    events go through ``outbox``, written in order by whoever flushes; a freeze exports what is
-    still in it with the session, and the new worker writes it first.
+class _RealtimeConnection(RealtimeConnection[QueuedItem], _Connection):
+    """A connection speaking the OpenAI Realtime protocol (``backends.server``), on the same
+    turn machinery as the chat protocol: a ``Respond`` is queued as a ``messages`` prompt, each
+    token becomes a ``response.output_text.delta``, the end ``finish``.
     """
 
     def __init__(
         self, worker: Worker, ws: web.WebSocketResponse, session: str, rt: RealtimeSession
     ) -> None:
         super().__init__(worker, ws, session)
-        self.rt = rt
-        self.outbox = Outbox(self.send)
+        self.open_realtime(rt)
 
-    async def greet(self) -> None:
-        await self.outbox.push(self.rt.opened())
-
-    async def error(self, message: str) -> None:
-        await self.outbox.push(self.rt.error(message))
-
-    async def on_binary(self) -> None:
-        await self.outbox.push(self.rt.binary())
-
-    async def on_text(self, data: str) -> None:
-        for out in self.rt.receive(data):
-            if isinstance(out, Send):
-                self.outbox.append(out)
-            elif isinstance(out, Respond):
-                contents = [m["content"] for m in out.messages]
-                try:
-                    self.queue.put_nowait((Prompt.from_messages(contents), out.max_tokens))
-                except asyncio.QueueFull:  # one response at a time: the protocol forbids more
-                    self.outbox.extend(self.rt.finish("incomplete"))
-            elif isinstance(out, Cancel):
-                self.cancel(None)
-        await self.outbox.flush(quiet=True)
+    def respond(self, out: Respond) -> QueuedItem:
+        return Prompt.from_messages([m["content"] for m in out.messages]), out.max_tokens
 
     async def emit_token(self, token: Token) -> None:
         # Words joined by spaces: the next turn's messages() split into the same tokens, so the
@@ -486,14 +391,7 @@ class _RealtimeConnection(_Connection):
         await self.outbox.flush()
 
     def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
-        state = snapshot_to_json(snapshot)
-        state["realtime"] = self.rt.snapshot(unsent=self.outbox)
-        self.outbox.clear()
-        return state
-
-    def abandon(self) -> None:
-        if self.rt.response_id is not None:
-            self.rt.finish()  # the answer died with the connection; the next one starts fresh
+        return self.realtime_state(snapshot_to_json(snapshot))
 
 
 class _WorkerCollector(Collector):
@@ -515,11 +413,7 @@ class _WorkerCollector(Collector):
             "Share of the KV cache token capacity in use, 0..1",
             value=stats.kv_cache_usage,
         )
-        yield GaugeMetricFamily(
-            "wslb_worker_active_sessions",
-            "Sessions with at least one open WebSocket connection",
-            value=stats.active_sessions,
-        )
+        yield active_sessions_metric(stats.active_sessions)
         yield GaugeMetricFamily(
             "wslb_worker_queue_depth",
             "Answers waiting: in prefill, decoding beyond max_batch, or queued behind another",
@@ -535,30 +429,15 @@ class _WorkerCollector(Collector):
             "Context tokens prefilled (not found in the KV cache)",
             value=stats.prefill_tokens_total,
         )
-        yield CounterMetricFamily(
-            "wslb_worker_connections",
-            "WebSocket connections accepted",
-            value=worker.connections_total,
-        )
-        handoffs = CounterMetricFamily(
-            "wslb_worker_handoffs",
-            "Sessions frozen here (moved away) and thawed here (moved in)",
-            labels=["direction"],
-        )
-        for direction, count in worker.handoffs.items():
-            handoffs.add_metric([direction], count)
-        yield handoffs
+        yield connections_metric(worker)
+        yield handoffs_metric(worker)
         yield CounterMetricFamily(
             "wslb_worker_kv_transfer_tokens",
             "KV cache tokens copied in from another worker by a thaw",
             value=stats.kv_transfer_tokens_total,
         )
-        itl = worker.itl
-        yield HistogramMetricFamily(
-            "wslb_worker_inter_token_latency_seconds",
-            "Time between a stream's successive tokens (vLLM: inter-token latency, TPOT)",
-            buckets=itl.cumulative(),
-            sum_value=itl.sum,
+        yield inter_token_latency_metric(
+            worker, "Time between a stream's successive tokens (vLLM: inter-token latency, TPOT)"
         )
 
 
@@ -573,31 +452,24 @@ class _Thawed:
     """Realtime client events of a transcript's ``queued``, acted on after the resume."""
 
 
-class Worker:
-    """The worker's HTTP/WebSocket shell around one ``Model``."""
+_State: TypeAlias = tuple[SessionSnapshot, RealtimeSession | None, tuple[dict[str, Any], ...]]
+"""A thaw's state, read: the model's snapshot, its Realtime session, a transcript's events."""
+
+
+class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
+    """The worker's HTTP/WebSocket shell (``backends.server``) around one ``Model``."""
+
+    id_prefix = "worker"
+    logger = log
 
     def __init__(self, config: WorkerConfig, gpu: NvmlGpu | None = None) -> None:
-        self.config = config
         self.model = Model(config.model)
         self.gpu = gpu
-        self.worker_id = config.worker_id or f"worker-{config.port}"
-        self.connections_total = 0
-        self.handoffs = {"freeze": 0, "thaw": 0}
-        self.itl = Histogram(ITL_BUCKETS)
-        self.draining = False
-        self.port = config.port
-        self.registry = CollectorRegistry()
+        super().__init__(config)
         self.registry.register(_WorkerCollector(self))
-        self._connections: set[_Connection] = set()
-        # Per session, its open connections, oldest first: a freeze takes the newest live one.
-        self._by_session: dict[str, list[_Connection]] = {}
         self._thawed: dict[str, _Thawed] = {}
         # Realtime protocol sessions by session id, kept like the model's (--session-ttl).
         self._realtime: dict[str, RealtimeSession] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._runner: web.AppRunner | None = None
 
     def gpu_utilization(self, stats: ModelStats) -> float:
         """NVML's reading when there is one, else the simulated one; at least the background."""
@@ -607,156 +479,42 @@ class Worker:
                 return max(real, self.config.model.background_util)
         return stats.gpu_utilization
 
-    def queued_prompts(self) -> int:
-        """Prompts waiting behind another answer on their connection."""
-        return sum(conn.queue.qsize() for conn in self._connections)
+    async def drain_after_signal(self, hurry: asyncio.Event) -> None:
+        log.info(
+            "worker %s draining (up to %gs, a second signal exits at once)",
+            self.worker_id,
+            self.config.drain_grace,
+        )
+        await super().drain_after_signal(hurry)
+        log.info("worker %s shutting down", self.worker_id)
 
-    def background(self, task: asyncio.Task[Any]) -> None:
-        """Keep a reference to a fire-and-forget task until it ends (asyncio holds weak ones)."""
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_STATE_BYTES)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_post("/wslb/sessions/{sid}/freeze", self._freeze)
-        app.router.add_post("/wslb/sessions/{sid}/thaw", self._thaw)
-        app.router.add_get("/{tail:.*}", self._websocket)
-        return app
-
-    async def start(self) -> None:
-        """Bind and listen; ``self.port`` is the bound port afterwards (for ``--port 0``)."""
-        cfg = self.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((cfg.host, cfg.port))
-            sock.listen(1024)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self.port = sock.getsockname()[1]
-        if cfg.worker_id is None:
-            self.worker_id = f"worker-{self.port}"
-        runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=2.0)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        self._runner = runner
-
-    async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
-        """Turn health 503 and wait until no WebSocket is open, at most ``grace`` seconds.
-
-        Live sessions go on being served meanwhile, so a balancer that sees the 503 can
-        migrate them away (or let them finish). ``hurry`` being set ends the wait early.
-        Returns True if every connection was gone.
-        """
-        self.draining = True
-        waits = [asyncio.ensure_future(self._idle.wait())]
-        if hurry is not None:
-            waits.append(asyncio.ensure_future(hurry.wait()))
-        try:
-            await asyncio.wait(waits, timeout=max(0.0, grace), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        return self._idle.is_set()
-
-    async def close(self, timeout: float | None = None) -> None:
-        """Stop: health 503, close every WebSocket with 1001, then stop the server."""
-        self.draining = True
-        limit = self.config.close_timeout if timeout is None else timeout
-        if self._connections:
-            await asyncio.gather(
-                *(self._close_ws(conn.ws, limit) for conn in list(self._connections)),
-                return_exceptions=True,
-            )
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    async def _closed(self) -> None:
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None
 
-    @staticmethod
-    async def _close_ws(ws: web.WebSocketResponse, limit: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-            await asyncio.wait_for(
-                ws.close(code=1001, message=b"worker shutting down"), timeout=limit
-            )
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        if self.draining:
-            return web.json_response({"status": "draining"}, status=503)
-        return web.json_response({"status": "ok"})
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.registry),
-            headers={"Content-Type": METRICS_CONTENT_TYPE},
-        )
-
     # -- handoff ----------------------------------------------------------------------------
 
-    async def _freeze(self, request: web.Request) -> web.Response:
-        # No await before the snapshot: the freeze is one step of the event loop.
-        if not self.config.handoff:
-            return _error(404, "this worker has no handoff API")
-        sid = request.match_info["sid"]
-        conns = self._by_session.get(sid, [])
-        live = [c for c in conns if not c.frozen]
-        if not live:
-            if conns:
-                return _error(409, f"session {sid!r} is already frozen")
-            return _error(404, f"no open connection for session {sid!r}")
-        conn = live[-1]
-        snapshot = conn.freeze()
-        for other in live[:-1]:
-            other.retire()
+    def _moved_away(self, sid: str) -> None:
         self._thawed.pop(sid, None)
-        state = conn.export(snapshot)
         self._realtime.pop(sid, None)  # the conversation lives on where it is thawed
-        self.handoffs["freeze"] += 1
-        log.info("froze session %s: sent=%d received=%d", sid, conn.sent, conn.received)
-        return web.json_response({"state": state, "sent": conn.sent, "received": conn.received})
 
-    async def _thaw(self, request: web.Request) -> web.Response:
-        if not self.config.handoff:
-            return _error(404, "this worker has no handoff API")
-        if self.draining:
-            return _error(503, "worker shutting down")
-        sid = request.match_info["sid"]
-        if len(sid) > MAX_SESSION_ID_LEN:
-            return _error(400, "session id too long")
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return _error(400, f"invalid JSON: {exc}")
-        if not isinstance(body, dict) or "state" not in body:
-            return _error(400, "expected an object with 'state'")
-        try:
-            snapshot, realtime, events = self._read_state(body["state"], sid)
-        except StateError as exc:
-            return _error(400, str(exc))
-        if self.model.connected(sid):
-            return _error(409, f"session {sid!r} has an open connection here")
+    def _connected(self, sid: str) -> bool:
+        return self.model.connected(sid)
+
+    def _install(self, sid: str, state: _State) -> None:
+        snapshot, realtime, events = state
         transfer = self.config.handoff_kv == "transfer"
         transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
         self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events)
         # Thaws never resumed would pile up: keep only those the model still holds (ttl).
         for stale in [s for s in self._thawed if self.model.session(s) is None]:
             del self._thawed[stale]
-        self.handoffs["thaw"] += 1
         log.info(
             "thawed session %s (kv %s, %.3f ms)", sid, self.config.handoff_kv, transfer_s * 1e3
         )
-        return web.json_response({"ok": True})
 
-    def _read_state(
-        self, value: object, sid: str
-    ) -> tuple[SessionSnapshot, RealtimeSession | None, tuple[dict[str, Any], ...]]:
+    def _read_state(self, value: object, sid: str) -> _State:
         """A thaw's state, either version: the model's snapshot, the Realtime session it
         carries (or a transcript's, rebuilt) and a Realtime transcript's queued events.
 
@@ -802,83 +560,33 @@ class Worker:
 
     # -- WebSocket --------------------------------------------------------------------------
 
-    async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        if self.draining:
-            return web.json_response({"error": "worker shutting down"}, status=503)
-        named = (
-            request.headers.get("X-Session-Id", "").strip()
-            or request.query.get("session", "").strip()
-        )
-        resume = request.headers.get(RESUME_HEADER)
-        if resume is not None:
-            session = resume.strip()
-            if named and named != session:
-                return _error(400, f"{RESUME_HEADER} and X-Session-Id name different sessions")
-        else:
-            session = named or uuid.uuid4().hex
-        if not session or len(session) > MAX_SESSION_ID_LEN:
-            return _error(400, "session id empty or too long")
-        ws = web.WebSocketResponse(
-            protocols=self.config.subprotocols,
-            compress=False,
-            timeout=self.config.close_timeout,
-        )
-        if not ws.can_prepare(request).ok:
-            return web.json_response(
-                {"error": "expected a WebSocket upgrade"},
-                status=426,
-                headers={"Upgrade": "websocket", "Connection": "Upgrade"},
-            )
+    def _claim(self, sid: str, resume: bool) -> _Thawed | web.Response | None:
         # A plain connection drops a pending handoff's answer and queue (the context stays).
-        thawed = self._take_thawed(session)
-        if resume is not None and thawed is None:
-            return _error(409, f"session {session!r} was not thawed here")
-        ws.headers["X-Session-Id"] = session
-        await ws.prepare(request)
-        self.connections_total += 1
-        conn: _Connection
+        thawed = self._take_thawed(sid)
+        if resume and thawed is None:
+            return json_error(409, f"session {sid!r} was not thawed here")
+        return thawed
+
+    def _new_connection(
+        self, request: web.Request, ws: web.WebSocketResponse, sid: str, claim: _Thawed | None
+    ) -> _Connection:
         if request.path == REALTIME_PATH:
-            conn = _RealtimeConnection(
-                self, ws, session, self._realtime_session(request, session, thawed)
-            )
-        else:
-            conn = _Connection(self, ws, session)
-        self._connections.add(conn)
-        self._idle.clear()
-        self._by_session.setdefault(session, []).append(conn)
-        self.model.attach(session, time.monotonic())
-        if resume is not None and thawed is not None:
-            self._resume(conn, thawed)
-        try:
-            conn.answers = asyncio.create_task(conn.answer_loop())
-            if resume is None:
-                await conn.greet()
-            elif isinstance(conn, _RealtimeConnection):
-                await conn.outbox.push(conn.rt.resumed())
-                for event in thawed.events if thawed is not None else ():
-                    await conn.on_text(_dumps(event))
-            async for msg in ws:
-                if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
-                    break
-                if conn.frozen:
-                    continue  # the balancer replays it to the session's new worker
-                conn.received += 1
-                if msg.type == WSMsgType.TEXT:
-                    await conn.on_text(msg.data)
-                else:
-                    await conn.on_binary()
-        except ConnectionError:
-            pass
-        finally:
-            if conn.answers is not None:
-                conn.answers.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.answers
-            if conn.attached:
-                self.model.detach(session, time.monotonic())
-                conn.abandon()
-            self._forget(conn)
-        return ws
+            return _RealtimeConnection(self, ws, sid, self._realtime_session(request, sid, claim))
+        return _Connection(self, ws, sid)
+
+    def _attach(
+        self, conn: _Connection, claim: _Thawed | None, resume: bool
+    ) -> Sequence[dict[str, Any]]:
+        self.model.attach(conn.sid, time.monotonic())
+        if claim is None:
+            return ()
+        if resume:
+            self._resume(conn, claim)
+        return claim.events
+
+    def _detach(self, conn: _Connection) -> None:
+        self.model.detach(conn.sid, time.monotonic())
+        conn.abandon()
 
     def _realtime_session(
         self, request: web.Request, session: str, thawed: _Thawed | None
@@ -890,12 +598,7 @@ class Worker:
         rt = thawed.realtime if thawed is not None else None
         rt = rt or self._realtime.get(session)
         if rt is None:
-            rt = RealtimeSession(
-                session,
-                model=request.query.get("model") or None,
-                default_max_tokens=self.config.max_tokens_default,
-                max_tokens_limit=self.config.max_tokens_limit,
-            )
+            rt = self._new_realtime(request, session)
         self._realtime[session] = rt
         return rt
 
@@ -903,7 +606,7 @@ class Worker:
         """Set a resumed connection up to continue exactly where the old worker stopped."""
         snapshot = thawed.snapshot
         if snapshot.answer is not None:
-            turn = self.model.resume_turn(conn.session, snapshot.answer, thawed.transfer_s)
+            turn = self.model.resume_turn(conn.sid, snapshot.answer, thawed.transfer_s)
             cancelled = snapshot.answer.cancelled
             if isinstance(conn, _RealtimeConnection):
                 cancelled = cancelled or conn.rt.cancel_requested  # a transcript's realtime
@@ -913,21 +616,6 @@ class Worker:
             conn.resume_delay = thawed.transfer_s
         for queued in snapshot.queued:
             conn.queue.put_nowait((queued.prompt, queued.max_tokens))
-
-    def _forget(self, conn: _Connection) -> None:
-        self._connections.discard(conn)
-        siblings = self._by_session.get(conn.session)
-        if siblings is not None:
-            with contextlib.suppress(ValueError):
-                siblings.remove(conn)
-            if not siblings:
-                del self._by_session[conn.session]
-        if not self._connections:
-            self._idle.set()
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -939,9 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         "OpenAI-compatible server (wslb-worker --engine openai --help).",
     )
     add = parser.add_argument
-    add("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    add("--port", type=int, default=9001, help="port; 0 picks a free one (default: %(default)s)")
-    add("--id", dest="worker_id", default=None, help="worker id (default: worker-PORT)")
+    add_listen_options(parser, "worker")
     add(
         "--tokens-per-s",
         type=float,
@@ -960,12 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=200_000,
         help="KV cache capacity shared by all sessions (default: %(default)s)",
     )
-    add(
-        "--session-ttl",
-        type=float,
-        default=300.0,
-        help="seconds a session is kept after its last connection closes (default: %(default)s)",
-    )
+    add_session_ttl(parser)
     add(
         "--max-batch",
         type=int,
@@ -979,13 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="U",
         help="share of the GPU taken by something else, in [0, 1) (default: %(default)s)",
     )
-    add(
-        "--max-tokens-default",
-        type=int,
-        default=64,
-        help="max_tokens of a prompt that gives none (default: %(default)s)",
-    )
-    add("--subprotocols", default="", help="comma-separated subprotocols to accept (default: none)")
+    add_max_tokens_default(parser)
+    add_subprotocols(parser)
     add(
         "--no-handoff",
         action="store_true",
@@ -1016,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report the simulated GPU utilisation even when NVML works",
     )
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_level(parser)
     return parser
 
 
@@ -1036,10 +712,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
         )
     except ValueError as exc:
         parser.error(str(exc))
-    if not 0 <= args.port <= 65535:
-        parser.error("--port must be in 0..65535")
-    if args.max_tokens_default < 0:
-        parser.error("--max-tokens-default must be >= 0")
+    check_listen_options(parser, args)
     if args.drain_grace < 0:
         parser.error("--drain-grace must be >= 0")
     config = WorkerConfig(
@@ -1047,7 +720,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
         port=args.port,
         worker_id=args.worker_id,
         model=model,
-        subprotocols=tuple(p.strip() for p in args.subprotocols.split(",") if p.strip()),
+        subprotocols=subprotocols(args),
         handoff=not args.no_handoff,
         handoff_kv=args.handoff_kv,
         max_tokens_default=args.max_tokens_default,
@@ -1069,38 +742,7 @@ async def serve(config: WorkerConfig, ready: Callable[[Worker], None] | None = N
         worker.port,
         f"NVML, {gpu.devices} device(s)" if gpu is not None else "simulated",
     )
-    if ready is not None:
-        ready(worker)
-    stop = asyncio.Event()
-    hurry = asyncio.Event()
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):  # not on Windows
-            loop.add_signal_handler(sig, on_signal)
-    try:
-        await stop.wait()
-        log.info(
-            "worker %s draining (up to %gs, a second signal exits at once)",
-            worker.worker_id,
-            config.drain_grace,
-        )
-        await worker.drain(config.drain_grace, hurry)
-        log.info("worker %s shutting down", worker.worker_id)
-    finally:
-        await worker.close(timeout=0.1 if hurry.is_set() else None)
-
-
-def _announce(worker: Worker) -> None:
-    host = worker.config.host
-    shown = f"[{host}]" if ":" in host else host
-    print(
-        f"{READY_PREFIX} id={worker.worker_id} port={worker.port} url=ws://{shown}:{worker.port}/ws",
-        flush=True,
-    )
+    await serve_until_signal(worker, ready)
 
 
 def _wants_bridge(argv: Sequence[str]) -> bool:
@@ -1117,22 +759,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bridge.main(args)
         return
     config, level = config_from_args(argv)
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(config, ready=_announce))
-    except OSError as exc:
-        print(f"wslb-worker: {exc}", file=sys.stderr)
-        sys.exit(1)
+    run_process(lambda: serve(config, ready=announce), level)
 
 
 if __name__ == "__main__":
