@@ -15,6 +15,7 @@ import pytest
 
 from balancer.aio import drain as drain_mod
 from balancer.aio import migrate as migrate_mod
+from balancer.aio import offload as offload_mod
 from balancer.aio.drain import Drainer, DrainProgress
 from balancer.aio.session import (
     VIOLATION_GRACE,
@@ -76,6 +77,10 @@ class FakeTransport(asyncio.Transport):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self.protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        assert self.protocol is not None
+        return self.protocol
 
     def frames(self, masked: bool) -> list[tuple[int, bytes]]:
         """(opcode, payload) of every frame written, read with wslb's scanner rules."""
@@ -452,6 +457,11 @@ def failing_over(s: Session) -> bool:
     return s.failing_over
 
 
+def relayed(s: Session) -> bool:
+    """The relay thread holds the session (read afresh, as ``failing_over``)."""
+    return s.relay is not None
+
+
 def reading(t: FakeTransport) -> bool:
     return not t.paused
 
@@ -519,10 +529,12 @@ async def test_rule6_resume_on_a_new_leg_reads_the_client_again() -> None:
 
 class ThreadForwards:
     """The relay thread as ``Session`` sees it (``state.offload``), for one session: what it
-    forwarded waits in ``record`` until ``take_record``."""
+    forwarded waits in ``record`` until ``take_record``; ``given_back`` counts hand-backs."""
 
     def __init__(self) -> None:
         self.record = bytearray()
+        self.forwarded = 0
+        self.given_back = 0
 
     def take_record(self, handle: int) -> bytes:
         out = bytes(self.record)
@@ -530,7 +542,12 @@ class ThreadForwards:
         return out
 
     def counts(self, handle: int) -> tuple[int, int]:
-        return 0, 0
+        return self.forwarded, 0
+
+    def give_back(self, handle: int) -> offload_mod.Returned:
+        self.given_back += 1
+        frames, self.forwarded = self.forwarded, 0
+        return offload_mod.Returned(b"", b"", self.take_record(handle), frames, 0, 0)
 
 
 class AnswersAtOnce(FakeTransport):
@@ -588,3 +605,29 @@ async def test_the_journal_has_the_client_message_before_the_threads_answer_to_i
     t = s.journal.transcript("sid")
     assert t["queued"] == []
     assert t["turns"] == 1
+
+
+async def test_the_pong_check_leaves_a_session_with_the_relay_thread() -> None:
+    """Rule 7 and the heartbeat: the tick that pings takes the session back (it writes to the
+    client); the tick that checks the pongs does not (it reads the Python scanners only), and
+    counts what the thread forwarded as activity for the idle timer."""
+    host = FakeHost(asyncio.get_running_loop())
+    thread = ThreadForwards()
+    host.offload = thread
+    timeouts = Timeouts(ping_interval=10, ping_timeout=5, idle=12, backpressure=0)
+    s, ct, wt, _ = make(host, timeouts)
+    s.relay = 1
+    s._tick()  # pings both legs
+    assert thread.given_back == 1 and not relayed(s)
+    assert [op for op, _ in ct.frames(False)] == [OP_PING]
+    ((_, to_client),) = ct.frames(False)
+    ((_, to_worker),) = wt.frames(True)
+    s.client_data(build_frame(OP_PONG, to_client, mask=True))
+    s.data_received(build_frame(OP_PONG, to_worker))
+    s.relay = 1  # offered to the thread again at its next data frame
+    thread.forwarded = 3
+    s._tick()  # the pongs came: nothing to write, the thread keeps the session
+    assert thread.given_back == 1 and relayed(s) and not s.closing
+    assert s._last_msgs == 3  # the thread's frames count as activity
+    s._tick()  # the next ping
+    assert thread.given_back == 2 and not relayed(s)

@@ -873,8 +873,13 @@ class Session(asyncio.Protocol):
         """Called by the wheel (which has cleared ``self.timer``)."""
         if self.phase is Phase.FINISHED:
             return
-        self.reclaim()  # the heartbeat writes to both legs and reads the worker's scanner
+        if not self._awaiting_pong:
+            # This tick pings both legs. The pong check needs no hand-back: it reads the
+            # Python scanners only (the worker's pong is a control frame, which the thread
+            # hands back itself), and every close below takes the session back first.
+            self.reclaim()
         if self.phase is Phase.CLOSING:
+            self.reclaim()
             self._close_timeout()
             return
         t = self.settings.timeouts
@@ -882,7 +887,7 @@ class Session(asyncio.Protocol):
             self._schedule_tick(self.settings.first_tick)
             return
         now = self.state.loop.time()
-        msgs = self.cs.messages + self.ws.messages
+        msgs = self.cs.messages + self.counts()[1]  # the relay thread's messages included
         if msgs != self._last_msgs:
             self._last_msgs = msgs
             self._last_active = now
@@ -908,6 +913,7 @@ class Session(asyncio.Protocol):
                 return
             if self.ws.own_ping is not None:
                 log.info("session %s: worker %s ping timeout", self.sid, self.backend.id)
+                self.reclaim()
                 if self.journal is None:
                     self._end("worker ping timeout")
                     self._send_client_close(CloseCode.INTERNAL_ERROR, "worker ping timeout")
