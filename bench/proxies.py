@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, cast
@@ -462,47 +462,48 @@ async def dial(
     return proto
 
 
-async def _client(spec: dict[str, Any]) -> None:
-    """Line protocol with the parent: ``open N RATE G`` (RATE -1: idle) opens N sessions to the
-    addresses of group G and answers ``ready {...}`` once they are up or failed; ``snap``
+async def open_session(
+    keep: list[Conn],
+    st: ClientStats,
+    sem: asyncio.Semaphore,
+    i: int,
+    src: str,
+    dest: tuple[str, int],
+    factory: Callable[[], Conn],
+    timeouts: tuple[float, float] = (10.0, 15.0),
+) -> None:
+    """Session ``i`` (``dial``, at most ``sem`` at once): kept in ``keep`` and counted in ``st``
+    as open, or counted as failed with why."""
+    async with sem:
+        try:
+            proto = await dial(asyncio.get_running_loop(), src, dest, factory, timeouts)
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            st.failed += 1
+            st.note(f"connect {i}: {exc!r}")
+            return
+    keep.append(proto)
+    st.open += 1
+
+
+async def serve_parent(
+    stats: Sequence[ClientStats],
+    keep: list[Conn],
+    open_batch: Callable[[int, float | None, int], Awaitable[str]],
+) -> None:
+    """A client process's line protocol with its parent, on stdin and stdout: ``open N RATE G``
+    (RATE -1: idle) writes the line ``open_batch(N, RATE or None, G)`` returns once the
+    sessions are up or failed; ``go`` starts the streams of the sessions opened so far; ``snap``
     answers each group's counters as JSON; end of input exits at once (the kernel closes every
-    socket). Group 1, when there is one, is the direct control group for latency."""
+    socket)."""
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
-    groups: list[list[tuple[str, int, str]]] = [[tuple(t) for t in g] for g in spec["groups"]]
-    n_src: int = spec["sources"]
-    stats = [ClientStats() for _ in groups]
-    keep: list[ClientConn] = []
-    sem = asyncio.Semaphore(spec["concurrency"])
-    counter = 0
-
-    async def open_one(i: int, rate: float | None, group: int) -> None:
-        targets, st = groups[group], stats[group]
-        host, port, path = targets[i % len(targets)]
-        src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
-        request = upgrade_request(host, port, f"{path}?session=bench-{spec['prefix']}-{i}")
-        async with sem:
-            try:
-                proto = await dial(loop, src, (host, port), lambda: ClientConn(st, request, rate))
-            except (OSError, TimeoutError, ConnectionError) as exc:
-                st.failed += 1
-                st.note(f"connect {i}: {exc!r}")
-                return
-        keep.append(proto)
-        st.open += 1
-
     out = sys.stdout
     while line := await stdin.readline():
         words = line.split()
         if words[:1] == [b"open"]:
             n, rate, group = int(words[1]), float(words[2]), int(words[3])
-            failed0 = stats[group].failed
-            r = None if rate < 0 else rate
-            await asyncio.gather(*(open_one(counter + i, r, group) for i in range(n)))
-            counter += n
-            ready = {"open": stats[group].open, "failed": stats[group].failed - failed0}
-            out.write("ready " + json.dumps(ready) + "\n")
+            out.write(await open_batch(n, None if rate < 0 else rate, group) + "\n")
         elif words[:1] == [b"go"]:
             for proto in keep:
                 proto.go()
@@ -512,6 +513,36 @@ async def _client(spec: dict[str, Any]) -> None:
             out.write(json.dumps([st.snapshot() for st in stats]) + "\n")
         out.flush()
     os._exit(0)  # skip closing thousands of sockets one by one
+
+
+async def _client(spec: dict[str, Any]) -> None:
+    """``serve_parent`` for this benchmark: ``open`` answers ``ready {...}``. Group 1, when
+    there is one, is the direct control group for latency."""
+    groups: list[list[tuple[str, int, str]]] = [[tuple(t) for t in g] for g in spec["groups"]]
+    n_src: int = spec["sources"]
+    stats = [ClientStats() for _ in groups]
+    keep: list[ClientConn] = []
+    sem = asyncio.Semaphore(spec["concurrency"])
+    counter = 0
+
+    async def open_one(i: int, rate: float | None, group: int) -> None:
+        st = stats[group]
+        host, port, path = groups[group][i % len(groups[group])]
+        src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
+        request = upgrade_request(host, port, f"{path}?session=bench-{spec['prefix']}-{i}")
+        await open_session(
+            keep, st, sem, i, src, (host, port), lambda: ClientConn(st, request, rate)
+        )
+
+    async def open_batch(n: int, rate: float | None, group: int) -> str:
+        nonlocal counter
+        failed0 = stats[group].failed
+        await asyncio.gather(*(open_one(counter + i, rate, group) for i in range(n)))
+        counter += n
+        ready = {"open": stats[group].open, "failed": stats[group].failed - failed0}
+        return "ready " + json.dumps(ready)
+
+    await serve_parent(stats, keep, open_batch)
 
 
 def _run_uvloop(main: Callable[[dict[str, Any]], Any], spec_json: str) -> int:

@@ -94,11 +94,12 @@ from bench.proxies import (  # noqa: E402
     ClientStats,
     WorkerConn,
     _run_uvloop,
-    dial,
     machine,
     next_frame,
+    open_session,
     percentile,
     raise_nofile,
+    serve_parent,
     source_state,
     upgrade_request,
     ws_probe,
@@ -194,13 +195,9 @@ class ScaleClientConn(ClientConn):
 
 
 async def _client(spec: dict[str, Any]) -> None:
-    """Line protocol with the parent: ``open N RATE G`` (RATE -1: idle) opens N sessions to
-    the addresses of group G (0: wslb, 1: the workers directly), writing ``progress {...}``
-    every 2 s and then ``done {...}``; ``go`` starts the streams; ``snap`` answers each group's
-    counters; end of input exits at once (the kernel closes every socket)."""
+    """``serve_parent`` for this benchmark: ``open`` to group G (0: wslb, 1: the workers
+    directly) writes ``progress {...}`` every 2 s, then answers ``done {...}``."""
     loop = asyncio.get_running_loop()
-    stdin = asyncio.StreamReader(limit=1 << 20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
     groups: list[list[tuple[str, int, str]]] = [[tuple(t) for t in g] for g in spec["groups"]]
     sources: list[str] = spec["sources"]
     stats = [ScaleStats() for _ in groups]
@@ -210,24 +207,19 @@ async def _client(spec: dict[str, Any]) -> None:
     out = sys.stdout
 
     async def open_one(i: int, rate: float | None, group: int) -> None:
-        targets, st = groups[group], stats[group]
-        host, port, path = targets[i % len(targets)]
+        st = stats[group]
+        host, port, path = groups[group][i % len(groups[group])]
         request = upgrade_request(host, port, f"{path}?session=scale-{i}")
-        async with sem:
-            try:
-                proto = await dial(
-                    loop,
-                    sources[i % len(sources)],
-                    (host, port),
-                    lambda: ScaleClientConn(st, request, rate),
-                    (15.0, 30.0),
-                )
-            except (OSError, TimeoutError, ConnectionError) as exc:
-                st.failed += 1
-                st.note(f"connect {i}: {exc!r}")
-                return
-        keep.append(proto)
-        st.open += 1
+        await open_session(
+            keep,
+            st,
+            sem,
+            i,
+            sources[i % len(sources)],
+            (host, port),
+            lambda: ScaleClientConn(st, request, rate),
+            (15.0, 30.0),
+        )
 
     async def progress(group: int, failed0: int) -> None:
         while True:
@@ -236,33 +228,23 @@ async def _client(spec: dict[str, Any]) -> None:
             out.write(f"progress {json.dumps({'open': st.open, 'failed': st.failed - failed0})}\n")
             out.flush()
 
-    while line := await stdin.readline():
-        words = line.split()
-        if words[:1] == [b"open"]:
-            n, rate, group = int(words[1]), float(words[2]), int(words[3])
-            st = stats[group]
-            failed0, t0 = st.failed, time.monotonic()
-            ticker = loop.create_task(progress(group, failed0))
-            r = None if rate < 0 else rate
-            await asyncio.gather(*(open_one(counter + i, r, group) for i in range(n)))
-            ticker.cancel()
-            counter += n
-            done = {
-                "open": st.open,
-                "failed": st.failed - failed0,
-                "seconds": time.monotonic() - t0,
-                "errors": st.errors[:4],
-            }
-            out.write("done " + json.dumps(done) + "\n")
-        elif words[:1] == [b"go"]:
-            for proto in keep:
-                proto.go()
-            keep.clear()  # started: the transports keep the protocols alive
-            out.write("going\n")
-        elif words[:1] == [b"snap"]:
-            out.write(json.dumps([st.snapshot() for st in stats]) + "\n")
-        out.flush()
-    os._exit(0)  # skip closing thousands of sockets one by one
+    async def open_batch(n: int, rate: float | None, group: int) -> str:
+        nonlocal counter
+        st = stats[group]
+        failed0, t0 = st.failed, time.monotonic()
+        ticker = loop.create_task(progress(group, failed0))
+        await asyncio.gather(*(open_one(counter + i, rate, group) for i in range(n)))
+        ticker.cancel()
+        counter += n
+        done = {
+            "open": st.open,
+            "failed": st.failed - failed0,
+            "seconds": time.monotonic() - t0,
+            "errors": st.errors[:4],
+        }
+        return "done " + json.dumps(done)
+
+    await serve_parent(stats, keep, open_batch)
 
 
 class Child:
