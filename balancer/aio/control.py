@@ -476,12 +476,12 @@ class LocalControl:
         return report
 
 
-def _changed(old: object, new: object, skip: tuple[str, ...]) -> list[str]:
+def _changed(old: Any, new: Any, skip: tuple[str, ...]) -> list[str]:
     """Names of the dataclass fields that differ between ``old`` and ``new``, but ``skip``."""
     if old is None:
         return []
     return [
         f.name
-        for f in fields(new)  # type: ignore[arg-type]
+        for f in fields(new)
         if f.name not in skip and getattr(old, f.name) != getattr(new, f.name)
     ]

@@ -873,13 +873,12 @@ class Session(asyncio.Protocol):
         """Called by the wheel (which has cleared ``self.timer``)."""
         if self.phase is Phase.FINISHED:
             return
-        if not self._awaiting_pong:
-            # This tick pings both legs. The pong check needs no hand-back: it reads the
-            # Python scanners only (the worker's pong is a control frame, which the thread
-            # hands back itself), and every close below takes the session back first.
+        if not self._awaiting_pong or self.phase is Phase.CLOSING:
+            # This tick pings both legs (or ends a close). The pong check needs no hand-back:
+            # it reads the Python scanners only (the worker's pong is a control frame, which
+            # the thread hands back itself), and every close below takes the session back.
             self.reclaim()
         if self.phase is Phase.CLOSING:
-            self.reclaim()
             self._close_timeout()
             return
         t = self.settings.timeouts
