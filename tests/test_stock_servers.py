@@ -139,10 +139,13 @@ async def wait_for(
 
 
 @contextlib.contextmanager
-def running_stack(kind: str, tmp: Path) -> Iterator[Stack]:
+def running_stack(kind: str, tmp: Path, **pool: Any) -> Iterator[Stack]:
+    """Two servers of ``kind`` behind a wslb with the new user's config (plus ``pool``'s keys)."""
     with contextlib.ExitStack() as es:
         servers = {bid: es.enter_context(Server(kind, tmp)) for bid in IDS}
-        lb = Wslb(new_user_config(servers), tmp)
+        cfg = new_user_config(servers)
+        cfg["pools"][0].update(pool)
+        lb = Wslb(cfg, tmp)
         es.callback(stop_wslb, lb)
         lb.start()
         yield Stack(kind, servers, lb)
@@ -318,14 +321,7 @@ async def test_failover_enabled_in_front_of_a_stock_server_ends_a_lost_session_w
     that have no thaw (the FastAPI app's token stream is not wslb's chat protocol). A server
     killed mid-answer: its session gets 1011 at once (not a hang, not another server's words),
     the metric names why, and a reconnect is answered by b."""
-    with contextlib.ExitStack() as es:
-        servers = {bid: es.enter_context(Server(kind, tmp_path)) for bid in IDS}
-        cfg = new_user_config(servers)
-        cfg["pools"][0]["failover"] = {"enabled": True}
-        lb = Wslb(cfg, tmp_path)
-        es.callback(stop_wslb, lb)
-        lb.start()
-        stack = Stack(kind, servers, lb)
+    with running_stack(kind, tmp_path, failover={"enabled": True}) as stack:
         async with contextlib.AsyncExitStack() as aes:
             key, ws = await session_on(stack, "a", aes)
             if stack.echo:
@@ -337,7 +333,7 @@ async def test_failover_enabled_in_front_of_a_stock_server_ends_a_lost_session_w
                 for _ in range(4):
                     msg = json.loads(await asyncio.wait_for(ws.recv(), 5))
                     assert msg["type"] == "token", msg
-            servers["a"].kill()
+            stack.servers["a"].kill()
             t0 = time.monotonic()
             assert await expect_close(ws, timeout=10) == 1011
             assert time.monotonic() - t0 < 5
@@ -349,4 +345,4 @@ async def test_failover_enabled_in_front_of_a_stock_server_ends_a_lost_session_w
         async with asyncio.timeout(15), connect(stack.url(key)) as again:
             answered = await stack.turn(again)
             assert stack.echo or answered == "b"
-        assert lb.proc is not None and lb.proc.poll() is None
+        assert stack.lb.proc is not None and stack.lb.proc.poll() is None
