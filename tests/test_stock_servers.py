@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -289,6 +290,7 @@ async def test_killed_server_goes_down_with_its_reason(tmp_path: Path) -> None:
         for v in views:
             assert {"ok", "reason", "since", "last_check"} <= set(v["health"]), v
             assert v["health"]["ok"] is True and v["state"] == "active", v
+            assert v["overloaded"] is False, v  # no /metrics: no signals, never overloaded
         await asyncio.sleep(max(0.0, 3.5 - (time.monotonic() - stack.started)))
         lines = metrics_lines(stack.lb.output())
         assert len(lines) <= len(IDS), "\n".join(lines)
@@ -346,3 +348,31 @@ async def test_failover_enabled_in_front_of_a_stock_server_ends_a_lost_session_w
             answered = await stack.turn(again)
             assert stack.echo or answered == "b"
         assert stack.lb.proc is not None and stack.lb.proc.poll() is None
+
+
+async def test_reload_in_front_of_stock_servers_applies_backends_and_names_the_rest(
+    tmp_path: Path,
+) -> None:
+    """The new user's file, edited: a third server added, the bound factor changed, a log
+    section added. The reload adds the server (answering sessions), and names what needs a
+    restart instead of dropping it silently."""
+    with running_stack("fastapi", tmp_path) as stack, Server("fastapi", tmp_path) as third:
+        cfg = yaml.safe_load(stack.lb.path.read_text())
+        cfg["pools"][0]["backends"].append({"id": "c", "url": third.url})
+        cfg["pools"][0]["hash_balance_factor"] = 1.5
+        cfg["log"] = {"format": "json"}
+        stack.lb.path.write_text(yaml.safe_dump(cfg))
+        report = await stack.admin_post("/reload", {})
+        assert report["added"] == ["c"] and report["removed"] == report["updated"] == []
+        assert report["ignored"] == [
+            "pool chat: hash_balance_factor (restart to apply)",
+            "log (restart to apply)",
+        ]
+        view = await wait_for(stack, "c", lambda v: v["state"] == "active", "active")
+        assert view["url"] == third.url
+        stack.servers["c"] = third
+        placed: set[str] = set()
+        for i in range(12):
+            async with asyncio.timeout(15), connect(stack.url(f"after-reload-{i}")) as ws:
+                placed.add(str(await stack.turn(ws)))
+        assert "c" in placed, placed
