@@ -2,58 +2,38 @@
 Playwright's Python API.
 
 Playwright's own browser download is not reachable from where these run, so it drives the
-system's ``/usr/bin/chromium``, installed here with apt-get when missing (``apt-get update``
-first only if the install fails: a fresh machine's package lists may be empty or old).
+system's ``/usr/bin/chromium``, installed here with apt-get when missing and proven to run
+(``tests/installs.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import installs
+
 CHROMIUM = Path("/usr/bin/chromium")
 VIEWPORT = {"width": 1680, "height": 1050}
 
 
 def ensure_chromium() -> str | None:
-    """``None`` once ``/usr/bin/chromium`` exists, else why it could not be installed."""
-    if CHROMIUM.exists():
-        return None
-    if shutil.which("apt-get") is None:
-        return f"{CHROMIUM} missing and no apt-get to install it"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-
-    def apt(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["apt-get", "-o", "DPkg::Lock::Timeout=300", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-
+    """``None`` once ``/usr/bin/chromium`` runs (``--version``), installed with apt if missing;
+    else why this machine cannot install it. An install that was tried and failed raises
+    ``InstallError`` (a test error naming the step, not a skip)."""
     try:
-        done = apt("install", "-y", "chromium")
-        if done.returncode != 0:
-            apt("update")
-            done = apt("install", "-y", "chromium")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"apt-get install chromium failed: {exc}"
-    if done.returncode != 0 or not CHROMIUM.exists():
-        tail = "\n".join((done.stderr or done.stdout).splitlines()[-5:])
-        return f"apt-get install chromium failed ({done.returncode}): {tail}"
+        installs.apt_binary("chromium", str(CHROMIUM))
+    except installs.CannotInstall as e:
+        return str(e)
     return None
 
 
 def require_browser() -> None:
-    """Skip the calling test when Playwright or Chromium cannot be had, saying which."""
+    """Skip the calling test when Playwright or Chromium cannot be had here, saying which."""
     try:
         import playwright.async_api  # noqa: F401
     except ImportError:

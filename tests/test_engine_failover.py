@@ -30,6 +30,8 @@ from tests.procs import Wslb, pool_config
 from tests.test_bridge import STORY, BridgeProc, read_answer, recv
 from tests.test_realtime import answer, client, next_event, say
 
+pytestmark = pytest.mark.engine  # the real llama-server: -m 'not engine' skips
+
 MODEL = "gemma-3-270m"
 TOKENS = 120  # the answer asked for: ~3 s at one CPU thread's ~50 tokens/s
 KILL_AFTER = 10  # chunks the client has when the kill comes

@@ -23,6 +23,8 @@ from tests.procs import Wslb, pool_config
 from tests.test_bridge import BridgeProc
 from tests.test_realtime import Answer, answer, client, next_event, say
 
+pytestmark = pytest.mark.engine  # the real llama-server: -m 'not engine' skips
+
 MODEL = "gemma-3-270m"
 TIMEOUT = 60.0  # one response from a CPU engine, at most
 

@@ -23,6 +23,8 @@ import pytest
 from balancer.weights import PRESETS, parse_signals
 from tests.engines import LlamaServer, chat, content, http_post
 
+pytestmark = pytest.mark.engine  # the real llama-server: -m 'not engine' skips
+
 QUESTION = "Recite the English alphabet in capital letters, separated by spaces."
 PREFIX = "A B C D E F G"
 
