@@ -93,6 +93,7 @@ class Stats:
     messages: Counter[str] = field(default_factory=Counter)
     bytes: Counter[str] = field(default_factory=Counter)
     rejections: Counter[int] = field(default_factory=Counter)
+    tls_failures: Counter[str] = field(default_factory=Counter)  # by reason
     connect_failures: Counter[str] = field(default_factory=Counter)
     handshake_failures: Counter[str] = field(default_factory=Counter)
     closes: Counter[tuple[str, int]] = field(default_factory=Counter)
@@ -293,6 +294,14 @@ class BalancerCollector(Collector):
         for status, n in sorted(st.rejections.items()):
             rej.add_metric([str(status)], n)
         yield rej
+        tls = CounterMetricFamily(
+            "wslb_tls_handshake_failures",
+            "Client TLS handshakes that failed, by reason (OpenSSL's, or timeout/reset/closed)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(st.tls_failures.items()):
+            tls.add_metric([reason], n)
+        yield tls
         cf = CounterMetricFamily(
             "wslb_upstream_connect_failures",
             "Failed TCP connects to a worker",

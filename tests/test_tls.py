@@ -111,3 +111,52 @@ async def test_worker_with_untrusted_certificate_gives_502(tmp_path: Path) -> No
             assert exc.value.response.status_code == 502
         finally:
             lb.stop()
+
+
+async def test_failed_handshakes_are_logged_and_counted(tmp_path: Path) -> None:
+    """Each failed TLS handshake leaves a log line with the client and OpenSSL's reason, and
+    ``wslb_tls_handshake_failures_total{reason}``: plain HTTP to the TLS port and a client that
+    does not trust the certificate (curl: its alert names the reason), a TCP connect that sends
+    nothing until the handshake timeout. A good client is served meanwhile. A connection closed
+    without a word (a TCP health check) is counted, not logged at info."""
+    ca = trustme.CA(key_type=trustme.KeyType.ECDSA)
+    cert = tmp_path / "edge.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(cert))
+    wport, port = free_port(), free_port()
+    cfg = pool_config([{"id": "e", "url": f"ws://127.0.0.1:{wport}/"}], health={"enabled": False})
+    cfg["listen"] = [{"address": f"127.0.0.1:{port}", "tls": {"cert": str(cert), "key": str(cert)}}]
+    cfg["timeouts"] = {"handshake": "1s"}
+    lb = Wslb(cfg, tmp_path)
+    lb.port = port
+    async with serve(echo, "127.0.0.1", wport):
+        lb.start(wait_ready=False)
+        try:
+            plain = await asyncio.create_subprocess_exec(
+                "curl", "-s", "-o", "/dev/null", "--max-time", "5", f"http://127.0.0.1:{port}/ws"
+            )
+            await plain.wait()
+            untrusting = await asyncio.create_subprocess_exec(
+                "curl", "-s", "-o", "/dev/null", "--max-time", "5", f"https://127.0.0.1:{port}/ws"
+            )
+            assert await untrusting.wait() != 0  # curl says why: it does not trust the CA
+            _, silent = await asyncio.open_connection("127.0.0.1", port)
+            async with connect(f"wss://127.0.0.1:{port}/ws", ssl=client_ctx(ca)) as ws:
+                await ws.send("still served")
+                assert await ws.recv() == "still served"
+            for _ in range(60):  # the silent one times out after 1 s
+                text = lb.output()
+                if "failed: timeout" in text:
+                    break
+                await asyncio.sleep(0.1)
+            silent.close()
+            text = lb.output()
+            assert "TLS handshake from 127.0.0.1 failed: http_request" in text, text
+            assert "TLS handshake from 127.0.0.1 failed: tlsv1_alert_unknown_ca" in text, text
+            assert "TLS handshake from 127.0.0.1 failed: timeout" in text, text
+            assert "failed: closed" not in text and "failed: reset" not in text, text
+            metrics = lb.admin("/metrics")
+            for reason in ("http_request", "tlsv1_alert_unknown_ca", "timeout"):
+                line = f'wslb_tls_handshake_failures_total{{reason="{reason}"}} 1.0'
+                assert line in metrics, metrics
+        finally:
+            lb.stop()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ import aiohttp
 from prometheus_client.registry import CollectorRegistry
 
 from balancer import frames
-from balancer.aio import offload
+from balancer.aio import offload, tls
 from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster, ClusterControl
 from balancer.aio.control import Control, ControlError, LocalControl
@@ -92,20 +93,35 @@ class Listeners:
                 ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
                 ctx.load_cert_chain(lst.tls.cert, lst.tls.key)
                 self._tls.append((ctx, lst.tls.cert, lst.tls.key))
+            app = functools.partial(
+                ClientConnection,
+                self.state,
+                secure=lst.tls is not None,
+                proxy_protocol=lst.proxy_protocol,
+            )
+            factory: Callable[[], asyncio.BaseProtocol] = app
+            if ctx is not None:  # TLS by each connection's gate: failed handshakes are logged
+                factory = tls.gate_factory(ctx, app, self.state.timeouts.handshake, self._failed)
             server = await self.state.loop.create_server(
-                lambda lst=lst: ClientConnection(
-                    self.state, secure=lst.tls is not None, proxy_protocol=lst.proxy_protocol
-                ),
+                factory,
                 lst.host,
                 lst.port,
                 backlog=4096,
                 reuse_address=True,
                 reuse_port=self.reuse_port,
-                ssl=ctx,
-                ssl_handshake_timeout=self.state.timeouts.handshake if ctx else None,
             )
             self._servers.append(server)
             log.info("listening on %s:%d", lst.host, lst.port)
+
+    def _failed(self, peer: str, exc: BaseException) -> None:
+        """A client's TLS handshake failed: counted by reason and logged (at info: a scanner
+        or a client that does not trust the certificate is the client's problem, not wslb's)."""
+        reason = tls.failure_reason(exc)
+        self.state.stats.tls_failures[reason] += 1
+        # A connection closed without a TLS alert is a TCP health check or a client that gave
+        # up: counted, logged only at debug.
+        level = logging.DEBUG if reason in ("closed", "reset") else logging.INFO
+        log.log(level, "TLS handshake from %s failed: %s", peer, reason)
 
     def reload_certificates(self) -> None:
         """Reread listener certificates (new handshakes use them)."""

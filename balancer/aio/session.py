@@ -54,6 +54,9 @@ session's ``relay`` is its handle there. Every rule above runs in Python only: e
 that writes to the client, closes a leg or decides on the worker's stream first takes the
 session back (``reclaim``), and the thread returns it by itself at anything but a whole data
 frame. What the thread read and did not forward (``carry``) is scanned before the next read.
+A session with a TLS leg (a ``wss://`` client or worker) never goes to the thread: the socket's
+descriptor carries ciphertext there, as asyncio's TLS runs OpenSSL over memory buffers inside the
+transport, so only the transport may read or write it (``plain_socket``).
 
 Heartbeat: one timer per session that reschedules itself (not re-armed per message, as in
 aiohttp's ``web_ws``). It pings both legs every ``ping_interval`` with a random payload that the
@@ -185,6 +188,15 @@ class Phase(IntEnum):
     RELAYING = 0
     CLOSING = 1  # the close timer runs
     FINISHED = 2
+
+
+def plain_socket(transport: asyncio.BaseTransport) -> Any:
+    """The transport's socket when its descriptor carries the WebSocket bytes themselves, else
+    ``None``: on a TLS transport (``ssl_object`` set) the descriptor carries ciphertext, and
+    anything that reads or writes it directly (the relay thread) would corrupt the stream."""
+    if transport.get_extra_info("ssl_object") is not None:
+        return None
+    return transport.get_extra_info("socket")
 
 
 def pause_reading(transport: asyncio.BaseTransport | None, pause: bool) -> None:
@@ -493,9 +505,13 @@ class Session(asyncio.Protocol):
             or self._client_full()
         ):
             return
+        wsock, csock = plain_socket(self.wt), plain_socket(self.ct)
+        if wsock is None or csock is None:  # a TLS leg: the event loop relays it (Rule 7)
+            self.offload_at = NEVER
+            return
         try:
-            wfd = self.wt.get_extra_info("socket").fileno()
-            cfd = self.ct.get_extra_info("socket").fileno()
+            wfd = wsock.fileno()
+            cfd = csock.fileno()
             self.relay = off.take(self, wfd, cfd, limit, self.journal is not None)
         except (OSError, AttributeError) as exc:  # a transport without a socket (tests), EMFILE
             log.debug("session %s stays in the event loop: %s", self.sid, exc)
@@ -630,6 +646,8 @@ class Session(asyncio.Protocol):
         self.prior_bytes += self.ws.bytes
         limits = self.settings.limits
         self.ws = _worker_scanner(limits)
+        # The new leg is offered to the relay thread afresh (it may be plain where the old was TLS).
+        self.offload_at = OFFLOAD_AFTER if self.state.offload is not None else NEVER
         self.leg_start_msg = leg_start_msg
         self.wt = wt
         wt.set_write_buffer_limits(high=limits.write_buffer_high)
