@@ -53,6 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tests.installs import cache_dir
 from tests.procs import ROOT, Procs, free_port, spawn, stop, wait_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -147,12 +148,6 @@ PROOF_TIMEOUT = 120.0
 
 class EngineSetupError(RuntimeError):
     """A step of making the engine or the model failed; the message says which and why."""
-
-
-def cache_dir() -> Path:
-    """``$WSLB_CACHE_DIR``, else ``~/.cache/wslb``."""
-    env = os.environ.get("WSLB_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "wslb"
 
 
 @contextlib.contextmanager

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,3 +156,80 @@ async def test_no_ready_worker_gives_503(tmp_path: Path) -> None:
         assert lb.admin("/backends")[0]["state"] == "down"
     finally:
         lb.stop()
+
+
+def _spawned(proc_pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return children(proc_pid)
+    return []
+
+
+def test_a_failed_start_exits_1_within_a_second_and_stops_its_workers(tmp_path: Path) -> None:
+    """The listen port taken, one backend unreachable, one spawned: wslb logs why, stops the
+    worker it spawned and exits 1 within a second of the error (it used to hang for good,
+    ignoring signals: a health probe's cancellation was lost, and stop waited for it)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cfg = pool_config(
+        [
+            {"id": "w1", "url": f"ws://127.0.0.1:{free_port()}", "spawn": "reference"},
+            {"id": "w9", "url": f"ws://127.0.0.1:{free_port()}"},
+        ]
+    )
+    cfg["listen"] = f"127.0.0.1:{port}"
+    lb = Wslb(cfg, tmp_path)
+    cmd = [*lb.command, "--config", str(lb.path)]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=lb.env, stderr=subprocess.PIPE, text=True)
+    kids: list[psutil.Process] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            kids = kids or _spawned(proc.pid)
+            if "cannot start" in line:
+                errored = time.monotonic()
+                break
+        else:
+            raise AssertionError("no 'cannot start' line")
+        assert "address already in use" in line, line
+        rc = proc.wait(timeout=10)
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        taken.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert rc == 1
+    assert exited - errored < 1.0, f"exited {exited - errored:.2f}s after the error"
+    assert exited - started < 5.0
+    _, alive = psutil.wait_procs(kids, timeout=1)
+    assert not alive, alive
+
+
+def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
+    """Start waits for etcd (cluster mode, nothing listening there): SIGTERM during that wait
+    ends the process at once with 0 (it used to be ignored until the start gave up)."""
+    cfg = pool_config([{"id": "w1", "url": f"ws://127.0.0.1:{free_port()}"}])
+    cfg["cluster"] = {"etcd": f"http://127.0.0.1:{free_port()}"}
+    lb = Wslb(cfg, tmp_path)
+    proc = subprocess.Popen(
+        [*lb.command, "--config", str(lb.path)],
+        cwd=ROOT,
+        env=lb.env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)  # past imports, inside the start
+        assert proc.poll() is None
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0
+    assert took < 1.0, f"{took:.2f}s after SIGTERM"

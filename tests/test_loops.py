@@ -6,7 +6,7 @@ import asyncio
 import gc
 import weakref
 
-from balancer.aio.loops import GcPacer
+from balancer.aio.loops import GcPacer, cancel_and_wait
 
 
 class Node:
@@ -41,3 +41,22 @@ async def test_pacer_freezes_start_up_and_replaces_automatic_full_collections() 
         pacer.stop()
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
     pacer.stop()  # twice is harmless
+
+
+async def test_cancel_and_wait_ends_a_task_that_swallowed_its_cancellation() -> None:
+    """Python 3.11's ``wait_for`` returns its inner result when that completes in the same
+    loop turn as a cancel, and the task goes on; a plain ``cancel(); await`` then waits for
+    good (a failed start hung this way). ``cancel_and_wait`` cancels again until it ends."""
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            swallowed.set()  # lost, as wait_for loses it
+        await asyncio.sleep(30)
+
+    task = asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait([task]), 5)
+    assert swallowed.is_set() and task.cancelled()

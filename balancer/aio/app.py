@@ -382,12 +382,25 @@ async def serve(
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
-    try:
-        await rt.start()
-    except (OSError, TimeoutError) as exc:
+    # A signal during the start (etcd or a spawned worker slow to come) stops it there.
+    starting = loop.create_task(rt.start())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.wait((starting,))
+        log.info("stopped while starting")
+        await rt.failed_start()
+        return 0
+    stopping.cancel()
+    exc = starting.exception()
+    if isinstance(exc, OSError | TimeoutError):
         log.error("cannot start: %s", exc)
         await rt.failed_start()
         return 1
+    if exc is not None:
+        await rt.failed_start()
+        raise exc
     await stop.wait()
     log.info("shutting down")
     # A second signal skips the grace period.

@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from balancer.aio.control import ControlError, LocalControl, Reply, drain_args, new_backend
+from balancer.aio.loops import cancel_and_wait
 from balancer.cluster import (
     ACTIVE,
     BACKENDS,
@@ -245,11 +246,7 @@ class Cluster:
 
     async def stop(self) -> None:
         """Stop the loops and revoke the lease: this instance's keys go with it."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._etcd is not None and self.lease:
             with contextlib.suppress(EtcdError):

@@ -4,11 +4,10 @@ pacing of full garbage collections."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 __all__ = ["GcPacer", "LagMeter", "PerBackend"]
@@ -106,6 +105,21 @@ class LagMeter:
             self._handle = None
 
 
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again any that goes on.
+
+    A cancellation can be lost: Python 3.11's ``asyncio.wait_for`` returns the inner result
+    when it completes in the same loop turn as the cancel (a probe refused at once, at the
+    moment a failed start stops everything), and a loop then sleeps on for good: a plain
+    ``cancel(); await task`` waited forever there.
+    """
+    pending = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+
+
 class PerBackend:
     """Keeps at most one named task per backend id."""
 
@@ -125,9 +139,4 @@ class PerBackend:
     async def stop(self, backend_id: str | None = None) -> None:
         """Cancel one backend's task, or all of them, and wait for them to end."""
         ids = [backend_id] if backend_id is not None else list(self._tasks)
-        tasks = [t for i in ids if (t := self._tasks.pop(i, None)) is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait([t for i in ids if (t := self._tasks.pop(i, None)) is not None])

@@ -8,9 +8,16 @@ case passes but that no case ends worse through wslb than against the worker dir
 with the config a new user writes (no ``health`` section, a path-less backend URL): the echo
 worker is a stock ``websockets`` server with no health route or ``/metrics``.
 
+With ``tls=True`` (``--tls``) the fuzzer speaks ``wss://`` to a TLS listener of wslb (a
+self-signed ECDSA P-256 certificate, ``listen: [{address, tls: {cert, key}}]`` as a new user
+writes it) and that run is compared with the worker directly in the same way. The testsuite's
+pinned dependencies include pyOpenSSL and service_identity, so Twisted's TLS is there; with no
+``hostname`` in the spec the fuzzer uses Twisted's ``ClientContextFactory``, which checks no
+certificate.
+
 By hand::
 
-    python -m tests.conformance.autobahn [--cases 1.*,2.*] [--out reports/autobahn]
+    python -m tests.conformance.autobahn [--cases 1.*,2.*] [--out reports/autobahn] [--tls]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -33,13 +41,14 @@ from typing import Any
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import connect
 
+from tests.installs import cache_dir
 from tests.procs import ROOT, Wslb, free_port, stop, wait_port
 
 PYTHON2 = "python2.7"
 PYENV_VERSION = "2.7.18"
 PACKAGE = "autobahntestsuite==25.10.1"
 # Per user, not per checkout: CI runs each job in a fresh clone on the same machine.
-CACHE = Path.home() / ".cache" / "wslb" / "autobahn"
+CACHE = cache_dir() / "autobahn"
 # Written last into a fully installed tree; the tree only ever appears under its final name by an
 # atomic rename, so seeing the marker means a complete install, without any lock.
 MARKER = ".wslb-installed"
@@ -61,6 +70,9 @@ _RANK = {
 }
 _VERDICTS = ("behavior", "behaviorClose")  # each compared on its own
 PASSING = ("OK", "INFORMATIONAL")
+# The agent names of wslb's plain listener and of its TLS listener in a run's results.
+WSLB_AGENT = "wslb"
+TLS_AGENT = "wslb-tls"
 
 Results = dict[str, dict[str, dict[str, Any]]]
 """``index.json``: agent -> case id -> {"behavior", "behaviorClose", "remoteCloseCode", ...}."""
@@ -98,6 +110,23 @@ def _py2_code(target: Path, code: str) -> list[str]:
     return [PYTHON2, "-c", f"import site; site.addsitedir({str(target)!r}); {code}"]
 
 
+_PROVEN: set[Path] = set()
+
+
+def _imports(target: Path) -> bool:
+    """Whether the testsuite in ``target`` imports (proven once per process before use)."""
+    try:
+        check = subprocess.run(
+            _py2_code(target, "import autobahntestsuite.wstest"),
+            env=python2_env(),
+            capture_output=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return check.returncode == 0
+
+
 def installed(target: Path = CACHE) -> bool:
     return (target / MARKER).is_file()
 
@@ -110,7 +139,11 @@ def install(target: Path = CACHE, timeout: float = 900) -> Path:
     the others discard theirs.
     """
     if installed(target):
-        return target
+        if target in _PROVEN or _imports(target):
+            _PROVEN.add(target)
+            return target
+        # Marked whole once and broken now (a half-deleted tree): installed again, not used.
+        shutil.rmtree(target, ignore_errors=True)
     if not python2_available():
         raise Python2Missing(f"{PYTHON2} (PYENV_VERSION={PYENV_VERSION}) is not available")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -266,13 +299,52 @@ def wslb_config(echo_port: int) -> dict[str, Any]:
     }
 
 
-def wait_echo(url: str, timeout: float = 20.0) -> None:
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS listener: its certificate chain, its key and the CA that signed it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client context that trusts ``ca`` (``wait_echo`` checks the certificate)."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def tls_files(workdir: Path) -> TlsFiles:
+    """A fresh self-signed ECDSA P-256 CA and a certificate for 127.0.0.1 it signed, written to
+    ``workdir`` (``tls.crt``, ``tls.key``, ``tls-ca.pem``)."""
+    import trustme  # a test dependency, as the fuzzer's TLS runs are tests
+
+    ca = trustme.CA(key_type=trustme.KeyType.ECDSA)
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    files = TlsFiles(workdir / "tls.crt", workdir / "tls.key", workdir / "tls-ca.pem")
+    files.cert.write_bytes(b"".join(pem.bytes() for pem in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(files.key))
+    ca.cert_pem.write_to_path(str(files.ca))
+    return files
+
+
+def wss_url(wslb: Wslb) -> str:
+    """The ``wss://`` URL of ``wslb``'s TLS listener (``wslb_in_front`` with ``tls``)."""
+    listen = wslb.config["listen"]
+    entries = listen if isinstance(listen, list) else [listen]
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("tls"):
+            return f"wss://{entry['address']}/"
+    raise ValueError(f"wslb has no TLS listener: {listen!r}")
+
+
+def wait_echo(url: str, timeout: float = 20.0, tls: TlsFiles | None = None) -> None:
     """Wait until ``url`` echoes a message: a fuzzer run against a server that is not up yet (or
-    a wslb whose backend is not ready) would report every case FAILED instead of the cause."""
+    a wslb whose backend is not ready) would report every case FAILED instead of the cause.
+    A ``wss://`` URL needs ``tls``, whose CA the check trusts."""
     deadline = time.monotonic() + timeout
+    ctx = tls.client_context() if tls is not None and url.startswith("wss:") else None
     while True:
         try:
-            with connect(url, open_timeout=2, close_timeout=2, compression=None) as ws:
+            with connect(url, open_timeout=2, close_timeout=2, compression=None, ssl=ctx) as ws:
                 ws.send("ready?")
                 if ws.recv(timeout=2) == "ready?":
                     return
@@ -302,8 +374,23 @@ def echo_server(log: Path) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def wslb_in_front(echo_port: int, workdir: Path) -> Iterator[Wslb]:
-    wslb = Wslb(wslb_config(echo_port), workdir).start(wait_ready=False)
+def wslb_in_front(echo_port: int, workdir: Path, tls: TlsFiles | None = None) -> Iterator[Wslb]:
+    """wslb in front of the echo worker; with ``tls``, a TLS listener beside the plain one
+    (``wss_url``)."""
+    cfg = wslb_config(echo_port)
+    plain = free_port() if tls is not None else None
+    if tls is not None:
+        cfg["listen"] = [
+            f"127.0.0.1:{plain}",
+            {
+                "address": f"127.0.0.1:{free_port()}",
+                "tls": {"cert": str(tls.cert), "key": str(tls.key)},
+            },
+        ]
+    wslb = Wslb(cfg, workdir)
+    if plain is not None:
+        wslb.port = plain  # where ``start`` waits and ``url`` points: the plain listener
+    wslb.start(wait_ready=False)
     try:
         yield wslb
     finally:
@@ -311,15 +398,29 @@ def wslb_in_front(echo_port: int, workdir: Path) -> Iterator[Wslb]:
 
 
 def run_comparison(
-    workdir: Path, cases: Sequence[str] = DEFAULT_CASES, target: Path = CACHE, timeout: float = 600
+    workdir: Path,
+    cases: Sequence[str] = DEFAULT_CASES,
+    target: Path = CACHE,
+    timeout: float = 600,
+    tls: bool = False,
 ) -> Results:
-    """Echo worker + wslb in front of it, the fuzzer against both; results by agent name."""
+    """Echo worker + wslb in front of it, the fuzzer against both; results by agent name
+    (``direct`` and ``wslb``; with ``tls``, ``direct`` and ``wslb-tls``: wss:// to wslb's TLS
+    listener)."""
     install(target)
     workdir.mkdir(parents=True, exist_ok=True)
-    with echo_server(workdir / "echo.log") as echo_port, wslb_in_front(echo_port, workdir) as lb:
-        servers = {"direct": f"ws://127.0.0.1:{echo_port}/", "wslb": f"{lb.url}/"}
+    files = tls_files(workdir) if tls else None
+    with (
+        echo_server(workdir / "echo.log") as echo_port,
+        wslb_in_front(echo_port, workdir, files) as lb,
+    ):
+        servers = {"direct": f"ws://127.0.0.1:{echo_port}/"}
+        if files is not None:
+            servers[TLS_AGENT] = wss_url(lb)
+        else:
+            servers[WSLB_AGENT] = f"{lb.url}/"
         for url in servers.values():
-            wait_echo(url)
+            wait_echo(url, tls=files)
         spec = fuzzing_spec(servers, workdir / "report", cases)
         return run_fuzzingclient(spec, workdir, target, timeout)
 
@@ -329,14 +430,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated ids")
     parser.add_argument("--out", type=Path, default=ROOT / "reports" / "autobahn")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
+    parser.add_argument("--tls", action="store_true", help="wss:// to wslb's TLS listener")
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     started = time.monotonic()
-    results = run_comparison(out, cases, timeout=args.timeout)
-    print(summary(results))
+    results = run_comparison(out, cases, timeout=args.timeout, tls=args.tls)
+    agent = TLS_AGENT if args.tls else WSLB_AGENT
+    print(summary(results, other=agent))
     print(f"report: {out / 'report' / 'index.html'} ({time.monotonic() - started:.1f}s)")
-    return 1 if any(d.worse for d in compare(results)) else 0
+    return 1 if any(d.worse for d in compare(results, other=agent)) else 0
 
 
 if __name__ == "__main__":
