@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from balancer import config as configmod
 from balancer import logs
+from balancer.version import version
 
 __all__ = ["main"]
 
@@ -36,6 +37,30 @@ def _check(path: str) -> int:
     return 0
 
 
+def parser() -> argparse.ArgumentParser:
+    """``wslb``'s command line: serve (the default), ``check``, ``ctl``, ``-t``, ``--version``."""
+    p = argparse.ArgumentParser(
+        prog="wslb",
+        description="WebSocket-aware load balancer for LLM serving",
+        epilog="wslb ctl --help lists the operator commands (backends, drain, reload, ...).",
+    )
+    p.add_argument("--config", "-c", default="balancer.yaml", help="balancer.yaml path")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "-t",
+        "--test",
+        action="store_true",
+        help="check the config and exit (as nginx -t, haproxy -c): 0, or 2 with every error",
+    )
+    p.add_argument("-v", "--version", action="version", version=f"wslb {version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    check = sub.add_parser("check", help="validate a config: exit 0, or 2 with every error")
+    check.add_argument("file", nargs="?", help="the config file (default: --config's)")
+    check.add_argument("--config", "-c", dest="check_config", default=None)
+    sub.add_parser("ctl", help="operate a running wslb (wslb ctl --help)", add_help=False)
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wslb`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -43,20 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from balancer import ctl
 
         return ctl.main(args[1:])
-    parser = argparse.ArgumentParser(
-        prog="wslb", description="WebSocket-aware load balancer for LLM serving"
-    )
-    parser.add_argument("--config", "-c", default="balancer.yaml", help="balancer.yaml path")
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    sub = parser.add_subparsers(dest="command")
-    check = sub.add_parser("check", help="validate a config: exit 0, or 2 with every error")
-    check.add_argument("--config", "-c", dest="check_config", default=None)
-    ns = parser.parse_args(args)
+    ns = parser().parse_args(args)
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format=logs.TEXT_FORMAT)
     if ns.command == "check":
-        return _check(ns.check_config or ns.config)
+        return _check(ns.file or ns.check_config or ns.config)
+    if ns.test:
+        return _check(ns.config)
     return _run(ns.config)
 
 

@@ -156,58 +156,91 @@ def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float
         time.sleep(poll)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line of ``wslb ctl`` (also what tests check deployment hooks against)."""
-    p = argparse.ArgumentParser(prog="wslb ctl", description="operate a running wslb")
+def admin_url(text: str) -> str:
+    """The admin API's base URL from ``--admin``: a URL, or ``HOST:PORT`` (HAProxy's and
+    nginx's habit) taken as ``http://HOST:PORT``."""
+    text = text.strip()
+    if "://" not in text:
+        text = "http://" + text
+    return text.rstrip("/")
+
+
+def _global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """The options every ``wslb ctl`` command takes, before or after its name (a subcommand's
+    copy defaults to SUPPRESS so that it only overrides what was given there)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
     p.add_argument(
         "--admin",
-        default=os.environ.get("WSLB_ADMIN_URL", "http://127.0.0.1:8081"),
-        help="admin API base URL (env WSLB_ADMIN_URL)",
+        default=default(os.environ.get("WSLB_ADMIN_URL", "http://127.0.0.1:8081")),
+        metavar="URL|HOST:PORT",
+        help="admin API address (env WSLB_ADMIN_URL; default http://127.0.0.1:8081)",
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("WSLB_ADMIN_TOKEN") or None,
+        default=default(os.environ.get("WSLB_ADMIN_TOKEN") or None),
         help="admin bearer token (env WSLB_ADMIN_TOKEN; default: the token file a local wslb "
         "generated for the --admin port)",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--json", action="store_true", default=default(False), help="machine-readable output"
+    )
     p.add_argument(
         "--wait-admin",
         type=float,
-        default=0.0,
+        default=default(0.0),
         metavar="SECONDS",
         help="retry while the admin API cannot be reached, up to SECONDS (start-up hooks)",
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("backends", help="list backends")
-    ss = sub.add_parser("sessions", help="list live sessions")
-    ss.add_argument("--backend")
-    dr = sub.add_parser("drain", help="drain a backend")
+
+
+COMMANDS = (
+    ("backends", "list backends"),
+    ("sessions", "list live sessions"),
+    ("drain", "drain a backend"),
+    ("undrain", "put a backend back to active"),
+    ("migrate", "move one live session"),
+    ("reload", "reread the config file"),
+    ("add", "add a backend (cluster mode: to every instance)"),
+    ("remove", "remove a drained backend"),
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``wslb ctl`` (also what tests check deployment hooks against)."""
+    p = argparse.ArgumentParser(prog="wslb ctl", description="operate a running wslb")
+    _global_options(p, suppress=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, suppress=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    cmds = {name: sub.add_parser(name, help=text, parents=[common]) for name, text in COMMANDS}
+    cmds["sessions"].add_argument("--backend")
+    dr = cmds["drain"]
     dr.add_argument("id")
     dr.add_argument("--wait", action="store_true", help="show progress until drained")
     dr.add_argument("--no-migrate", action="store_true", help="close sessions instead (1012)")
     dr.add_argument("--timeout", help="e.g. 60s")
-    un = sub.add_parser("undrain", help="put a backend back to active")
-    un.add_argument("id")
-    mg = sub.add_parser("migrate", help="move one live session")
+    cmds["undrain"].add_argument("id")
+    mg = cmds["migrate"]
     mg.add_argument("sid")
     mg.add_argument("--to", help="target backend (default: where the ring sends it)")
-    sub.add_parser("reload", help="reread the config file")
-    ad = sub.add_parser("add", help="add a backend (cluster mode: to every instance)")
+    ad = cmds["add"]
     ad.add_argument("id")
     ad.add_argument("url", help="ws:// or wss:// URL of the worker")
     ad.add_argument("--weight", type=float)
     ad.add_argument("--pool", help="pool name (default: the first)")
     ad.add_argument("--metrics-url", help="scrape load signals here (an engine's /metrics)")
     ad.add_argument("--exist-ok", action="store_true", help="succeed if the id exists")
-    rm = sub.add_parser("remove", help="remove a drained backend")
-    rm.add_argument("id")
+    cmds["remove"].add_argument("id")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     """``wslb ctl ...``; returns the exit status."""
     args = parser().parse_args(list(argv))
+    args.admin = admin_url(args.admin)
     client = Client(args.admin, find_token(args.admin, args.token))
     if args.wait_admin > 0:
         deadline = time.monotonic() + args.wait_admin

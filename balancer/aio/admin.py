@@ -19,6 +19,7 @@ supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}`
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hmac
 import ipaddress
 import json
@@ -37,6 +38,7 @@ from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
 from balancer.config import Admin as AdminCfg
 from balancer.config import is_loopback
+from balancer.version import STARTED, version
 
 __all__ = ["Admin"]
 
@@ -103,6 +105,7 @@ class Admin:
     def make_app(self) -> web.Application:
         web_app = web.Application(middlewares=[self._guard, self._auth, self._errors])
         r = web_app.router
+        r.add_get("/version", self.version)
         r.add_get("/healthz", self.healthz)
         r.add_get("/readyz", self.readyz)
         r.add_get("/metrics", self.metrics)
@@ -208,9 +211,18 @@ class Admin:
             body = await request.json()
         except ValueError:
             raise ControlError(400, "body is not JSON") from None
+        except RecursionError:  # json's C parser recurses per nesting level
+            raise ControlError(400, "body is nested too deeply") from None
         if not isinstance(body, dict):
             raise ControlError(400, "body must be a JSON object")
         return body
+
+    async def version(self, request: web.Request) -> web.Response:
+        """What code serves: its version, when it was loaded (ISO 8601, UTC) and the pid."""
+        started = datetime.datetime.fromtimestamp(STARTED, datetime.UTC)
+        return web.json_response(
+            {"version": version(), "started": started.isoformat(), "pid": os.getpid()}
+        )
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -82,6 +82,9 @@ OPENAPI: dict[str, Any] = {
                 "security": [],
             }
         },
+        "/version": {
+            "get": _op("The code serving: {version, started (ISO 8601, when it was loaded), pid}")
+        },
         "/metrics": {"get": _op("Prometheus metrics (text format)")},
         "/backends": {
             "get": _op(
