@@ -18,11 +18,15 @@ Sans-I/O, and cheap on the relay's hot path:
   1011 as before) and ``transcript`` says why.
 
 The protocol is recognised by the worker's first message: the chat protocol's ``hello``
-(``wslb-chat``) or the Realtime protocol's ``session.created`` (``openai-realtime``); anything
-else leaves the journal unable to build a transcript (``unknown_protocol``), and so does a
-stream it cannot follow (a token out of order, a turn nobody asked for: ``lost_track``).
+(``wslb-chat``), the Realtime protocol's ``session.created`` (``openai-realtime``) or a
+Responses event (``response.*``, or an ``error`` without an ``event_id``: ``openai-responses``,
+which has no greeting); a crash before any worker message of a session whose client opened
+with a Responses ``response.create`` is a Responses session too. Anything else leaves the
+journal unable to build a transcript (``unknown_protocol``), and so does a stream it cannot
+follow (a token out of order, a turn nobody asked for: ``lost_track``). Client messages
+relayed before the protocol is known are kept (at most ``MAX_PENDING``) and folded once it is.
 
-The rules of the folds (docs/protocol.md sections 3, 3a and 5a):
+The rules of the folds (docs/protocol.md sections 3, 3a, 3b and 5a):
 
 - Chat. A valid ``prompt`` (the worker's rules) waits in ``pending`` until the worker starts a
   new turn (its first ``token`` or ``done``), which takes the oldest one: the answer's ``base``
@@ -36,9 +40,18 @@ The rules of the folds (docs/protocol.md sections 3, 3a and 5a):
   server's events. Each client event but a cancel waits in ``pending`` until the event that
   answers it (``session.updated``, ``conversation.item.added``, ``response.created``, or an
   ``error`` other than an engine's); a cancel marks the running response as cancelling.
+- Responses. Every client message waits in ``pending`` until the worker answers it, in order:
+  with ``response.created`` (a ``response.create`` it accepted: the running response's
+  conversation is the last response's, when ``previous_response_id`` names it, plus the
+  request's ``input``) or with an ``error`` of type ``invalid_request_error``. The running
+  response's output item, deltas and ``sequence_number`` are tracked; ``response.completed``
+  or ``.incomplete`` makes it the last response (its conversation plus the deltas joined),
+  ``response.failed`` leaves the last one as it was. A response continuing one this journal
+  did not relay (from an earlier connection) is ``lost_track``.
 
 ``transcript`` gives the open transcript state (``"v": 2``) that every worker's ``thaw`` accepts,
-with the Realtime session snapshot (``realtime``) so response and item ids continue.
+with the Realtime or Responses session snapshot (``realtime``, ``responses``) so response and
+item ids continue.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ COMPACT_AT = 8192  # raw worker bytes that trigger a fold
 MAX_PENDING = 64  # client messages waiting for the worker (the workers queue at most 64)
 CHAT = "wslb-chat"
 REALTIME = "openai-realtime"
+RESPONSES = "openai-responses"
 _ROLES = ("user", "system", "assistant")
 
 
@@ -141,7 +155,7 @@ class _Stream:
 def _loads(payload: bytes) -> dict[str, Any] | None:
     try:
         obj = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # a client's 100k-deep message is not a protocol one
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -161,7 +175,7 @@ def _decoded(
     if len(texts) > 1:
         try:
             batch = json.loads(b"[" + b",".join(texts) + b"]")
-        except ValueError:
+        except (ValueError, RecursionError):
             batch = None
         if isinstance(batch, list) and len(batch) == len(texts):
             objs = batch
@@ -639,18 +653,215 @@ class _RealtimeFold:
         }
 
 
+def _responses_input(value: object) -> list[dict[str, str]]:
+    """A ``response.create``'s ``input`` as the workers read it (backends.protocol.responses):
+    a string is one user message; items' text parts are joined, ``developer`` is ``system``."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, str]] = []
+    for item in value if isinstance(value, list) else ():
+        if isinstance(item, dict):
+            role = item.get("role")
+            role = "system" if role == "developer" else role
+            out.append({"role": str(role), "content": _text_of(item.get("content")) or ""})
+    return out
+
+
+def _is_responses_create(obj: dict[str, Any] | None) -> bool:
+    """A Responses ``response.create`` (top-level fields; a Realtime one nests ``response``)."""
+    return obj is not None and obj.get("type") == "response.create" and "response" not in obj
+
+
+def _is_responses_event(obj: dict[str, Any], kind: str) -> bool:
+    """A Responses server event: ``response.*``, or an ``error`` without the ``event_id`` every
+    Realtime server event carries."""
+    return kind.startswith("response.") or (kind == "error" and "event_id" not in obj)
+
+
+class _ResponsesFold:
+    """The Responses WebSocket session as the worker holds it (module docstring)."""
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.last: dict[str, Any] | None = None  # {"id", "messages"}: what may be continued
+        self.response: dict[str, Any] | None = None  # the running one, as a snapshot holds it
+        self.chunks: list[str] = []
+        self.chars = 0
+        self.responses = 0
+        self.pending: deque[dict[str, Any] | None] = deque()  # None: a message no worker acts on
+
+    def client(self, obj: dict[str, Any] | None) -> None:
+        if len(self.pending) < MAX_PENDING:
+            self.pending.append(obj)
+
+    def worker(self, obj: dict[str, Any]) -> str | None:
+        kind = obj.get("type")
+        r = self.response
+        if kind == "response.output_text.delta":
+            delta = obj.get("delta")
+            if r is None or type(delta) is not str or obj.get("item_id") != r["item_id"]:
+                return "a delta outside the running response"
+            self.chunks.append(delta)
+            self.chars += len(delta)
+            r["deltas"] += 1
+        elif kind == "response.created":
+            why = self._created(obj)
+            if why is not None:
+                return why
+            r = self.response
+        elif kind == "response.output_item.added":
+            item = obj.get("item")
+            if r is None or not isinstance(item, dict) or not isinstance(item.get("id"), str):
+                return "an output item outside a response"
+            r["item_id"] = item["id"]
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            if r is not None and kind != "response.failed":
+                text = "".join(self.chunks)
+                self.last = {
+                    "id": r["id"],
+                    "messages": [*r["messages"], {"role": "assistant", "content": text}],
+                }
+            self.response = r = None
+            self.chunks = []
+            self.chars = 0
+        elif kind == "error":
+            error = obj.get("error")
+            answers = isinstance(error, dict) and error.get("type") == "invalid_request_error"
+            if answers and self.pending:
+                self.pending.popleft()  # the answer to the oldest client message
+        if r is not None:
+            seq = _count(obj.get("sequence_number"))
+            if seq is not None:
+                r["seq"] = seq + 1
+        return None
+
+    def _created(self, obj: dict[str, Any]) -> str | None:
+        """``response.created`` answers the oldest client message, a ``response.create``."""
+        resp = obj.get("response")
+        if not isinstance(resp, dict) or not isinstance(resp.get("id"), str):
+            return "response.created without a response id"
+        request = self.pending.popleft() if self.pending else None
+        if not _is_responses_create(request):
+            return "a response wslb relayed no response.create for"
+        assert request is not None
+        previous = resp.get("previous_response_id")
+        base: list[dict[str, str]] = []
+        if previous is not None:
+            if self.last is None or self.last["id"] != previous:
+                return f"a response continuing {previous!r}, which wslb did not relay"
+            base = list(self.last["messages"])
+        base += _responses_input(request.get("input"))
+        model = resp.get("model")
+        self.model = model if isinstance(model, str) else self.model
+        limit = _count(resp.get("max_output_tokens"))
+        created = resp.get("created_at")
+        temperature = resp.get("temperature")
+        metadata = resp.get("metadata")
+        instructions = resp.get("instructions")
+        stream_id = obj.get("stream_id")
+        self.responses += 1
+        self.response = {
+            "id": resp["id"],
+            "item_id": None,
+            "model": model if isinstance(model, str) else "default",
+            "created_at": created if isinstance(created, int | float) else 0.0,
+            "instructions": instructions if isinstance(instructions, str) else None,
+            "max_output_tokens": limit or None,
+            "max_tokens": limit or None,
+            "metadata": metadata if isinstance(metadata, dict) else None,
+            "temperature": temperature if isinstance(temperature, int | float) else None,
+            "previous_response_id": previous,
+            "stream_id": stream_id if isinstance(stream_id, str) else None,
+            "messages": base,
+            "text": "",
+            "deltas": 0,
+            "seq": 0,
+        }
+        self.chunks = []
+        self.chars = 0
+        return None
+
+    def _prompt(self, r: dict[str, Any]) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": r["instructions"]}] if r["instructions"] else []
+        return head + list(r["messages"])
+
+    @property
+    def size(self) -> int:
+        """Characters of text held, plus the client events waiting as JSON would hold them."""
+        held = _chars(self.last["messages"]) if self.last is not None else 0
+        if self.response is not None:
+            held += _chars(self.response["messages"]) + self.chars
+        for event in self.pending:
+            if event is not None:
+                held += len(json.dumps(event))
+        return held
+
+    def transcript(self, sid: str) -> dict[str, Any]:
+        r = self.response
+        if r is not None and r["item_id"] is None:
+            raise JournalError("lost_track", "a response without its output item")
+        text = "".join(self.chunks)
+        snapshot = {
+            "v": 1,
+            "session": sid,
+            "model": self.model,
+            "counters": {"responses": self.responses, "items": self.responses},
+            "last": None
+            if self.last is None
+            else {"id": self.last["id"], "messages": list(self.last["messages"])},
+            "response": None if r is None else {**r, "messages": list(r["messages"]), "text": text},
+            "unsent": [],
+        }
+        if r is not None:
+            messages = self._prompt(r)
+        else:
+            messages = list(self.last["messages"]) if self.last is not None else []
+        return {
+            "v": 2,
+            "session": sid,
+            "protocol": RESPONSES,
+            "messages": messages,
+            "answer": None
+            if r is None
+            else {
+                "turn": self.responses,
+                "i": r["deltas"],
+                "text": text,
+                "max_tokens": r["max_tokens"],
+                "cancelled": False,
+            },
+            "queued": [e for e in self.pending if e is not None],
+            "turns": self.responses,
+            "responses": snapshot,
+        }
+
+
 class Journal:
     """One session's journal (module docstring). ``limit``: bytes it may hold; ``sid``: the
     session's key, for the log line of a journal that gives up."""
 
-    __slots__ = ("_c", "_fold", "_w", "folded", "limit", "over", "protocol", "sid", "trouble")
+    __slots__ = (
+        "_c",
+        "_early",
+        "_fold",
+        "_w",
+        "folded",
+        "limit",
+        "over",
+        "protocol",
+        "sid",
+        "trouble",
+    )
 
     def __init__(self, limit: int, sid: str = "") -> None:
         self.limit = limit
         self.sid = sid
         self._w = _Stream(masked=False)
         self._c = _Stream(masked=True)
-        self._fold: _ChatFold | _RealtimeFold | None = None
+        self._fold: _ChatFold | _RealtimeFold | _ResponsesFold | None = None
+        # Client messages folded before the protocol was known (the Responses protocol has no
+        # greeting; a chat or Realtime client may write before the worker's first message).
+        self._early: list[dict[str, Any] | None] = []
         self.protocol: str | None = None
         self.over = False
         self.trouble: JournalError | None = None  # why no transcript can be built
@@ -719,9 +930,13 @@ class Journal:
         for opcode, payload in self._c.messages():
             self.folded += 1
             fold = self._fold
-            if fold is None or self.trouble is not None:
+            if self.trouble is not None:
                 continue
             obj = _loads(payload) if opcode == OP_TEXT else None
+            if fold is None:
+                if len(self._early) < MAX_PENDING:
+                    self._early.append(obj)
+                continue
             fold.client(obj)
 
     def _recognise(self, obj: dict[str, Any] | None) -> None:
@@ -730,12 +945,19 @@ class Journal:
             self.protocol, self._fold = CHAT, _ChatFold()
         elif kind == "session.created":
             self.protocol, self._fold = REALTIME, _RealtimeFold()
+        elif obj is not None and isinstance(kind, str) and _is_responses_event(obj, kind):
+            self.protocol, self._fold = RESPONSES, _ResponsesFold()
         else:
             self.trouble = JournalError(
                 "unknown_protocol",
-                "the worker's first message is neither the chat protocol's hello nor "
-                "the Realtime protocol's session.created",
+                "the worker's first message is neither the chat protocol's hello, the "
+                "Realtime protocol's session.created nor a Responses event",
             )
+            self._early = []
+            return
+        for early in self._early:
+            self._fold.client(early)
+        self._early = []
 
     def _check_size(self) -> None:
         if self.size > self.limit:
@@ -760,7 +982,8 @@ class Journal:
     def size(self) -> int:
         """Bytes held: raw frames not folded yet plus the folded conversation's text."""
         folded = self._fold.size if self._fold is not None else 0
-        return self._w.size + self._c.size + folded
+        early = sum(len(json.dumps(e)) for e in self._early if e is not None)
+        return self._w.size + self._c.size + folded + early
 
     def transcript(self, sid: str) -> dict[str, Any]:
         """The transcript state (``"v": 2``) of everything relayed so far.
@@ -773,6 +996,11 @@ class Journal:
             raise self.trouble
         if self._w.parts or self._w.buf:
             raise JournalError("mid_message", "the worker was lost in the middle of a message")
+        if self._fold is None and self._early and _is_responses_create(self._early[0]):
+            # A Responses session whose worker died before its first answer.
+            self.protocol, self._fold = RESPONSES, _ResponsesFold()
+            self._fold.pending.extend(self._early)
+            self._early = []
         if self._fold is None:
             raise JournalError("unknown_protocol", "the worker sent nothing yet")
         return self._fold.transcript(sid)
