@@ -2,24 +2,30 @@
 
 Client side: an h11 ``Request`` is checked against RFC 6455 4.2.1 before any worker connection is
 opened; every rejection carries its status (400 malformed, 426 wrong version or not an upgrade).
+Session keys follow one rule (``SESSION_KEY_RULE``: 400 otherwise, never cut or cleaned) and
+are percent-encoded wherever they enter a URL (``quote_key``).
 Worker side: wslb is the WebSocket client. It builds its own request (a fresh key, the client's
-subprotocols, ``X-Session-Id``, ``X-Forwarded-For``, the client's end-to-end headers) and checks
-the worker's answer: 101, ``Upgrade``/``Connection``, the ``Sec-WebSocket-Accept`` derived from
-its key, a subprotocol the client offered and no extension (wslb never offers one, so frames stay
-uncompressed and a session's state can move between workers). Anything else is a 502.
+subprotocols, ``X-Session-Id``, ``X-Forwarded-For``, ``Forwarded`` and ``X-Real-IP`` of its own,
+its credential, the client's end-to-end headers) and checks the worker's answer: 101,
+``Upgrade``/``Connection``, the ``Sec-WebSocket-Accept`` derived from its key, a subprotocol the
+client offered and no extension (wslb never offers one, so frames stay uncompressed and a
+session's state can move between workers). Anything else is a 502.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http
+import ipaddress
+import re
 import secrets
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
-from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any, Final
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import h11
 from wsproto.utilities import generate_accept_token, generate_nonce
@@ -27,19 +33,28 @@ from wsproto.utilities import generate_accept_token, generate_nonce
 from balancer.config import KeySource
 
 __all__ = [
+    "SESSION_KEY_RULE",
     "ClientRequest",
     "HandshakeReject",
     "RequestReader",
     "UpstreamReject",
     "accept_headers",
     "check_client_request",
+    "check_key",
     "check_upstream_response",
     "new_session_id",
+    "quote_key",
     "session_key",
     "upstream_request",
+    "valid_key",
 ]
 
-# Headers that belong to one hop or to the handshake itself: never copied to the worker.
+SESSION_KEY_RULE: Final = "a session key is 1-256 characters of A-Z a-z 0-9 . _ ~ : @ -"
+_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~:@-]{1,256}")
+_WORKER_TOKEN: Final = b"x-wslb-worker-token"  # wslb's credential (balancer.workerauth.HEADER)
+
+# Headers that belong to one hop or to the handshake itself, or that wslb writes itself (its
+# credential, the addresses it vouches for): never copied from the client to the worker.
 _HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -62,8 +77,13 @@ _HOP_BY_HOP = frozenset(
         b"x-forwarded-proto",
         b"x-forwarded-host",
         b"x-wslb-resume",
+        _WORKER_TOKEN,
+        b"forwarded",
+        b"x-real-ip",
     }
 )
+# Hop headers wslb rewrites itself and keeps for a session's later worker legs (migration).
+_FORWARDING: Final = frozenset({b"x-forwarded-for", b"forwarded", b"x-real-ip"})
 
 
 class HandshakeReject(Exception):
@@ -132,9 +152,51 @@ class UpstreamReject(Exception):
     ``status`` is the worker's HTTP status when it answered with something other than 101.
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        body: bytes = b"",
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = list(headers)
+        self.body = body
+
+    def relayed(self) -> bytes | None:
+        """The worker's own answer as the client gets it, or None when wslb answers instead.
+
+        A worker that refuses the upgrade itself (``401``/``403`` from its own auth, ``404``,
+        ``429``, ``500``) is heard as it spoke, as nginx and HAProxy pass it: its status,
+        its end-to-end headers (``WWW-Authenticate``, ``Retry-After``, ``Content-Type``) and
+        its body up to ``WORKER_BODY_LIMIT``, so a client that refreshes its token on 401
+        works behind wslb. ``502``-``504`` (busy, going away) make wslb try the next worker,
+        and a malformed answer (no status) or a ``2xx`` (an HTTP server that does not speak
+        WebSocket there: not a refusal, nothing the client could act on) is wslb's own 502.
+        """
+        if self.status is None or self.status in (502, 503, 504) or self.status < 300:
+            return None
+        lines = [f"HTTP/1.1 {self.status} {_reason(self.status)}".encode()]
+        for name, value in self.headers:
+            if name not in _HOP_BY_HOP and name not in _NOT_RELAYED:
+                lines.append(name + b": " + value)
+        body = self.body[:WORKER_BODY_LIMIT]
+        lines += [b"content-length: " + str(len(body)).encode(), b"connection: close"]
+        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+WORKER_BODY_LIMIT = 64 * 1024
+"""The most of a worker's refusal body wslb reads and passes on (a longer one is cut)."""
+# A refusal's headers that describe the worker's connection, not the answer.
+_NOT_RELAYED: Final = frozenset({b"date", b"server", b"set-cookie2", b"alt-svc"})
+
+
+def _reason(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
 
 
 @dataclass(slots=True)
@@ -156,25 +218,62 @@ class ClientRequest:
                 return v
         return None
 
-    def forwarded_for(self, hop: str) -> ClientRequest:
-        """A copy whose ``X-Forwarded-For`` has ``hop`` (the address wslb took the connection
-        from) appended, as nginx's ``$proxy_add_x_forwarded_for`` does."""
+    def forwarded_for(
+        self, hop: str, *, trusted: bool = True, client: str | None = None
+    ) -> ClientRequest:
+        """A copy with the forwarding headers wslb vouches for.
+
+        ``X-Forwarded-For`` gets ``hop`` (the address wslb took the connection from) appended,
+        as nginx's ``$proxy_add_x_forwarded_for`` does. ``Forwarded`` (RFC 7239) gets a
+        ``for=HOP`` element appended when the peer is a ``trusted`` proxy; from anyone else it
+        is replaced, since every element a client wrote is its own claim. ``X-Real-IP`` is
+        always wslb's: ``client`` (the address wslb counts the client as), or ``hop``.
+        """
+        raw = hop.encode("latin-1")
         prior = self.header(b"x-forwarded-for")
-        value = hop.encode("latin-1") if prior is None else prior + b", " + hop.encode("latin-1")
-        headers = [(k, v) for k, v in self.headers if k != b"x-forwarded-for"]
+        value = raw if prior is None else prior + b", " + raw
+        element = b"for=" + _forwarded_node(hop)
+        before = b", ".join(v for k, v in self.headers if k == b"forwarded")
+        headers = [(k, v) for k, v in self.headers if k not in _FORWARDING]
         headers.append((b"x-forwarded-for", value))
+        headers.append((b"forwarded", before + b", " + element if trusted and before else element))
+        headers.append((b"x-real-ip", (client or hop).encode("latin-1")))
         return ClientRequest(
             self.target, self.path, self.query, headers, self.key, self.subprotocols, self.host
+        )
+
+    def without_query(self, name: str) -> ClientRequest:
+        """A copy whose query has no parameter ``name`` (a credential the worker must not
+        see, such as the JWT's ``access_token``); the rest is kept as the client wrote it."""
+        if not self.query:
+            return self
+        parts = self.query.split("&")
+        kept = [p for p in parts if unquote(p.partition("=")[0].replace("+", " ")) != name]
+        if len(kept) == len(parts):
+            return self
+        query = "&".join(kept)
+        target = self.path + (f"?{query}" if query else "")
+        return ClientRequest(
+            target, self.path, query, self.headers, self.key, self.subprotocols, self.host
         )
 
     def for_resume(self) -> ClientRequest:
         """What a live session keeps to open another worker leg (migration): the headers
         ``upstream_request`` forwards or reads, in a plain list (h11's header objects are
         several times larger, and a live session keeps this for its whole life)."""
-        keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k == b"x-forwarded-for"]
+        keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k in _FORWARDING]
         # The path goes to a path-less backend URL's worker again; most sessions share theirs.
         path = sys.intern(self.path)
         return ClientRequest("", path, self.query, keep, b"", self.subprotocols, self.host)
+
+
+def _forwarded_node(address: str) -> bytes:
+    """An address as a ``Forwarded`` node: IPv6 quoted in brackets, a non-address obfuscated."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return b"unknown"
+    return f'"[{ip}]"'.encode() if ip.version == 6 else str(ip).encode()
 
 
 def _tokens(value: bytes) -> list[str]:
@@ -242,8 +341,33 @@ def new_session_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+def valid_key(key: str) -> bool:
+    """``key`` follows ``SESSION_KEY_RULE``: safe in a header, a log line and, quoted
+    (``quote_key``), a URL path segment, whatever the worker behind."""
+    return _KEY_RE.fullmatch(key) is not None
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` if valid, else a 400 naming the rule and where the key came from."""
+    if not valid_key(key):
+        raise HandshakeReject(400, f"bad session key in {where}: {SESSION_KEY_RULE}")
+    return key
+
+
+def quote_key(key: str) -> str:
+    """``key`` as one URL path segment, every character but letters, digits, ``-``, ``_`` and
+    ``~`` percent-encoded: ``/``, ``?`` and ``#`` cannot end it, and ``.`` too, so that no
+    client library or server takes ``.`` or ``..`` for a dot-segment and walks up the path."""
+    return quote(key, safe="").replace(".", "%2E")
+
+
 def session_key(sources: Sequence[KeySource], req: ClientRequest) -> str | None:
-    """The first session key present among the configured sources, or None."""
+    """The first session key present among the configured sources, or None.
+
+    Raises:
+        HandshakeReject: 400 when the key found breaks ``SESSION_KEY_RULE`` (never
+            truncated or cleaned: two different keys must not become one).
+    """
     query: dict[str, str] | None = None
     for src in sources:
         value: str | None = None
@@ -273,7 +397,7 @@ def session_key(sources: Sequence[KeySource], req: ClientRequest) -> str | None:
             if -len(segments) <= index < len(segments):
                 value = unquote(segments[index])
         if value:
-            return value[:256]
+            return check_key(value, str(src))
     return None
 
 
@@ -286,12 +410,14 @@ def upstream_request(
     *,
     secure_client: bool = False,
     resume: bool = False,
+    worker_token: str | None = None,
 ) -> tuple[h11.Request, bytes]:
     """wslb's own upgrade request to a worker and the key whose accept token it expects.
 
     The client's query string is appended to the worker URL's path, so workers can read it.
     ``client_host`` is appended to the request's ``X-Forwarded-For``; None sends the header as
-    it is (``ClientRequest.forwarded_for`` made it already).
+    it is (``ClientRequest.forwarded_for`` made it already). ``worker_token``: wslb's
+    credential (``balancer.workerauth``), in a header no client can set.
     """
     nonce = bytes(generate_nonce())
     target = upstream_path
@@ -310,6 +436,11 @@ def upstream_request(
         (b"x-forwarded-for", xff),
         (b"x-forwarded-proto", b"wss" if secure_client else b"ws"),
     ]
+    for name, value in req.headers:
+        if name in _FORWARDING and name != b"x-forwarded-for":
+            headers.append((name, value))
+    if worker_token is not None:
+        headers.append((_WORKER_TOKEN, worker_token.encode("ascii")))
     if req.host:
         headers.append((b"x-forwarded-host", req.host.encode("latin-1")))
     if req.subprotocols:
@@ -323,11 +454,17 @@ def upstream_request(
 
 
 def check_upstream_response(
-    resp: h11.InformationalResponse | h11.Response, nonce: bytes, offered: Sequence[str]
+    resp: h11.InformationalResponse | h11.Response,
+    nonce: bytes,
+    offered: Sequence[str],
+    body: bytes = b"",
 ) -> str | None:
-    """Check the worker's answer; return the negotiated subprotocol or raise ``UpstreamReject``."""
+    """Check the worker's answer; return the negotiated subprotocol or raise ``UpstreamReject``
+    (with the worker's headers and ``body`` when it answered with another status)."""
     if resp.status_code != 101:
-        raise UpstreamReject(f"worker answered {resp.status_code}, not 101", resp.status_code)
+        raise UpstreamReject(
+            f"worker answered {resp.status_code}, not 101", resp.status_code, resp.headers, body
+        )
     upgrade: list[str] = []
     connection: list[str] = []
     accept: bytes | None = None

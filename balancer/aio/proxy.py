@@ -23,7 +23,9 @@ import h11
 from balancer import proxyproto
 from balancer.aio.session import ClientLeg, Session, pause_reading
 from balancer.aio.state import ServerState
+from balancer.auth import scoped_key
 from balancer.handshake import (
+    WORKER_BODY_LIMIT,
     ClientRequest,
     HandshakeReject,
     RequestReader,
@@ -100,6 +102,14 @@ def switching_protocols(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+class WorkerRefused(HandshakeReject):
+    """The worker refused the upgrade itself; ``raw`` is its answer as the client gets it."""
+
+    def __init__(self, status: int, raw: bytes, backend_id: str) -> None:
+        super().__init__(status, f"refused by worker {backend_id}")
+        self.raw = raw
+
+
 class ClientConnection(asyncio.Protocol):
     """A client connection until its upgrade succeeds or is refused.
 
@@ -114,6 +124,7 @@ class ClientConnection(asyncio.Protocol):
     ) -> None:
         self.state = state
         self.secure = secure
+        self.opened = state.loop.time()  # made at accept: the handshake's histogram
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
         self.trusted = False  # the TCP peer is a trusted proxy
@@ -127,6 +138,8 @@ class ClientConnection(asyncio.Protocol):
         self.session: Session | None = None
         self.gone = False
         self.counted = False
+        self.method = "-"  # the request's, once read (for the log line of a refusal)
+        self.target = "-"
 
     # -- asyncio callbacks -----------------------------------------------------------------
 
@@ -232,13 +245,26 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def reject(self, rej: HandshakeReject) -> None:
-        """Answer a refused handshake with its status and close (no worker is contacted)."""
+        """Answer a refused handshake with its status and close, with a log line (the client,
+        the status and why: HAProxy logs every refused request too)."""
         self.state.stats.rejections[rej.status] += 1
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        log.info(
+            "refused %s %s from %s: %d %s",
+            self.method,
+            self.target,
+            self.peer,
+            rej.status,
+            rej.message,
+        )
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(http_response(rej.status, rej.message, rej.headers, rej.details))
+            if isinstance(rej, WorkerRefused):
+                self.transport.write(rej.raw)
+            else:
+                body = http_response(rej.status, rej.message, rej.headers, rej.details)
+                self.transport.write(body)
             self.transport.close()
 
     async def _upgrade(self, event: h11.Request) -> None:
@@ -254,17 +280,21 @@ class ClientConnection(asyncio.Protocol):
 
     async def _do_upgrade(self, event: h11.Request) -> None:
         st = self.state
+        self.method = event.method.decode("latin-1", "replace")
+        self.target = event.target.decode("latin-1", "replace").partition("?")[0][:200]
         req = check_client_request(event)
         # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
         # client: that proxy is transparent), once, whatever worker legs the session opens.
+        # Forwarded and X-Real-IP are wslb's too: a client's own are its claims (handshake.py).
+        hop = self.peer
         xff = req.header(b"x-forwarded-for")
-        req = req.forwarded_for(self.peer)
         if self.trusted and not self.proxied and xff is not None:
             named = forwarded_client(xff.decode("latin-1"), st.trusted_proxies)
             if named is not None:
                 self._client_is(named)
                 if self._over_limit_once_named():
                     return
+        req = req.forwarded_for(hop, trusted=self.trusted, client=self.peer)
         model = requested_model(req.query)
         pool = st.route(req.path, model)
         if pool is None:
@@ -273,7 +303,12 @@ class ClientConnection(asyncio.Protocol):
                 why = "no ?model= given" if model is None else f"model {model!r} is not served"
                 raise HandshakeReject(404, why, details={"models": served})
             raise HandshakeReject(404, f"no pool serves {req.path}")
-        sid = st.authorize(req) or session_key(pool.cfg.session_key, req) or new_session_id()
+        owner, claimed = st.authorize(req)
+        key = claimed or session_key(pool.cfg.session_key, req) or new_session_id()
+        # With JWT, a key the client names (or one made for it) is scoped to its owner: the
+        # worker sees the scoped one, the client its own (auth.py).
+        sid = key if owner is None or claimed else scoped_key(owner, key)
+        req = st.auth.strip(req)  # the token in ?access_token= is not the worker's business
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"
@@ -288,17 +323,22 @@ class ClientConnection(asyncio.Protocol):
                 )
             except UpstreamReject as exc:
                 st.stats.handshake_failures[backend.id] += 1
-                if exc.status != 503:
+                if exc.status is None or (exc.status >= 500 and exc.status != 503):
                     # A 503 is a worker saying it is busy or draining, not a broken one: the
-                    # health probe takes it out; ejecting it would outlast its restart.
+                    # health probe takes it out; ejecting it would outlast its restart. A 4xx
+                    # is its answer to this client (its own auth, a path it does not serve).
                     st.worker_failed(pool, backend)
                 if exc.status in (502, 503, 504):
                     # Busy or going away (a worker draining itself): nothing was tunnelled, so
                     # walk on like a connect failure (HAProxy's retry-on 503).
                     last_error = f"worker {backend.id}: {exc}"
+                    log.info("worker %s refused the upgrade: %s; trying the next", backend.id, exc)
                     continue
-                # Any other refusal is the worker's answer to this request: a 502.
-                raise HandshakeReject(502, f"worker {backend.id}: {exc}") from None
+                relayed = exc.relayed()
+                if relayed is not None:  # the worker's own refusal, passed on as it sent it
+                    raise WorkerRefused(exc.status or 502, relayed, backend.id) from None
+                log.warning("worker %s gave a bad answer to the upgrade: %s", backend.id, exc)
+                raise HandshakeReject(502, "the worker gave a bad answer to the upgrade") from None
             except (OSError, TimeoutError) as exc:
                 st.stats.connect_failures[backend.id] += 1
                 st.worker_failed(pool, backend)
@@ -308,10 +348,13 @@ class ClientConnection(asyncio.Protocol):
             if self.gone:
                 transport.close()
                 return
-            self._start_session(pool, backend, sid, req, transport, proto, response, trailing)
+            self._start_session(pool, backend, sid, req, transport, proto, response, trailing, key)
             return
         status = 502 if tried else 503
-        raise HandshakeReject(status, last_error)
+        if tried:
+            log.warning("no worker took the upgrade for %s (%s)", req.path, last_error)
+        # The client is told what happened, not which worker (ids are the operator's).
+        raise HandshakeReject(status, "no worker could take the session" if tried else last_error)
 
     def _start_session(
         self,
@@ -323,6 +366,7 @@ class ClientConnection(asyncio.Protocol):
         proto: UpstreamHandshake,
         subprotocol: str | None,
         worker_trailing: bytes,
+        client_key: str,
     ) -> None:
         assert self.transport is not None
         if self.timer is not None:
@@ -343,7 +387,8 @@ class ClientConnection(asyncio.Protocol):
             self.secure,
         )
         self.session = session
-        ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, sid)))
+        ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, client_key)))
+        state.stats.handshake_duration.observe(state.loop.time() - self.opened)
         ctransport.set_protocol(ClientLeg(session))
         wtransport.set_protocol(session)
         client_trailing = self.reader.trailing
@@ -380,8 +425,10 @@ async def open_upstream(
         sid,
         secure_client=secure,
         resume=resume,
+        worker_token=state.worker_token(backend),
     )
     timeouts = state.timeouts
+    dialled = state.loop.time()
     transport, proto = await asyncio.wait_for(
         state.loop.create_connection(
             lambda: UpstreamHandshake(request),
@@ -392,8 +439,11 @@ async def open_upstream(
         ),
         timeouts.connect,
     )
+    state.stats.upstream_connect.observe(backend.id, state.loop.time() - dialled)
     try:
         response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
+        if response.status_code != 101:  # a refusal: ``trailing`` holds its body
+            check_upstream_response(response, nonce, req.subprotocols, trailing)
         subprotocol = check_upstream_response(response, nonce, req.subprotocols)
     except BaseException:
         transport.abort()
@@ -413,6 +463,10 @@ class UpstreamHandshake(asyncio.Protocol):
         self.eof = False
         self.extra = bytearray()  # bytes that arrive after the 101, before the switch-over
         self.transport: asyncio.Transport | None = None
+        # A refusal (a final answer other than 101) and its body, read up to the limit, so
+        # the client hears the worker's own answer (``UpstreamReject.relayed``).
+        self.refusal: h11.Response | None = None
+        self.body = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -424,10 +478,18 @@ class UpstreamHandshake(asyncio.Protocol):
             return
         try:
             self.h11.receive_data(data)
-            event = self.h11.next_event()
+            while not self.done.done():
+                event = self.h11.next_event()
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    return
+                self._event(event)
         except h11.RemoteProtocolError as exc:
-            self.done.set_exception(UpstreamReject(f"malformed response: {exc}"))
-            return
+            if self.refusal is not None:  # a refusal with a broken body: what came of it
+                self._refused()
+            else:
+                self.done.set_exception(UpstreamReject(f"malformed response: {exc}"))
+
+    def _event(self, event: object) -> None:
         if isinstance(event, h11.InformationalResponse):
             if event.status_code == 101:
                 pause_reading(self.transport, True)  # the session resumes it once wired
@@ -436,13 +498,27 @@ class UpstreamHandshake(asyncio.Protocol):
             elif event.status_code != 100:
                 self.done.set_result((event, b""))
         elif isinstance(event, h11.Response):
-            self.done.set_result((event, b""))
+            self.refusal = event
+        elif isinstance(event, h11.Data):
+            room = WORKER_BODY_LIMIT - len(self.body)
+            self.body += bytes(event.data)[: max(0, room)]
+            if len(self.body) >= WORKER_BODY_LIMIT:
+                self._refused()
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            self._refused()
+
+    def _refused(self) -> None:
+        if self.refusal is not None and not self.done.done():
+            self.done.set_result((self.refusal, bytes(self.body)))
 
     def eof_received(self) -> bool | None:
         self.eof = True
+        if self.refusal is not None:  # a body that ends with the connection
+            self._refused()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
+        self._refused()
         if not self.done.done():
             self.done.set_exception(ConnectionResetError("worker closed during the handshake"))
