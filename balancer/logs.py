@@ -7,18 +7,23 @@ to the ``wslb.access`` logger at INFO; ``log.access: false`` turns it off.
 
 Text, ``key=value`` with values quoted only when they need it::
 
-    127.0.0.1 session=alice pool=chat backend=w1 duration=12.304s msgs_in=3 msgs_out=120
-    bytes_in=310 bytes_out=9021 close_client=1000 close_worker=1000 migrations=0 failovers=0
-    end="client closed"
+    127.0.0.1 session=alice pool=chat backend=w1 path=/ws status=101 connect=0.3ms
+    upgrade=1.2ms duration=12.304s msgs_in=3 msgs_out=120 bytes_in=310 bytes_out=9021
+    close_client=1000 close_worker=1000 migrations=0 failovers=0 end="client closed"
+    ua=Python/3.11
 
 (one line). With ``log.format: json`` every log line is one JSON object (``ts``, ``level``,
-``logger``, ``message``), and an access line carries its fields as keys of that object.
+``logger``, ``message``), and an access line carries its fields as keys of that object. Times
+are ISO 8601 with milliseconds and the zone in both formats; the workers wslb spawns log in its
+format too (``WSLB_LOG_FORMAT``).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -29,6 +34,26 @@ __all__ = ["ACCESS", "JsonFormatter", "access_fields", "access_text", "setup"]
 ACCESS = logging.getLogger("wslb.access")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FORMAT_ENV = "WSLB_LOG_FORMAT"
+"""Given to the processes wslb starts (spawned workers) so that their lines match its own."""
+
+
+def iso_time(created: float) -> str:
+    """A record's time as ISO 8601 with milliseconds and the zone (``2026-12-01T21:19:25.064
+    +00:00``): what log shippers parse without configuration, unambiguous across zones."""
+    return datetime.datetime.fromtimestamp(created).astimezone().isoformat(timespec="milliseconds")
+
+
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT`` with ISO 8601 timestamps (``iso_time``)."""
+
+    def __init__(self, fmt: str = TEXT_FORMAT) -> None:
+        super().__init__(fmt)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return iso_time(record.created)
+
+
 _PLAIN = re.compile(r"[A-Za-z0-9._:/@,+=\[\]-]+")
 
 
@@ -41,7 +66,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": round(record.created, 6),
+            "ts": iso_time(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -69,8 +94,9 @@ def setup(level: int, fmt: str = "text", process: str | None = None) -> None:
         handler.setFormatter(JsonFormatter(process))
     else:
         tag = f"[{process}]" if process is not None else ""
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}")))
+        handler.setFormatter(TextFormatter(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}")))
     root.setLevel(level)
+    os.environ[FORMAT_ENV] = fmt  # what the workers wslb spawns log in
 
 
 class EndedSession(Protocol):
@@ -94,17 +120,31 @@ class EndedSession(Protocol):
     migrations: int
     failovers: int
     ended: str | None
+    timing: tuple[float, float]
+    """Seconds the first worker leg took: its TCP (and TLS) connect, then its answer (101)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def user_agent(self) -> str | None: ...
 
 
 def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
     """The access-log fields of a session that has just ended."""
     msgs_in, msgs_out, bytes_in, bytes_out = s.totals
     end = time.time() if now is None else now
+    connect, answer = s.timing
     return {
         "client": s.peer,
         "session": s.sid,
         "pool": s.pool_name,
         "backends": list(s.backends),
+        "path": s.path,
+        "status": 101,
+        "user_agent": s.user_agent,
+        "connect_ms": round(connect * 1000, 1),
+        "upgrade_ms": round(answer * 1000, 1),
         "duration_s": round(max(0.0, end - s.started_wall), 3),
         "messages_in": msgs_in,
         "messages_out": msgs_out,
@@ -127,11 +167,14 @@ def access_text(f: Mapping[str, Any]) -> str:
     """The text form of ``access_fields`` (module docstring)."""
     return (
         f"{_quote(f['client'])} session={_quote(f['session'])} pool={_quote(f['pool'])} "
-        f"backend={_quote(','.join(f['backends']))} duration={f['duration_s']:.3f}s "
+        f"backend={_quote(','.join(f['backends']))} path={_quote(f['path'])} "
+        f"status={f['status']} connect={f['connect_ms']}ms upgrade={f['upgrade_ms']}ms "
+        f"duration={f['duration_s']:.3f}s "
         f"msgs_in={f['messages_in']} msgs_out={f['messages_out']} "
         f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} "
         f"close_client={_quote(f['close_to_client'])} close_worker={_quote(f['close_to_worker'])} "
-        f"migrations={f['migrations']} failovers={f['failovers']} end={_quote(f['end'])}"
+        f"migrations={f['migrations']} failovers={f['failovers']} end={_quote(f['end'])} "
+        f"ua={_quote(f['user_agent'])}"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 from pathlib import Path
@@ -12,13 +13,18 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from balancer.logs import JsonFormatter, access_text
-from tests.procs import Worker, Wslb, pool_config
+from tests.procs import Worker, Wslb, free_port, pool_config
 
 FIELDS = {
     "client": "127.0.0.1",
     "session": "alice",
     "pool": "chat",
     "backends": ["w1", "w2"],
+    "path": "/ws",
+    "status": 101,
+    "user_agent": "Python/3.11 websockets/15.0",
+    "connect_ms": 0.3,
+    "upgrade_ms": 1.2,
     "duration_s": 12.3041,
     "messages_in": 3,
     "messages_out": 120,
@@ -34,9 +40,10 @@ FIELDS = {
 
 def test_text_line() -> None:
     assert access_text(FIELDS) == (
-        "127.0.0.1 session=alice pool=chat backend=w1,w2 duration=12.304s msgs_in=3 "
+        "127.0.0.1 session=alice pool=chat backend=w1,w2 path=/ws status=101 connect=0.3ms "
+        "upgrade=1.2ms duration=12.304s msgs_in=3 "
         "msgs_out=120 bytes_in=310 bytes_out=9021 close_client=1000 close_worker=- "
-        'migrations=1 failovers=0 end="client closed"'
+        'migrations=1 failovers=0 end="client closed" ua="Python/3.11 websockets/15.0"'
     )
     # A client chooses its session key: quoted and escaped, it cannot forge a second line.
     forged = access_text({**FIELDS, "session": 'x\n127.0.0.1 session="y'})
@@ -98,7 +105,8 @@ async def test_sessions_that_end_each_way(tmp_path: Path) -> None:
     calm = lines["calm"]
     assert calm.startswith("127.0.0.1 session=calm pool=chat backend=w")
     assert "msgs_in=1 " in calm and "close_client=1000 close_worker=1000" in calm
-    assert calm.endswith('migrations=0 failovers=0 end="client closed"')
+    assert 'migrations=0 failovers=0 end="client closed" ua="Python/' in calm, calm
+    assert " path=/ws status=101 connect=" in calm and "ms upgrade=" in calm, calm
     assert f"backend={first},{other} " in lines["moved"] and "migrations=1" in lines["moved"]
     assert "close_client=1011" in lines["victim"] and 'end="worker lost"' in lines["victim"]
 
@@ -123,6 +131,9 @@ async def test_json_format_and_off(tmp_path: Path) -> None:
         assert access["messages_in"] == 1 and access["messages_out"] == 1 + 2 + 1
         assert access["bytes_in"] > 0 and access["bytes_out"] > access["bytes_in"]
         assert access["close_to_client"] == 1000 and access["end"] == "client closed"
+        assert access["path"] == "/ws" and access["status"] == 101
+        assert access["user_agent"].startswith("Python/") and "websockets" in access["user_agent"]
+        assert 0 < access["connect_ms"] < 5000 and 0 < access["upgrade_ms"] < 5000
 
         cfg["log"] = {"access": False}
         lb = Wslb(cfg, tmp_path).start()
@@ -135,3 +146,33 @@ async def test_json_format_and_off(tmp_path: Path) -> None:
         assert "wslb.access" not in lb.output()
     finally:
         w.stop()
+
+
+async def test_one_format_for_wslb_and_the_workers_it_spawns(tmp_path: Path) -> None:
+    """With ``log.format: json`` every line wslb prints, its spawned workers' included, is one
+    JSON object; in text, each line starts with an ISO 8601 time carrying its zone."""
+    port = free_port()
+    cfg = pool_config([{"id": "s1", "url": f"ws://127.0.0.1:{port}", "spawn": "reference"}])
+    cfg["log"] = {"format": "json"}
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        async with connect(f"{lb.url}/ws?session=j") as ws:
+            await ws.recv()
+            await ask(ws, n=2)
+        await asyncio.sleep(0.3)
+    finally:
+        lb.stop()
+    lines = [x for x in lb.output().splitlines() if x.strip()]
+    records = [json.loads(x) for x in lines]  # every line: not one is text
+    loggers = {r["logger"] for r in records}
+    assert "wslb.worker" in loggers and "wslb.access" in loggers, loggers
+    for r in records:
+        assert datetime.datetime.fromisoformat(r["ts"]).tzinfo is not None, r
+    cfg["log"] = {"format": "text"}
+    lb = Wslb(cfg, tmp_path, name="text").start()
+    lb.stop()
+    lines = [x for x in lb.output().splitlines() if x.strip()]
+    assert any(" wslb.worker: " in x for x in lines), lines
+    for x in lines:
+        stamp = x.split(" ", 1)[0]
+        assert datetime.datetime.fromisoformat(stamp).tzinfo is not None, x

@@ -387,6 +387,7 @@ class ClientConnection(asyncio.Protocol):
             self.secure,
         )
         self.session = session
+        session.timing = (proto.connect_s, proto.answer_s)
         ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, client_key)))
         state.stats.handshake_duration.observe(state.loop.time() - self.opened)
         ctransport.set_protocol(ClientLeg(session))
@@ -439,9 +440,12 @@ async def open_upstream(
         ),
         timeouts.connect,
     )
-    state.stats.upstream_connect.observe(backend.id, state.loop.time() - dialled)
+    connected = state.loop.time()
+    proto.connect_s = connected - dialled
+    state.stats.upstream_connect.observe(backend.id, proto.connect_s)
     try:
         response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
+        proto.answer_s = state.loop.time() - connected
         if response.status_code != 101:  # a refusal: ``trailing`` holds its body
             check_upstream_response(response, nonce, req.subprotocols, trailing)
         subprotocol = check_upstream_response(response, nonce, req.subprotocols)
@@ -467,6 +471,9 @@ class UpstreamHandshake(asyncio.Protocol):
         # the client hears the worker's own answer (``UpstreamReject.relayed``).
         self.refusal: h11.Response | None = None
         self.body = bytearray()
+        # Seconds: the TCP (and TLS) connect, then the worker's answer (the access log).
+        self.connect_s = 0.0
+        self.answer_s = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)

@@ -313,6 +313,7 @@ class Session(asyncio.Protocol):
         "started_wall",
         "state",
         "timer",
+        "timing",
         "worker",
         "ws",
         "wt",
@@ -347,6 +348,7 @@ class Session(asyncio.Protocol):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
         self.req = req.for_resume()
         self.secure = secure
+        self.timing = (0.0, 0.0)  # the first worker leg's connect and answer (the access log)
         # Migration: a bounded log of the client bytes sent on the current worker leg and where
         # each client message ends in it, to replay what the old worker had not processed.
         self.migrations = 0
@@ -866,7 +868,8 @@ class Session(asyncio.Protocol):
         if self.client.gone and self.worker.gone and self.phase is not Phase.FINISHED:
             self.phase = Phase.FINISHED
             self.state.wheel.cancel(self)
-            self.pool.detach(self.backend, self.sid, self.state.loop.time())
+            relayed = (self.cs.bytes, self.cs.messages, self.counts()[1])  # the key's size
+            self.pool.detach(self.backend, self.sid, self.state.loop.time(), relayed)
             self.state.session_finished(self)
 
     def _close_timeout(self) -> None:
@@ -969,6 +972,15 @@ class Session(asyncio.Protocol):
         """Data messages client->worker and worker->client, then bytes each way."""
         _, messages, nbytes = self.counts()
         return self.cs.messages, messages, self.cs.bytes, nbytes
+
+    @property
+    def path(self) -> str:
+        return self.req.path
+
+    @property
+    def user_agent(self) -> str | None:
+        ua = self.req.header(b"user-agent")
+        return ua.decode("latin-1", "replace")[:200] if ua is not None else None
 
     def describe(self) -> dict[str, Any]:
         """The session as the admin API shows it."""
