@@ -40,6 +40,7 @@ from balancer.config import load as load_config
 from balancer.events import EventLog
 from balancer.metrics import BackendView
 from balancer.pool import ACTIVE, DRAINED, Backend, Pool
+from balancer.selection import MOVED, REFUSED
 
 __all__ = ["Control", "ControlError", "LocalControl", "Reply"]
 
@@ -121,6 +122,15 @@ async def wait_events(
     finally:
         events.unlisten(wake)
     return events.since(since), events.seq
+
+
+def placement_counters(v: BackendView) -> dict[str, int]:
+    """The backend's placement decisions (``balancer.selection``), flat so that ``workers: N``
+    adds them up like the other counters: ``refused_REASON`` new keys that hashed here and went
+    elsewhere, ``moved_REASON`` returning keys that left."""
+    out = {f"refused_{r}": v.refused.get(r, 0) for r in REFUSED}
+    out.update({f"moved_{r}": v.moved.get(r, 0) for r in MOVED})
+    return out
 
 
 def new_backend(state: ServerState, body: dict[str, Any]) -> tuple[Pool, BackendCfg]:
@@ -239,6 +249,9 @@ class LocalControl:
                     ejections=b.ejections,
                     overloaded=b.id in pool.overloaded,
                     held=b.held,
+                    kv_headroom=b.kv_headroom,
+                    refused=dict(b.refused),
+                    moved=dict(b.moved),
                     health_reason=b.health_reason,
                     health_kind=b.health_kind,
                     health_since=b.health_since,
@@ -268,11 +281,12 @@ class LocalControl:
             "signals_age": None if v.scrape_age is None else round(v.scrape_age, 3),
             "signals_stale": v.stale,
             "overloaded": v.overloaded,
+            "kv_headroom": None if v.kv_headroom is None else round(v.kv_headroom, 4),
             "ejected_for": round(v.ejected_for, 3),
             "ejections": v.ejections,
             "drain": self.drainer.view(found[1]) if found is not None else None,
             "sessions_remote": found[1].remote_sessions if found is not None else 0,
-            "counters": self.counters(v.id),
+            "counters": {**self.counters(v.id), **placement_counters(v)},
         }
 
     def counters(self, backend_id: str) -> dict[str, int]:
@@ -470,7 +484,12 @@ class LocalControl:
         changed = _changed(current, new, ("pools", "source"))
         if changed:
             report["ignored"].append(f"{', '.join(changed)} (restart to apply)")
-        log.info("reloaded %s: %s", self.config_path, report)
+        done = "; ".join(
+            f"{what} {', '.join(map(str, items))}"
+            for what, items in report.items()
+            if what != "ignored" and isinstance(items, list) and items
+        )
+        log.info("reloaded %s: %s", self.config_path, done or "no backend changed")
         for what in report["ignored"]:
             log.warning("reload of %s did not apply: %s", self.config_path, what)
         return report
