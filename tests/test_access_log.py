@@ -173,6 +173,8 @@ async def test_one_format_for_wslb_and_the_workers_it_spawns(tmp_path: Path) -> 
     lb.stop()
     lines = [x for x in lb.output().splitlines() if x.strip()]
     assert any(" wslb.worker: " in x for x in lines), lines
+    # Scrapes begin with the spawned worker still starting: not a line about load signals.
+    assert not any("no load signals" in x for x in lines), lines
     for x in lines:
         stamp = x.split(" ", 1)[0]
         assert datetime.datetime.fromisoformat(stamp).tzinfo is not None, x
