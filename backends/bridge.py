@@ -11,6 +11,10 @@ Routes, on one port (as ``backends.worker``):
 
 - WebSocket ``/v1/realtime``: the OpenAI Realtime protocol (``backends.protocol.realtime``); a
   ``response.create`` is a streamed chat completion of the conversation's messages.
+- WebSocket ``/v1/responses``: the OpenAI Responses API's WebSocket mode
+  (``backends.protocol.responses``); a ``response.create`` is a streamed chat completion of
+  the response's conversation (the one ``previous_response_id`` continues, plus its input);
+  an engine failure ends it with ``response.failed``.
 - WebSocket ``/``, ``/ws`` (and any other path): the chat protocol (docs/protocol.md section 3).
   The session id: ``X-Session-Id``, else ``?session=``, else a generated one.
 - ``GET /healthz``: 200 ``{"status":"ok","flavor":F,"model":M}`` while the engine's own
@@ -19,6 +23,9 @@ Routes, on one port (as ``backends.worker``):
 - ``GET /metrics``: the bridge's gauges and counters (``METRIC_NAMES``).
 - ``POST /wslb/sessions/{sid}/freeze`` and ``/thaw``: the handoff API; a WebSocket upgrade with
   ``X-WSLB-Resume: SID`` continues a thawed session (no ``hello``). 404 with ``--no-handoff``.
+  Who may call them (and the upgrades) is the reference worker's rule (``backends.auth``).
+- The engine's API key: ``--engine-api-key-file PATH`` or ``$WSLB_ENGINE_API_KEY``; the old
+  ``--engine-api-key KEY`` is refused (exit 2), since ``ps`` shows a command line to everyone.
 
 Chat protocol, as the reference worker's, plus:
 
@@ -66,7 +73,7 @@ already sent (their ids' count when the engine returned ids, else the chunks). P
 Handoff state (``state_version`` 2): the open transcript form of docs/protocol.md (which this
 bridge accepts from wslb for crash failover), with additions a reader may ignore::
 
-    {"v": 2, "session": SID, "protocol": "wslb-chat" | "openai-realtime",
+    {"v": 2, "session": SID, "protocol": "wslb-chat" | "openai-realtime" | "openai-responses",
      "messages": [{"role": R, "content": STR}, ...],   # the conversation before the answer
      "answer": null | {"turn": K, "i": I, "text": SENT, "max_tokens": M,
                        # additions, all optional on thaw:
@@ -74,12 +81,14 @@ bridge accepts from wslb for crash failover), with additions a reader may ignore
                        "prompt_tokens": P, "cancelled": false, "finished": null | REASON,
                        "temperature": null | T},
      "queued": [PROMPT, ...],      # wslb-chat: prompt messages ({"text"|"messages",
-                                   # "max_tokens", "temperature"}); openai-realtime: client
-                                   # events to act on after the resume
+                                   # "max_tokens", "temperature"}); openai-realtime and
+                                   # openai-responses: client events to act on after the resume
      "turns": K,                   # optional: turns started (default: answer.turn, else the
                                    # assistant messages)
      "realtime": {...},            # optional: the Realtime session (RealtimeSession.snapshot);
                                    # without it one is rebuilt from the messages (new ids)
+     "responses": {...},           # openai-responses: the Responses session
+                                   # (ResponsesSession.snapshot), required
      "worker": ID}                 # informative
 
 ``messages`` holds the conversation up to the unfinished answer's prompt, never the answer's
@@ -93,8 +102,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
@@ -103,11 +114,17 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.auth import WorkerAuth
 from backends.handoff import ProtocolError, StateError, TranscriptAnswer, chat_messages
 from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.protocol.responses import PROTOCOL as RESPONSES
+from backends.protocol.responses import Respond as ResponsesRespond
+from backends.protocol.responses import ResponsesSession
+from backends.protocol.responses import restore_transcript as restore_responses
 from backends.server import (
     Connection,
     RealtimeConnection,
+    ResponsesConnection,
     Server,
     active_sessions_metric,
     add_listen_options,
@@ -115,6 +132,7 @@ from backends.server import (
     add_max_tokens_default,
     add_session_ttl,
     add_subprotocols,
+    add_worker_auth,
     announce,
     check_listen_options,
     connections_metric,
@@ -124,6 +142,7 @@ from backends.server import (
     run_process,
     serve_until_signal,
     subprotocols,
+    worker_auth_from_args,
 )
 from backends.wire import (  # all of them re-exported: both workers speak wire's constants
     ITL_BUCKETS,
@@ -133,6 +152,7 @@ from backends.wire import (  # all of them re-exported: both workers speak wire'
     METRICS_CONTENT_TYPE,
     READY_PREFIX,
     REALTIME_PATH,
+    RESPONSES_PATH,
     RESUME_HEADER,
     Histogram,
 )
@@ -147,6 +167,7 @@ __all__ = [
     "METRIC_NAMES",
     "READY_PREFIX",
     "REALTIME_PATH",
+    "RESPONSES_PATH",
     "RESUME_HEADER",
     "STATE_VERSION",
     "Bridge",
@@ -166,7 +187,8 @@ log = logging.getLogger("wslb.bridge")
 STATE_VERSION = 2
 Flavor: TypeAlias = Literal["vllm", "sglang", "llamacpp", "tgi"]
 FLAVORS: tuple[Flavor, ...] = ("vllm", "sglang", "llamacpp", "tgi")
-PROTOCOLS = ("wslb-chat", "openai-realtime")
+PROTOCOLS = ("wslb-chat", "openai-realtime", RESPONSES)
+EVENT_PROTOCOLS = ("openai-realtime", RESPONSES)  # a transcript's queued: client events
 MAX_TEMPERATURE = 2.0
 METRIC_NAMES = (
     "wslb_worker_active_sessions",
@@ -183,6 +205,7 @@ METRIC_NAMES = (
 _ERROR_BODY = 2048  # bytes of an engine's error answer quoted in the message
 DROP_FLUSH = 1.0  # seconds a dropped connection's written frames may take to reach the kernel
 HEALTH_TIMEOUT = 2.0  # seconds for one probe of the engine's /health
+API_KEY_ENV = "WSLB_ENGINE_API_KEY"  # the engine's key, when --engine-api-key-file is not given
 
 Msg: TypeAlias = dict[str, str]
 
@@ -214,6 +237,8 @@ class BridgeConfig:
     drain_grace: float = 30.0
     engine_lost: Literal["drop", "error"] = "drop"
     """A lost engine mid-answer: drop the connection (wslb fails it over), or an ``error``."""
+    worker_auth: WorkerAuth = field(default_factory=WorkerAuth)
+    """The credential wslb shows (``backends.auth``); none: the handoff API is closed."""
 
 
 class EngineError(Exception):
@@ -507,11 +532,22 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
     return f"HTTP {resp.status}: {detail}" if detail else f"HTTP {resp.status}"
 
 
+def engine_base(url: str) -> str:
+    """The engine's base URL: OpenAI base URLs are usually written with ``/v1``
+    (``http://host:8000/v1``), and the bridge appends ``/v1/...`` itself."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url
+
+
+class EngineMisconfigured(RuntimeError):
+    """The engine answered at start in a way that makes every prompt fail."""
+
+
 class _Engine:
     """The engine's address, flavour and model, found out once it answers."""
 
     def __init__(self, config: BridgeConfig) -> None:
-        self.url = config.engine_url.rstrip("/")
+        self.url = engine_base(config.engine_url)
         self.flavor: Flavor | None = None if config.flavor == "auto" else config.flavor
         self.model = config.model
         self.headers = {"Accept": "text/event-stream"}
@@ -527,6 +563,35 @@ class _Engine:
                 return None
             with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
                 return await r.json(content_type=None)
+        return None
+
+    async def verify(self, http: aiohttp.ClientSession) -> str | None:
+        """At start: why the engine at ``url`` cannot be the one meant, or None. An engine
+        that answers HTTP must serve ``GET /v1/models`` (404 there is a wrong ``--engine-url``,
+        401/403 a wrong key: every prompt would fail). One not reachable yet is not an error:
+        a sidecar's bridge often starts before its engine has loaded the model."""
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT)
+        try:
+            async with http.get(
+                self.url + "/v1/models", headers=self.headers, timeout=timeout
+            ) as r:
+                if r.status in (401, 403):
+                    return (
+                        f"the engine at {self.url} refused GET /v1/models with {r.status}: "
+                        f"check the API key ({API_KEY_ENV} or --engine-api-key-file)"
+                    )
+                if r.status == 404:
+                    return (
+                        f"the engine at {self.url} has no /v1/models (404): --engine-url must "
+                        "be the server's base URL, e.g. http://127.0.0.1:8000 (with or without "
+                        "/v1), where GET /v1/models lists the served models"
+                    )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning(
+                "engine %s not reachable yet (%s); the bridge serves errors until it answers",
+                self.url,
+                _describe(exc) or type(exc).__name__,
+            )
         return None
 
     async def discover(self, http: aiohttp.ClientSession) -> None:
@@ -623,6 +688,7 @@ class _Session:
     messages: list[Msg] = field(default_factory=list)
     turns: int = 0
     realtime: RealtimeSession | None = None
+    responses: ResponsesSession | None = None
     connections: int = 0
     idle_since: float = 0.0
 
@@ -877,6 +943,91 @@ class _RealtimeConnection(RealtimeConnection[Prompt], _Connection):
         super().abandon()
 
 
+class _ResponsesConnection(ResponsesConnection[Prompt], _Connection):
+    """A connection speaking the Responses API's WebSocket mode (``backends.server``): a
+    ``Respond`` is queued as a prompt of its messages (the response's conversation), each chunk
+    is a ``delta``, the end ``finish``, an engine failure ``response.failed``.
+    """
+
+    protocol = RESPONSES
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        ws: web.WebSocketResponse,
+        session: _Session,
+        rs: ResponsesSession,
+    ) -> None:
+        super().__init__(bridge, ws, session)
+        self.open_responses(rs)
+
+    def respond(self, out: ResponsesRespond) -> Prompt:
+        temperature = out.temperature
+        return Prompt(
+            out.max_tokens,
+            messages=tuple(dict(m) for m in out.messages),
+            temperature=self.bridge.config.temperature if temperature is None else temperature,
+        )
+
+    def begin(self, prompt: Prompt) -> Answer:
+        s = self.session
+        s.turns += 1
+        ans = Answer(s.turns, [dict(m) for m in prompt.messages or ()], prompt.max_tokens)
+        ans.temperature = prompt.temperature
+        return ans
+
+    async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None:
+        ans.advance(text, ids)
+        self.outbox.extend(self.rs.delta(text))
+        await self.outbox.flush()
+
+    def commit(self, ans: Answer) -> None:
+        pass  # the Responses session holds the conversation
+
+    async def emit_done(self, ans: Answer) -> None:
+        if self.rs.response_id is not None:
+            prompt = ans.prompt_tokens or 0
+            self.outbox.extend(
+                self.rs.finish(
+                    input_tokens=prompt,
+                    cached_tokens=min(ans.cached_tokens or 0, prompt),
+                    output_tokens=ans.tokens(),
+                    now=time.time(),
+                )
+            )
+        await self.outbox.flush()
+
+    async def emit_failure(self, ans: Answer, why: str) -> None:
+        if self.rs.response_id is not None:
+            prompt = ans.prompt_tokens or 0
+            self.outbox.extend(
+                self.rs.fail(
+                    f"engine: {why}",
+                    input_tokens=prompt,
+                    cached_tokens=min(ans.cached_tokens or 0, prompt),
+                    output_tokens=ans.tokens(),
+                )
+            )
+        await self.outbox.flush()
+
+    def pending(self) -> tuple[Answer | None, list[Prompt]]:
+        answer, queued = super().pending()
+        if answer is None and queued:  # a response created but not started yet
+            answer, queued = self.begin(queued[0]), queued[1:]
+        return answer, queued
+
+    def export(self) -> dict[str, Any]:
+        state = super().export()
+        state["queued"] = []
+        if state["answer"] is None:
+            state["messages"] = self.rs.messages()
+        return self.responses_state(state)
+
+    def abandon(self) -> None:
+        self.current = None
+        super().abandon()
+
+
 class _BridgeCollector(Collector):
     """Reads the bridge at scrape time."""
 
@@ -943,6 +1094,10 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
         """Start the engine client and poll the engine (its first probe answered)."""
         # No pool limit: each stream holds a connection for its whole answer.
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        problem = await self.engine.verify(self.http)
+        if problem is not None:
+            await self._http.close()
+            raise EngineMisconfigured(problem)
         await self.engine.check(self.http)
         self._poller = asyncio.create_task(self._poll())
 
@@ -1164,7 +1319,7 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
         for n, item in enumerate(raw_queued):
             if not isinstance(item, dict):
                 raise StateError(f"state.queued[{n}] must be an object")
-            if protocol == "openai-realtime":
+            if protocol in EVENT_PROTOCOLS:
                 events.append(item)
                 continue
             try:
@@ -1185,6 +1340,15 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
         session = _Session(sid, messages=messages, turns=turns)
         if protocol == "openai-realtime":
             session.realtime = self._realtime_state(value, sid, messages, answer)
+        elif protocol == RESPONSES:
+            session.responses = restore_responses(
+                value.get("responses"),
+                session=sid,
+                answer=None if answer is None else _transcript_answer(answer),
+                model=self.engine.model,
+                default_max_tokens=cfg.max_tokens_default,
+                max_tokens_limit=cfg.max_tokens_limit,
+            )
         return session, _Thawed(protocol, answer, queued, events, 0.0)
 
     def _realtime_state(
@@ -1195,11 +1359,7 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
             value.get("realtime"),
             session=sid,
             messages=messages,
-            answer=None
-            if answer is None
-            else TranscriptAnswer(
-                answer.turn, answer.i, answer.text, answer.max_tokens, answer.cancelled
-            ),
+            answer=None if answer is None else _transcript_answer(answer),
             default_max_tokens=cfg.max_tokens_default,
             max_tokens_limit=cfg.max_tokens_limit,
         )
@@ -1228,6 +1388,11 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
             if session.realtime is None:
                 session.realtime = self._new_realtime(request, sid)
             conn = _RealtimeConnection(self, ws, session, session.realtime)
+        elif request.path == RESPONSES_PATH:
+            if session.responses is None:
+                model = request.query.get("model") or self.engine.model
+                session.responses = self._new_responses(sid, model)
+            conn = _ResponsesConnection(self, ws, session, session.responses)
         else:
             conn = _Connection(self, ws, session)
         conn.transport = request.transport
@@ -1257,11 +1422,17 @@ def _drop_thawed(session: _Session, thawed: _Thawed) -> None:
     ans = thawed.answer
     if ans is None:
         return
-    if session.realtime is not None:
+    if thawed.protocol == RESPONSES and session.responses is not None:
+        session.responses.abort()
+    elif session.realtime is not None:
         if session.realtime.response_id is not None:
             session.realtime.finish()
     else:
         session.messages = [*ans.base, {"role": "assistant", "content": ans.text}]
+
+
+def _transcript_answer(ans: Answer) -> TranscriptAnswer:
+    return TranscriptAnswer(ans.turn, ans.i, ans.text, ans.max_tokens, ans.cancelled)
 
 
 def _parse_answer(value: object, messages: list[Msg], limit: int, default_max: int) -> Answer:
@@ -1342,9 +1513,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the engine continues an answer (default: %(default)s: asked from the engine)",
     )
     add(
-        "--engine-api-key",
+        "--engine-api-key-file",
+        metavar="PATH",
         default=None,
-        help="sent as 'Authorization: Bearer KEY' to the engine (default: none)",
+        help="a file holding the key sent as 'Authorization: Bearer KEY' to the engine "
+        f"(default: ${API_KEY_ENV}, else none)",
+    )
+    add(
+        "--engine-api-key",
+        metavar="KEY",
+        default=None,
+        help="refused: the command line is visible to every user (ps); use "
+        f"--engine-api-key-file or ${API_KEY_ENV}",
     )
     add_listen_options(parser, "bridge")
     add_session_ttl(parser)
@@ -1358,6 +1538,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_subprotocols(parser)
     add("--no-handoff", action="store_true", help="no handoff API (no live migration)")
+    add_worker_auth(parser)
     add(
         "--health-interval",
         type=float,
@@ -1405,6 +1586,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
     for name in ("health_interval", "engine_timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    api_key = _engine_api_key(parser, args, os.environ)
     config = BridgeConfig(
         engine_url=args.engine_url,
         host=args.host,
@@ -1412,7 +1594,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
         worker_id=args.worker_id,
         model=args.model,
         flavor=args.engine_flavor,
-        api_key=args.engine_api_key,
+        api_key=api_key,
         subprotocols=subprotocols(args),
         handoff=not args.no_handoff,
         max_tokens_default=args.max_tokens_default,
@@ -1422,8 +1604,31 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BridgeConfig, s
         engine_timeout=args.engine_timeout,
         drain_grace=args.drain_grace,
         engine_lost=args.engine_lost,
+        worker_auth=worker_auth_from_args(parser, args),
     )
     return config, args.log_level
+
+
+def _engine_api_key(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, env: Mapping[str, str]
+) -> str | None:
+    """The engine's API key from its file or ``$WSLB_ENGINE_API_KEY``; never from the command
+    line, which ``ps`` shows to every user of the machine (exit 2 naming the alternatives)."""
+    if args.engine_api_key is not None:
+        parser.error(
+            "--engine-api-key is refused: the command line is visible to every user (ps); put "
+            f"the key in a file (--engine-api-key-file PATH) or ${API_KEY_ENV}"
+        )
+    if args.engine_api_key_file is not None:
+        try:
+            with open(args.engine_api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"--engine-api-key-file: {exc}")
+        if not key:
+            parser.error(f"--engine-api-key-file: {args.engine_api_key_file} is empty")
+        return key
+    return env.get(API_KEY_ENV, "").strip() or None
 
 
 async def serve(config: BridgeConfig, ready: Callable[[Bridge], None] | None = None) -> None:
@@ -1431,12 +1636,13 @@ async def serve(config: BridgeConfig, ready: Callable[[Bridge], None] | None = N
     bridge = Bridge(config)
     await bridge.start()
     log.info(
-        "bridge %s on %s:%d in front of %s (%s)",
+        "bridge %s on %s:%d in front of %s (%s; %s)",
         bridge.worker_id,
         config.host,
         bridge.port,
         bridge.engine.url,
         "up" if bridge.engine.up else f"down: {bridge.engine.why}",
+        config.worker_auth.describe(),
     )
     await serve_until_signal(bridge, ready)
 
@@ -1444,7 +1650,11 @@ async def serve(config: BridgeConfig, ready: Callable[[Bridge], None] | None = N
 def main(argv: Sequence[str] | None = None) -> None:
     """``wslb-worker --engine openai ...`` (``backends.worker.main`` dispatches here)."""
     config, level = config_from_args(argv)
-    run_process(lambda: serve(config, ready=announce), level)
+    try:
+        run_process(lambda: serve(config, ready=announce), level)
+    except EngineMisconfigured as exc:
+        print(f"wslb-worker: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

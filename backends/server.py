@@ -38,13 +38,16 @@ import abc
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
+import os
 import signal
 import socket
 import sys
+import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from aiohttp import WSMsgType, web
@@ -56,8 +59,13 @@ from prometheus_client.core import (
     Metric,
 )
 
+from backends.auth import ENV as WORKER_TOKEN_ENV
+from backends.auth import HEADER as WORKER_TOKEN_HEADER
+from backends.auth import WorkerAuth
 from backends.handoff import ProtocolError, StateError
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
+from backends.protocol.responses import Respond as ResponsesRespond
+from backends.protocol.responses import ResponsesSession
 from backends.wire import (
     ITL_BUCKETS,
     MAX_QUEUED_PROMPTS,
@@ -75,6 +83,7 @@ __all__ = [
     "Connection",
     "Owner",
     "RealtimeConnection",
+    "ResponsesConnection",
     "Server",
     "active_sessions_metric",
     "add_listen_options",
@@ -82,6 +91,7 @@ __all__ = [
     "add_max_tokens_default",
     "add_session_ttl",
     "add_subprotocols",
+    "add_worker_auth",
     "announce",
     "check_listen_options",
     "connections_metric",
@@ -92,6 +102,7 @@ __all__ = [
     "run_process",
     "serve_until_signal",
     "subprotocols",
+    "worker_auth_from_args",
 ]
 
 Event: TypeAlias = dict[str, Any]
@@ -129,6 +140,8 @@ class Config(Protocol):
     def close_timeout(self) -> float: ...
     @property
     def drain_grace(self) -> float: ...
+    @property
+    def worker_auth(self) -> WorkerAuth: ...
 
 
 class Owner(Protocol):
@@ -192,7 +205,7 @@ class Connection(abc.ABC, Generic[Q]):
     async def on_text(self, data: str) -> None:
         try:
             obj = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested 100k deep
             await self.error(f"invalid JSON: {exc}")
             return
         if not isinstance(obj, dict):
@@ -333,6 +346,60 @@ class RealtimeConnection(Connection[Q]):
     def abandon(self) -> None:
         if self.rt.response_id is not None:
             self.rt.finish()  # the answer died with the connection; the next one starts fresh
+
+
+class ResponsesConnection(Connection[Q]):
+    """The OpenAI Responses API's WebSocket mode (``backends.protocol.responses``), mixed in
+    before a worker's chat connection class, as ``RealtimeConnection`` is: a ``Respond`` is
+    queued (``respond``) before any await, server events go through ``outbox``, and a freeze
+    exports the session with what is still in it (``responses_state``). The protocol has no
+    greeting. Call ``open_responses`` from ``__init__``.
+    """
+
+    rs: ResponsesSession
+    outbox: Outbox
+
+    def open_responses(self, rs: ResponsesSession) -> None:
+        self.rs = rs
+        self.outbox = Outbox(self.send)
+
+    async def greet(self) -> None:
+        await self.outbox.push(self.rs.opened())
+
+    async def on_resume(self, events: Sequence[Event]) -> None:
+        await self.outbox.push(self.rs.resumed())
+        for event in events:
+            await self.on_text(dumps(event))
+
+    async def error(self, message: str) -> None:
+        await self.outbox.push(self.rs.error(message))
+
+    async def on_binary(self) -> None:
+        await self.outbox.push(self.rs.binary())
+
+    async def on_text(self, data: str) -> None:
+        for out in self.rs.receive(data, now=time.time()):
+            if isinstance(out, ResponsesRespond):
+                try:
+                    self.queue.put_nowait(self.respond(out))
+                except asyncio.QueueFull:  # one response at a time: the protocol forbids more
+                    self.outbox.extend(self.rs.fail("too many queued responses"))
+            else:
+                self.outbox.append(out)
+        await self.outbox.flush(quiet=True)
+
+    @abc.abstractmethod
+    def respond(self, out: ResponsesRespond) -> Q:
+        """A ``response.create`` as what the queue holds."""
+
+    def responses_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the Responses session and its unsent events (out of the outbox)."""
+        state["responses"] = self.rs.snapshot(unsent=self.outbox)
+        self.outbox.clear()
+        return state
+
+    def abandon(self) -> None:
+        self.rs.abort()  # the answer died with the connection: it cannot be continued
 
 
 ConfigT = TypeVar("ConfigT", bound=Config)
@@ -487,10 +554,43 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
 
     # -- handoff ----------------------------------------------------------------------------
 
+    def _refuse_handoff(self, request: web.Request) -> web.Response | None:
+        """Why a handoff request is refused, if it is (``backends.auth``): a browser's (403),
+        one without wslb's credential (401), a body that is not JSON (415)."""
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            return json_error(403, f"cross-origin request from {origin!r} refused")
+        refused = self._unauthorized(request, handoff=True)
+        if refused is not None:
+            return refused
+        if request.content_type != "application/json":
+            return json_error(415, "Content-Type must be application/json")
+        return None
+
+    def _unauthorized(self, request: web.Request, handoff: bool) -> web.Response | None:
+        """A 401 for a request without wslb's credential where one is needed: on every request
+        once the worker has one, on the handoff API and resumes always (``--insecure-handoff``
+        aside)."""
+        auth = self.config.worker_auth
+        if auth.configured:
+            if auth.accepts(request.headers.get(WORKER_TOKEN_HEADER)):
+                return None
+            return json_error(401, f"missing or wrong {WORKER_TOKEN_HEADER}")
+        if not handoff or auth.insecure:
+            return None
+        return json_error(
+            401,
+            "this worker has no credential configured, so its handoff API is closed: start "
+            f"it with --worker-token-file or ${WORKER_TOKEN_ENV} (the one wslb sends)",
+        )
+
     async def _freeze(self, request: web.Request) -> web.Response:
         # No await before the export: the freeze is one step of the event loop.
         if not self.config.handoff:
             return json_error(404, "this worker has no handoff API")
+        refused = self._refuse_handoff(request)
+        if refused is not None:
+            return refused
         sid = request.match_info["sid"]
         conns = self._by_session.get(sid, [])
         live = [c for c in conns if not c.frozen and not c.dropped]
@@ -514,6 +614,9 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
     async def _thaw(self, request: web.Request) -> web.Response:
         if not self.config.handoff:
             return json_error(404, "this worker has no handoff API")
+        refused = self._refuse_handoff(request)
+        if refused is not None:
+            return refused
         if self.draining:
             return json_error(503, "worker shutting down")
         unavailable = self._unavailable()
@@ -526,6 +629,8 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
             body = await request.json()
         except ValueError as exc:
             return json_error(400, f"invalid JSON: {exc}")
+        except RecursionError:
+            return json_error(400, "invalid JSON: nested too deeply")
         if not isinstance(body, dict) or "state" not in body:
             return json_error(400, "expected an object with 'state'")
         try:
@@ -561,13 +666,16 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
     # -- WebSocket --------------------------------------------------------------------------
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        resume = request.headers.get(RESUME_HEADER)
+        refused = self._unauthorized(request, handoff=resume is not None)
+        if refused is not None:
+            return refused
         if self.draining:
             return web.json_response({"error": "worker shutting down"}, status=503)
         named = (
             request.headers.get("X-Session-Id", "").strip()
             or request.query.get("session", "").strip()
         )
-        resume = request.headers.get(RESUME_HEADER)
         if resume is not None:
             sid = resume.strip()
             if named and named != sid:
@@ -651,6 +759,15 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         return RealtimeSession(
             sid,
             model=request.query.get("model") or None,
+            default_max_tokens=self.config.max_tokens_default,
+            max_tokens_limit=self.config.max_tokens_limit,
+        )
+
+    def _new_responses(self, sid: str, model: str | None = None) -> ResponsesSession:
+        """A new Responses conversation (``model``: the one a response naming none reports)."""
+        return ResponsesSession(
+            sid,
+            model=model,
             default_max_tokens=self.config.max_tokens_default,
             max_tokens_limit=self.config.max_tokens_limit,
         )
@@ -746,6 +863,40 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_worker_auth(parser: argparse.ArgumentParser) -> None:
+    """``--worker-token-file`` and ``--insecure-handoff`` (``backends.auth``)."""
+    add = parser.add_argument
+    add(
+        "--worker-token-file",
+        metavar="PATH",
+        default=None,
+        help="the credential wslb sends (X-WSLB-Worker-Token), one per line (two while it "
+        f"rotates); re-read when it changes. Default: ${WORKER_TOKEN_ENV} (comma-separated), "
+        "else none: plain upgrades accepted, the handoff API and resumed upgrades refused",
+    )
+    add(
+        "--insecure-handoff",
+        action="store_true",
+        help="serve the handoff API and resumed upgrades with no credential: anyone who can "
+        "reach the port can read and take over every session (tests on a machine of one's own)",
+    )
+
+
+def worker_auth_from_args(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+) -> WorkerAuth:
+    """The credentials from ``--worker-token-file`` or the environment; exits with status 2
+    (naming the problem, never the secret) when they cannot be used."""
+    try:
+        return WorkerAuth.from_sources(
+            args.worker_token_file, os.environ if env is None else env, args.insecure_handoff
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def check_listen_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--port`` and ``--max-tokens-default`` in range, else exit with status 2."""
     if not 0 <= args.port <= 65535:
@@ -796,12 +947,39 @@ def announce(server: Server[Any, Any, Any, Any]) -> None:
     )
 
 
+class _LogFormat(logging.Formatter):
+    """The lines of the balancer that started this worker (``WSLB_LOG_FORMAT``, which wslb sets
+    for the workers it spawns): text with ISO 8601 times and the zone, or one JSON object per
+    line with its keys (``ts``, ``level``, ``logger``, ``message``)."""
+
+    def __init__(self, json_lines: bool) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._json = json_lines
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        t = datetime.datetime.fromtimestamp(record.created).astimezone()
+        return t.isoformat(timespec="milliseconds")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not self._json:
+            return super().format(record)
+        out = {
+            "ts": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
 def run_process(main: Callable[[], Coroutine[Any, Any, None]], level: str) -> None:
     """Run ``main()`` as the process (uvloop when installed), logging at ``level``; an
     ``OSError`` (the port taken, ...) exits with status 1."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogFormat(os.environ.get("WSLB_LOG_FORMAT") == "json"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None
     try:
         import uvloop

@@ -23,6 +23,7 @@ __all__ = [
     "METRICS_CONTENT_TYPE",
     "READY_PREFIX",
     "REALTIME_PATH",
+    "RESPONSES_PATH",
     "RESUME_HEADER",
     "Histogram",
     "Outbox",
@@ -31,8 +32,9 @@ __all__ = [
 READY_PREFIX = "wslb-worker ready"  # the line printed once listening
 RESUME_HEADER = "X-WSLB-Resume"
 REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
+RESPONSES_PATH = "/v1/responses"  # the OpenAI Responses API's WebSocket mode
 MAX_QUEUED_PROMPTS = 16
-MAX_SESSION_ID_LEN = 256
+MAX_SESSION_ID_LEN = 512  # wslb's keys: 256 characters, plus an owner's scope (TAG~KEY) with JWT
 MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets for vllm:inter_token_latency_seconds, which wslb's tpot signal reads.

@@ -8,10 +8,19 @@ One aiohttp server on one port (docs/protocol.md):
   (``backends.protocol.realtime``; the official ``openai`` SDK is a client), on the same
   sessions, turns and handoff as the chat protocol: ``response.create`` is a ``messages``
   prompt of the conversation so far, each token a ``response.output_text.delta``.
+- The OpenAI Responses API's WebSocket mode on ``/v1/responses``
+  (``backends.protocol.responses``; ``client.responses.connect()``), on the same machinery:
+  each ``response.create`` is a ``messages`` prompt of the response's conversation (the one
+  ``previous_response_id`` continues, plus the new input), each token a delta.
 - The chat protocol over WebSocket on ``/`` and ``/ws`` (and, leniently, any other path).
   The session id is the ``X-Session-Id`` request header, else the ``session`` query
   parameter, else a generated one; it is returned in the 101's ``X-Session-Id`` header and in
   ``hello``.
+- Who may call what (``backends.auth``): with a credential (``--worker-token-file`` or
+  ``$WSLB_WORKER_TOKEN``), every upgrade and handoff request needs it in
+  ``X-WSLB-Worker-Token`` (401); without one, plain upgrades are accepted and the handoff API
+  and resumed upgrades refused (401) unless ``--insecure-handoff``. The handoff routes refuse
+  an ``Origin`` (403) and a body that is not ``application/json`` (415).
 - Handoff API (live migration; 404 on every route with ``--no-handoff``):
 
   - ``POST /wslb/sessions/{sid}/freeze`` (body ignored): at a message boundary, the session's
@@ -81,6 +90,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.auth import WorkerAuth
 from backends.gpu import NvmlGpu, open_gpu
 from backends.handoff import Transcript, parse_prompt, read_state, snapshot_to_json
 from backends.model import (
@@ -95,9 +105,14 @@ from backends.model import (
     TurnResult,
 )
 from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.protocol.responses import PROTOCOL as RESPONSES
+from backends.protocol.responses import Respond as ResponsesRespond
+from backends.protocol.responses import ResponsesSession
+from backends.protocol.responses import restore_transcript as restore_responses
 from backends.server import (
     Connection,
     RealtimeConnection,
+    ResponsesConnection,
     Server,
     active_sessions_metric,
     add_listen_options,
@@ -105,6 +120,7 @@ from backends.server import (
     add_max_tokens_default,
     add_session_ttl,
     add_subprotocols,
+    add_worker_auth,
     announce,
     check_listen_options,
     connections_metric,
@@ -114,6 +130,7 @@ from backends.server import (
     run_process,
     serve_until_signal,
     subprotocols,
+    worker_auth_from_args,
 )
 from backends.wire import (  # all of them re-exported: both workers speak wire's constants
     ITL_BUCKETS,
@@ -123,6 +140,7 @@ from backends.wire import (  # all of them re-exported: both workers speak wire'
     METRICS_CONTENT_TYPE,
     READY_PREFIX,
     REALTIME_PATH,
+    RESPONSES_PATH,
     RESUME_HEADER,
     Histogram,
 )
@@ -136,6 +154,7 @@ __all__ = [
     "METRIC_NAMES",
     "READY_PREFIX",
     "REALTIME_PATH",
+    "RESPONSES_PATH",
     "RESUME_HEADER",
     "Histogram",
     "Worker",
@@ -155,6 +174,8 @@ METRIC_NAMES = (
     "wslb_worker_queue_depth",
     "wslb_worker_kv_hit_tokens_total",
     "wslb_worker_prefill_tokens_total",
+    "wslb_worker_prefill_seconds_total",
+    "wslb_worker_kv_capacity_tokens",
     "wslb_worker_connections_total",
     "wslb_worker_handoffs_total",
     "wslb_worker_kv_transfer_tokens_total",
@@ -185,6 +206,8 @@ class WorkerConfig:
     close_timeout: float = 5.0
     drain_grace: float = 30.0
     """Seconds after SIGTERM that live sessions keep being served (to be migrated away)."""
+    worker_auth: WorkerAuth = field(default_factory=WorkerAuth)
+    """The credential wslb shows (``backends.auth``); none: the handoff API is closed."""
 
 
 class _Waker:
@@ -394,6 +417,42 @@ class _RealtimeConnection(RealtimeConnection[QueuedItem], _Connection):
         return self.realtime_state(snapshot_to_json(snapshot))
 
 
+class _ResponsesConnection(ResponsesConnection[QueuedItem], _Connection):
+    """A connection speaking the Responses API's WebSocket mode (``backends.server``), on the
+    same turn machinery as the Realtime one: a ``Respond`` is queued as a ``messages`` prompt
+    of the response's conversation, each token a delta, the end ``finish``.
+    """
+
+    def __init__(
+        self, worker: Worker, ws: web.WebSocketResponse, session: str, rs: ResponsesSession
+    ) -> None:
+        super().__init__(worker, ws, session)
+        self.open_responses(rs)
+
+    def respond(self, out: ResponsesRespond) -> QueuedItem:
+        return Prompt.from_messages([m["content"] for m in out.messages]), out.max_tokens
+
+    async def emit_token(self, token: Token) -> None:
+        # Words joined by spaces, as the Realtime deltas: the next response's conversation
+        # splits into the same tokens, so its KV prefix still matches.
+        self.outbox.extend(self.rs.delta(("" if token.i == 0 else " ") + token.text))
+        await self.outbox.flush()
+
+    async def emit_done(self, result: TurnResult) -> None:
+        self.outbox.extend(
+            self.rs.finish(
+                input_tokens=self.turn_words,
+                cached_tokens=result.cached_tokens,
+                output_tokens=result.tokens,
+                now=time.time(),
+            )
+        )
+        await self.outbox.flush()
+
+    def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        return self.responses_state(snapshot_to_json(snapshot))
+
+
 class _WorkerCollector(Collector):
     """Reads the model at scrape time, so the numbers are never stale."""
 
@@ -429,6 +488,16 @@ class _WorkerCollector(Collector):
             "Context tokens prefilled (not found in the KV cache)",
             value=stats.prefill_tokens_total,
         )
+        yield CounterMetricFamily(
+            "wslb_worker_prefill_seconds",
+            "Time spent prefilling those tokens",
+            value=stats.prefill_seconds_total,
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_kv_capacity_tokens",
+            "KV cache capacity in tokens",
+            value=stats.kv_capacity_tokens,
+        )
         yield connections_metric(worker)
         yield handoffs_metric(worker)
         yield CounterMetricFamily(
@@ -450,10 +519,17 @@ class _Thawed:
     realtime: RealtimeSession | None = None
     events: tuple[dict[str, Any], ...] = ()
     """Realtime client events of a transcript's ``queued``, acted on after the resume."""
+    responses: ResponsesSession | None = None
 
 
-_State: TypeAlias = tuple[SessionSnapshot, RealtimeSession | None, tuple[dict[str, Any], ...]]
-"""A thaw's state, read: the model's snapshot, its Realtime session, a transcript's events."""
+_State: TypeAlias = tuple[
+    SessionSnapshot,
+    RealtimeSession | None,
+    tuple[dict[str, Any], ...],
+    ResponsesSession | None,
+]
+"""A thaw's state, read: the model's snapshot, its Realtime session, a transcript's events,
+its Responses session."""
 
 
 class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
@@ -468,8 +544,10 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         super().__init__(config)
         self.registry.register(_WorkerCollector(self))
         self._thawed: dict[str, _Thawed] = {}
-        # Realtime protocol sessions by session id, kept like the model's (--session-ttl).
+        # Realtime and Responses protocol sessions by session id, kept like the model's
+        # (--session-ttl).
         self._realtime: dict[str, RealtimeSession] = {}
+        self._responses: dict[str, ResponsesSession] = {}
 
     def gpu_utilization(self, stats: ModelStats) -> float:
         """NVML's reading when there is one, else the simulated one; at least the background."""
@@ -498,15 +576,16 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
     def _moved_away(self, sid: str) -> None:
         self._thawed.pop(sid, None)
         self._realtime.pop(sid, None)  # the conversation lives on where it is thawed
+        self._responses.pop(sid, None)
 
     def _connected(self, sid: str) -> bool:
         return self.model.connected(sid)
 
     def _install(self, sid: str, state: _State) -> None:
-        snapshot, realtime, events = state
+        snapshot, realtime, events, responses = state
         transfer = self.config.handoff_kv == "transfer"
         transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
-        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events)
+        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events, responses)
         # Thaws never resumed would pile up: keep only those the model still holds (ttl).
         for stale in [s for s in self._thawed if self.model.session(s) is None]:
             del self._thawed[stale]
@@ -530,8 +609,18 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
             default_max_tokens=cfg.max_tokens_default,
         )
         if isinstance(state, Transcript):
+            if state.protocol == RESPONSES:
+                responses = restore_responses(
+                    state.responses,
+                    session=sid,
+                    answer=state.answer,
+                    model="wslb-reference",
+                    default_max_tokens=cfg.max_tokens_default,
+                    max_tokens_limit=cfg.max_tokens_limit,
+                )
+                return state.snapshot, None, state.events, responses
             if state.protocol != "openai-realtime":
-                return state.snapshot, None, state.events
+                return state.snapshot, None, state.events, None
             realtime = restore_transcript(
                 state.realtime,
                 session=sid,
@@ -540,17 +629,26 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
                 default_max_tokens=cfg.max_tokens_default,
                 max_tokens_limit=cfg.max_tokens_limit,
             )
-            return state.snapshot, realtime, state.events
+            return state.snapshot, realtime, state.events, None
+        raw_responses = cast(dict[str, Any], value).get("responses")  # version 1: beside it
+        if raw_responses is not None:
+            responses = ResponsesSession.restore(
+                raw_responses,
+                session=sid,
+                default_max_tokens=cfg.max_tokens_default,
+                max_tokens_limit=cfg.max_tokens_limit,
+            )
+            return state, None, (), responses
         raw = cast(dict[str, Any], value).get("realtime")  # version 1: beside its fields
         if raw is None:
-            return state, None, ()
+            return state, None, (), None
         realtime = RealtimeSession.restore(
             raw,
             session=sid,
             default_max_tokens=cfg.max_tokens_default,
             max_tokens_limit=cfg.max_tokens_limit,
         )
-        return state, realtime, ()
+        return state, realtime, (), None
 
     def _take_thawed(self, session: str) -> _Thawed | None:
         thawed = self._thawed.pop(session, None)
@@ -572,6 +670,8 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
     ) -> _Connection:
         if request.path == REALTIME_PATH:
             return _RealtimeConnection(self, ws, sid, self._realtime_session(request, sid, claim))
+        if request.path == RESPONSES_PATH:
+            return _ResponsesConnection(self, ws, sid, self._responses_session(request, sid, claim))
         return _Connection(self, ws, sid)
 
     def _attach(
@@ -601,6 +701,20 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
             rt = self._new_realtime(request, session)
         self._realtime[session] = rt
         return rt
+
+    def _responses_session(
+        self, request: web.Request, session: str, thawed: _Thawed | None
+    ) -> ResponsesSession:
+        """The session's Responses conversation: thawed here, held since an earlier connection
+        (a reconnect continues it: the last response is still there), or new."""
+        for stale in [s for s in self._responses if self.model.session(s) is None]:
+            del self._responses[stale]  # expired with the model's session (--session-ttl)
+        rs = thawed.responses if thawed is not None else None
+        rs = rs or self._responses.get(session)
+        if rs is None:
+            rs = self._new_responses(session, request.query.get("model") or "wslb-reference")
+        self._responses[session] = rs
+        return rs
 
     def _resume(self, conn: _Connection, thawed: _Thawed) -> None:
         """Set a resumed connection up to continue exactly where the old worker stopped."""
@@ -667,6 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="act as a worker without the handoff API (no live migration)",
     )
+    add_worker_auth(parser)
     add(
         "--handoff-kv",
         choices=["transfer", "prefill"],
@@ -726,6 +841,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
         max_tokens_default=args.max_tokens_default,
         use_nvml=not args.simulate_gpu,
         drain_grace=args.drain_grace,
+        worker_auth=worker_auth_from_args(parser, args),
     )
     return config, args.log_level
 
@@ -736,11 +852,12 @@ async def serve(config: WorkerConfig, ready: Callable[[Worker], None] | None = N
     worker = Worker(config, gpu=gpu)
     await worker.start()
     log.info(
-        "worker %s on %s:%d (GPU utilisation: %s)",
+        "worker %s on %s:%d (GPU utilisation: %s; %s)",
         worker.worker_id,
         config.host,
         worker.port,
         f"NVML, {gpu.devices} device(s)" if gpu is not None else "simulated",
+        config.worker_auth.describe(),
     )
     await serve_until_signal(worker, ready)
 

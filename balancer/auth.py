@@ -4,11 +4,17 @@ The algorithms come from the config and only from it: the token's own ``alg`` he
 trusted to pick one (so ``alg=none`` and HS256-signed-with-the-RSA-public-key tricks fail). A
 token must carry ``exp`` and be unexpired; ``aud`` is checked when an audience is configured.
 The token comes from ``Authorization: Bearer`` or, for browsers that cannot set headers on a
-WebSocket, from the configured query parameter.
+WebSocket, from the configured query parameter (which is never forwarded to the worker).
+
+A session key a client names is a bearer secret: whoever knows it joins the conversation. With
+JWT on, keys are scoped to their owner (``owner_claim``, ``sub`` by default): the key the workers
+see is ``scoped_key(owner, key)``, so another subject naming the same key gets another session.
+A key from ``session_claim`` is the token issuer's choice, not the client's, and is used as is.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -16,9 +22,21 @@ from urllib.parse import parse_qsl, urlsplit
 import jwt
 
 from balancer.config import AuthCfg
-from balancer.handshake import ClientRequest, HandshakeReject
+from balancer.handshake import ClientRequest, HandshakeReject, check_key
 
-__all__ = ["Authenticator", "normalise_origin"]
+__all__ = ["OWNER_TAG_LEN", "Authenticator", "normalise_origin", "scoped_key"]
+
+OWNER_TAG_LEN = 32
+"""Hex digits of an owner's tag in a scoped key (128 bits of SHA-256)."""
+
+
+def scoped_key(owner: str, key: str) -> str:
+    """The key workers see for ``owner``'s session ``key``: ``TAG~KEY``, TAG a fixed-length
+    digest of the owner, so two (owner, key) pairs never give one string (no separator can be
+    forged inside a fixed-length field); what a client names stays readable in the logs."""
+    tag = hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:OWNER_TAG_LEN]
+    return f"{tag}~{key}"
+
 
 _CHALLENGE = [(b"www-authenticate", b'Bearer realm="wslb", error="invalid_token"')]
 
@@ -85,9 +103,38 @@ class Authenticator:
         return None
 
     def session_key(self, claims: dict[str, Any]) -> str | None:
-        """The configured claim as session key, when present."""
+        """The configured claim as session key, when present.
+
+        Raises:
+            HandshakeReject: 400 when its value breaks the session key rule.
+        """
         jcfg = self.cfg.jwt
         if jcfg is None or jcfg.session_claim is None:
             return None
         value = claims.get(jcfg.session_claim)
-        return str(value)[:256] if value not in (None, "") else None
+        if value in (None, ""):
+            return None
+        return check_key(str(value), f"claim {jcfg.session_claim!r}")
+
+    def owner(self, claims: dict[str, Any]) -> str | None:
+        """Whom the request's sessions belong to: the owner claim with JWT on, else None.
+
+        Raises:
+            HandshakeReject: 401 when the token has no owner claim (it could own nothing).
+        """
+        jcfg = self.cfg.jwt
+        if jcfg is None:
+            return None
+        value = claims.get(jcfg.owner_claim)
+        if value in (None, "") or isinstance(value, dict | list):
+            raise HandshakeReject(
+                401, f"token has no {jcfg.owner_claim!r} claim (auth.jwt.owner_claim)", _CHALLENGE
+            )
+        return str(value)
+
+    def strip(self, req: ClientRequest) -> ClientRequest:
+        """``req`` without the JWT's query parameter: the worker must not see the token."""
+        jcfg = self.cfg.jwt
+        if jcfg is None or not jcfg.query_param:
+            return req
+        return req.without_query(jcfg.query_param)

@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return ctl.main(args[1:])
     ns = parser().parse_args(args)
-    logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format=logs.TEXT_FORMAT)
+    logs.setup(getattr(logging, ns.log_level.upper()), "text")  # the config may say json
     if ns.command == "check":
         return _check(ns.file or ns.check_config or ns.config)
     if ns.test:

@@ -122,7 +122,7 @@ def log_problems(text: str) -> Counter[str]:
     out: Counter[str] = Counter()
     lines = text.splitlines()
     for i, line in enumerate(lines):
-        m = re.match(r"\S+ \S+ (ERROR|WARNING|CRITICAL) (\S+): (.*)", line)
+        m = re.match(r"\S+(?: \S+)? (ERROR|WARNING|CRITICAL) (\S+): (.*)", line)
         if m:
             out[f"{m[1]} {m[2]}: {_ADDR.sub('_', m[3])[:120]}"] += 1
         elif line.startswith("Traceback"):

@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import pct, sigterm_as_interrupt  # noqa: E402
 from tests.engines import LlamaServer  # noqa: E402
-from tests.procs import Procs, Worker, Wslb  # noqa: E402
+from tests.procs import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to fly. Make it at least ten sentences."
 TIMEOUT = 120.0  # seconds for one message from a CPU engine, at most
@@ -235,14 +235,16 @@ async def freeze_probe(bridge: Worker, n: int, max_tokens: int, after: int) -> l
     async with aiohttp.ClientSession() as http:
         for _ in range(n):
             sid = uuid.uuid4().hex
-            async with connect(f"{base.replace('http', 'ws')}/ws?session={sid}") as ws:
+            url = f"{base.replace('http', 'ws')}/ws?session={sid}"
+            async with connect(url, additional_headers=WORKER_AUTH) as ws:
                 await recv(ws)  # hello
                 prompt = {"type": "prompt", "text": PROMPT, "max_tokens": max_tokens}
                 await ws.send(json.dumps({**prompt, "temperature": 0}))
                 for _ in range(after):
                     await recv(ws)
                 t0 = time.perf_counter()
-                async with http.post(f"{base}/wslb/sessions/{sid}/freeze", json={}) as resp:
+                freeze = f"{base}/wslb/sessions/{sid}/freeze"
+                async with http.post(freeze, json={}, headers=WORKER_AUTH) as resp:
                     await resp.read()
                     resp.raise_for_status()
                 out.append((time.perf_counter() - t0) * 1e3)

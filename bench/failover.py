@@ -96,7 +96,7 @@ from tests.procs import Procs, Worker, Wslb  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 RESUMED_RE = re.compile(
-    r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO \S+: "
+    r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d{3}(?:[+-]\d\d:\d\d|Z)?) INFO \S+: "
     r"session (\S+): worker (\S+) lost; resumed on (\S+) in ([\d.]+) ms"
 )
 SEARCH_S = 5.0  # without a log line for a session: its largest gap this long after the kill

@@ -73,7 +73,7 @@ from bench.common import (  # noqa: E402
     pct,
     sigterm_as_interrupt,
 )
-from tests.procs import Procs, Worker, Wslb  # noqa: E402
+from tests.procs import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 CONNECT_TIMEOUT = 30.0  # seconds to open every session
@@ -286,7 +286,7 @@ def prom_samples(text: str) -> dict[str, float]:
     return out
 
 
-_TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+_TS = r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d{3}(?:[+-]\d\d:\d\d|Z)?)"
 MOVED_RE = re.compile(_TS + r" INFO \S+: session (\S+) moved (\S+) -> (\S+) in ([\d.]+) ms")
 # Every other line of wslb's migration logger is about a failure (retried, restored, closed).
 FAILED_RE = re.compile(_TS + r" (?:INFO|WARNING) wslb\.migrate: session (\S+): (.*)")
@@ -295,8 +295,9 @@ THAWED_RE = re.compile(_TS + r" INFO \S+: thawed session (\S+) \(kv (\w+), ([\d.
 
 
 def log_time(stamp: str) -> float:
-    """A ``logging`` asctime (local time, ms) as a Unix time."""
-    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    """A log line's time as a Unix time: ISO 8601 with its zone (wslb's and its workers'), or
+    an older ``logging`` asctime (local time, ``,`` before the ms)."""
+    return dt.datetime.fromisoformat(stamp.replace(",", ".")).timestamp()
 
 
 @dataclass
@@ -386,7 +387,9 @@ async def probe_handoffs(
     timeout = aiohttp.ClientTimeout(5)
     for j in range(count):
         sid = f"probe-{tag}-{j}"
-        old = await http.ws_connect(f"ws://127.0.0.1:{a_port}/ws?session={sid}")
+        old = await http.ws_connect(
+            f"ws://127.0.0.1:{a_port}/ws?session={sid}", headers=WORKER_AUTH
+        )
         new: aiohttp.ClientWebSocketResponse | None = None
         try:
             await old.receive_json(timeout=5)  # hello
@@ -395,16 +398,17 @@ async def probe_handoffs(
                 await old.receive(timeout=5)
             t0 = time.perf_counter()
             url = f"http://127.0.0.1:{a_port}/wslb/sessions/{sid}/freeze"
-            async with http.post(url, json={}, timeout=timeout) as r:
+            async with http.post(url, json={}, headers=WORKER_AUTH, timeout=timeout) as r:
                 frozen = await r.json()
             t1 = time.perf_counter()
             url = f"http://127.0.0.1:{b_port}/wslb/sessions/{sid}/thaw"
-            async with http.post(url, json={"state": frozen["state"]}, timeout=timeout) as r:
+            body = {"state": frozen["state"]}
+            async with http.post(url, json=body, headers=WORKER_AUTH, timeout=timeout) as r:
                 if r.status != 200:
                     raise RuntimeError(f"probe thaw answered {r.status}: {await r.text()}")
             t2 = time.perf_counter()
             new = await http.ws_connect(
-                f"ws://127.0.0.1:{b_port}/ws", headers={"X-WSLB-Resume": sid}
+                f"ws://127.0.0.1:{b_port}/ws", headers={**WORKER_AUTH, "X-WSLB-Resume": sid}
             )
             t3 = time.perf_counter()
             first = await new.receive(timeout=5)

@@ -7,6 +7,11 @@ The one place this repository starts them: the tests use ``Worker`` and ``Wslb``
 theirs in a ``Procs``: logs in one directory, each child the leader of its own session and
 SIGKILLed if the script dies, all stopped, newest first, on ``close``. ``src`` runs wslb or a
 worker from another checkout (a ``git worktree`` of the commit under test).
+
+Every child gets ``WORKER_TOKEN`` as ``$WSLB_WORKER_TOKEN``: workers require it (SPEC section
+12) and wslb shows it to every pool without ``worker_auth``, so the tests run with the
+credential on and need not name it; a test that talks to a worker itself, as wslb would, sends
+``WORKER_AUTH``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +39,10 @@ import yaml
 from balancer import admintoken
 
 ROOT = Path(__file__).resolve().parent.parent
+WORKER_TOKEN = secrets.token_urlsafe(32)
+"""The credential between the test's wslb and workers (one per test process)."""
+WORKER_AUTH = {"X-WSLB-Worker-Token": WORKER_TOKEN}
+"""The header a test that plays wslb's part sends a worker."""
 
 Backends = list[dict[str, Any]]  # GET /backends
 
@@ -84,9 +94,10 @@ def die_with_parent() -> None:
 
 
 def child_env(src: Path = ROOT, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment, unbuffered, with ``extra``; ``src`` (when not this checkout)
-    first on ``PYTHONPATH`` so that ``python -m`` runs its code."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """This process's environment, unbuffered, with the workers' credential and ``extra``;
+    ``src`` (when not this checkout) first on ``PYTHONPATH`` so that ``python -m`` runs its
+    code."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WSLB_WORKER_TOKEN=WORKER_TOKEN)
     if src != ROOT:
         rest = env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(src) + (os.pathsep + rest if rest else "")

@@ -38,7 +38,7 @@ from backends.wire import READY_PREFIX
 from tests.engines import LlamaServer
 from tests.engines import chat as engine_chat
 from tests.engines import content as engine_content
-from tests.procs import ROOT, Wslb, free_port, pool_config, spawn, stop
+from tests.procs import ROOT, WORKER_AUTH, Wslb, free_port, pool_config, spawn, stop
 
 TIMEOUT = 60.0  # one message from a bridge in front of a CPU engine, at most
 FAST = 5.0  # the same where the engine answers at once (the fake one, errors)
@@ -190,7 +190,9 @@ async def recv(ws: ClientConnection, timeout: float = TIMEOUT) -> dict[str, Any]
 
 
 async def open_ws(url: str, sid: str, **kwargs: Any) -> ClientConnection:
-    return await connect(url, additional_headers={"X-Session-Id": sid}, open_timeout=FAST, **kwargs)
+    """A connection as wslb opens one: with its credential (``tests.procs.WORKER_AUTH``)."""
+    headers = {**WORKER_AUTH, "X-Session-Id": sid}
+    return await connect(url, additional_headers=headers, open_timeout=FAST, **kwargs)
 
 
 async def hello(ws: ClientConnection, wid: str, sid: str) -> None:
@@ -219,7 +221,10 @@ def joined(tokens: list[dict[str, Any]]) -> str:
 
 
 async def post(url: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url, json=body, headers=WORKER_AUTH) as resp,
+    ):
         return resp.status, await resp.json()
 
 
@@ -232,7 +237,7 @@ async def thaw(b: BridgeProc, sid: str, state: Any) -> tuple[int, Any]:
 
 
 async def resume(b: BridgeProc, sid: str, path: str = "/ws") -> ClientConnection:
-    headers = {"X-WSLB-Resume": sid, "X-Session-Id": sid}
+    headers = {**WORKER_AUTH, "X-WSLB-Resume": sid, "X-Session-Id": sid}
     return await connect(
         f"ws://127.0.0.1:{b.port}{path}", additional_headers=headers, open_timeout=FAST
     )
@@ -350,7 +355,9 @@ async def test_chat_streams_the_engines_answer(llama: LlamaServer, pair: list[Br
     tokens, done = await uninterrupted(a, text, 24)
     assert done["tokens"] == len(tokens) > 0  # llama-server: one token per chunk
     assert done["worker"] == a.id and done["prefill_ms"] > 0
-    # The engine itself, asked the same at temperature 0, says the same.
+    # The engine itself, asked the same at temperature 0, says the same. Not from its prompt
+    # cache: the bridge's request was the first with this prompt (a whole prefill), and a
+    # prefix served from the cache can tip Gemma 270M's greedy choice to another token.
     direct = engine_content(
         list(
             engine_chat(
@@ -359,6 +366,7 @@ async def test_chat_streams_the_engines_answer(llama: LlamaServer, pair: list[Br
                     "messages": [{"role": "user", "content": text}],
                     "max_tokens": 24,
                     "temperature": 0,
+                    "cache_prompt": False,
                 },
             )
         )
@@ -368,6 +376,34 @@ async def test_chat_streams_the_engines_answer(llama: LlamaServer, pair: list[Br
     for name in METRIC_NAMES:
         assert name in m, name
     assert m["wslb_worker_engine_up"] == 1.0 and m["wslb_worker_streams"] == 0.0
+
+
+@pytest.mark.engine
+async def test_engine_url_with_v1_and_a_wrong_one(llama: LlamaServer) -> None:
+    """``--engine-url http://host:port/v1`` (how OpenAI base URLs are written) works as the bare
+    base URL does; a URL where the engine has no ``/v1/models`` (a wrong path) fails at start
+    with exit 2 and a message saying what to pass, not at the first prompt."""
+    b = BridgeProc(llama.url + "/v1/", "v1-url")
+    try:
+        tokens, done = await uninterrupted(b, "Say yes.", 4)
+        assert tokens and done["tokens"] == len(tokens)
+        assert "engine.*is down" not in b.output()
+    finally:
+        b.stop()
+    cmd = [
+        sys.executable,
+        "-m",
+        "backends.worker",
+        *("--engine", "openai", "--engine-url", llama.url + "/api"),
+        *("--port", "0", "--id", "wrong-url"),
+    ]
+
+    def start() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+    refused = await asyncio.to_thread(start)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr)
+    assert "has no /v1/models (404): --engine-url must be the server's base URL" in refused.stderr
 
 
 @pytest.mark.engine
@@ -532,7 +568,11 @@ async def test_realtime_response_migrates(pair: list[BridgeProc]) -> None:
     ``response.done``, every delta once, the done text the deltas joined."""
     a, b = pair
     sid = new_sid()
-    ws_a = await connect(f"ws://127.0.0.1:{a.port}/v1/realtime?session={sid}", open_timeout=FAST)
+    ws_a = await connect(
+        f"ws://127.0.0.1:{a.port}/v1/realtime?session={sid}",
+        additional_headers=WORKER_AUTH,
+        open_timeout=FAST,
+    )
     deltas: list[str] = []
     try:
         assert (await recv(ws_a, FAST))["type"] == "session.created"
@@ -819,7 +859,7 @@ async def test_engine_down_healthz_and_errors() -> None:
             msg = await recv(ws, FAST)
             assert msg["type"] == "error" and msg["error"].startswith("engine: cannot connect")
         rt_url = f"ws://127.0.0.1:{d.port}/v1/realtime?session={new_sid()}"
-        async with connect(rt_url, open_timeout=FAST) as rt:
+        async with connect(rt_url, additional_headers=WORKER_AUTH, open_timeout=FAST) as rt:
             assert (await recv(rt, FAST))["type"] == "session.created"
             await rt.send(json.dumps({"type": "response.create"}))
             kinds: list[str] = []
@@ -881,7 +921,7 @@ async def test_engine_lost_drops_the_connection() -> None:
         fake.health = 200
         await f.health(200)
         rt_url = f"ws://127.0.0.1:{f.port}/v1/realtime?session={new_sid()}"
-        async with connect(rt_url, open_timeout=FAST) as rt:
+        async with connect(rt_url, additional_headers=WORKER_AUTH, open_timeout=FAST) as rt:
             assert (await recv(rt, FAST))["type"] == "session.created"
             await rt.send(json.dumps({"type": "response.create"}))
             kinds = [ev["type"] for ev in await dropped(rt)]

@@ -26,9 +26,10 @@ from urllib.parse import quote
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from balancer.aio.ui import HEADERS
+from balancer.handshake import quote_key
 from tests.browser import VIEWPORT, PageLog, browser, require_browser
 from tests.procs import ROOT, Worker, Wslb, pool_config
 
@@ -36,6 +37,10 @@ TOKEN = "dash-s3cret"
 FOLLOW_S = 2.0  # the issue's promise: the page follows a change within 2 s
 XSS_KEY = "<img src=x onerror=alert(1)>"
 XSS_KEY2 = '"><svg onload=alert(2)>'
+# What the session key rule (SPEC section 12) lets through that a page or a URL could still get
+# wrong: markup is refused at the handshake.
+ODD_KEY = "a:b@c~d.e"
+ODD_KEY2 = ".."
 
 # The backends table as the page shows it: each row's cells by their data-col.
 _READ_BACKENDS = """() => Object.fromEntries([...document.querySelectorAll('#backends tbody tr')]
@@ -380,32 +385,38 @@ async def test_drain_moves_live_sessions_and_the_feed_shows_each(lb: Wslb, tmp_p
 
 
 async def test_client_chosen_strings_are_text(lb: Wslb) -> None:
-    """A session key that is markup shows as itself, in the table and in the feed, and runs
-    nothing: no dialog, no element made from it."""
+    """A session key that is markup never gets in (400 at the handshake); the oddest keys the
+    rule allows show as themselves, in the table and in the feed, and run nothing: no dialog,
+    no element made from them."""
     require_browser()
+    for markup in (XSS_KEY, XSS_KEY2):
+        with pytest.raises(InvalidStatus) as exc:
+            await chat(lb, markup)
+        assert exc.value.response.status_code == 400
     feed = has_event_stream(lb)
     async with dashboard(lb) as dash:
         await dash.login()
-        conns = [await chat(lb, k) for k in (XSS_KEY, XSS_KEY2)]
-        assert {s["id"] for s in lb.admin("/sessions")} == {XSS_KEY, XSS_KEY2}
+        conns = [await chat(lb, k) for k in (ODD_KEY, ODD_KEY2)]
+        assert {s["id"] for s in lb.admin("/sessions")} == {ODD_KEY, ODD_KEY2}
 
         async def listed() -> tuple[bool, Any]:
             keys = {s["key"] for s in await dash.sessions()}
-            return keys == {XSS_KEY, XSS_KEY2}, keys
+            return keys == {ODD_KEY, ODD_KEY2}, keys
 
         await eventually(listed, FOLLOW_S, "the keys as text")
-        th = dash.page.locator("#sessions tbody th", has_text="<img src=x")
-        assert await th.inner_text() == XSS_KEY
+        th = dash.page.locator("#sessions tbody th", has_text="a:b@c")
+        assert await th.inner_text() == ODD_KEY
         # Move them, so that the keys are in the feed's items too.
-        bid = lb.admin(f"/sessions/{quote(XSS_KEY, safe='')}")["backend"]
-        lb.admin_post(f"/sessions/{quote(XSS_KEY, safe='')}/migrate", {})
-        if feed:
+        for key in (ODD_KEY, ODD_KEY2):
+            bid = lb.admin(f"/sessions/{quote_key(key)}")["backend"]
+            lb.admin_post(f"/sessions/{quote_key(key)}/migrate", {})
+            if feed:
 
-            async def in_feed() -> tuple[bool, Any]:
-                items = await dash.feed()
-                return any(f"session {XSS_KEY} moved {bid}" in i for i in items), items
+                async def in_feed(key: str = key, bid: str = bid) -> tuple[bool, Any]:
+                    items = await dash.feed()
+                    return any(f"session {key} moved {bid}" in i for i in items), items
 
-            await eventually(in_feed, FOLLOW_S, "the key in the feed")
+                await eventually(in_feed, FOLLOW_S, "the key in the feed")
         await asyncio.sleep(0.5)  # time for a handler, had any been made, to fire
         for where in ("#sessions", "#feed", "#backends"):
             assert await dash.page.locator(f"{where} img, {where} script").count() == 0

@@ -24,6 +24,7 @@ from websockets.exceptions import InvalidStatus
 
 from backends.handoff import StateError, snapshot_from_json, snapshot_to_json
 from backends.model import PendingAnswer, Prompt, QueuedPrompt, SessionSnapshot, token_text, words
+from tests.procs import WORKER_AUTH
 from tests.test_worker import (
     TIMEOUT,
     WorkerProc,
@@ -50,7 +51,7 @@ def workers() -> Iterator[dict[str, WorkerProc]]:
             ("p", ("--handoff-kv", "prefill")),
             ("n", ("--no-handoff",)),
         ]:
-            started[name] = start_worker("--id", f"w{name}", *ARGS, *extra)
+            started[name] = start_worker("--id", f"w{name}", *ARGS, *extra, credential=True)
         yield started
     finally:
         for w in started.values():
@@ -58,9 +59,11 @@ def workers() -> Iterator[dict[str, WorkerProc]]:
 
 
 async def post(url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """A handoff request as wslb sends one: JSON, with its credential."""
     data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
-    async with aiohttp.ClientSession() as http, http.post(url, data=data) as resp:
-        return resp.status, await resp.json()
+    headers = {**WORKER_AUTH, "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as http, http.post(url, data=data, headers=headers) as r:
+        return r.status, await r.json()
 
 
 async def freeze(w: WorkerProc, sid: str) -> tuple[int, Any]:
@@ -72,7 +75,7 @@ async def thaw(w: WorkerProc, sid: str, state: Any) -> tuple[int, Any]:
 
 
 async def resume(w: WorkerProc, sid: str) -> ClientConnection:
-    headers = {"X-WSLB-Resume": sid, "X-Session-Id": sid}
+    headers = {**WORKER_AUTH, "X-WSLB-Resume": sid, "X-Session-Id": sid}
     return await connect(w.ws, additional_headers=headers, open_timeout=TIMEOUT)
 
 
@@ -355,7 +358,7 @@ async def test_refusals(workers: dict[str, WorkerProc]) -> None:
 
 
 async def test_sigterm_drains_while_sessions_live() -> None:
-    w = start_worker("--drain-grace", "10", *ARGS)
+    w = start_worker("--drain-grace", "10", *ARGS, credential=True)
     try:
         sid = new_sid()
         async with await open_chat(w, sid) as ws:

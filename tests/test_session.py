@@ -373,8 +373,8 @@ async def test_migration_steps_fail_back_to_the_old_worker(
     state = drain_state(loop, pool)
     calls: list[str] = []
 
-    async def post(st: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-        calls.append(url.rsplit("/", 1)[-1])
+    async def post(st: Any, b: Any, sid: str, step: str, body: dict[str, Any]) -> tuple[int, Any]:
+        calls.append(step)
         return 404, None
 
     monkeypatch.setattr(migrate_mod, "handoff_post", post)
@@ -393,7 +393,7 @@ async def test_migration_that_cannot_flush_ends_the_session(
     s, ct, _wt, pool = make(host)
     state = drain_state(loop, pool)
 
-    async def post(st: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async def post(st: Any, b: Any, sid: str, step: str, body: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"state": {}, "sent": 5, "received": 0}
 
     monkeypatch.setattr(migrate_mod, "handoff_post", post)

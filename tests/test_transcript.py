@@ -31,6 +31,7 @@ from backends.protocol.realtime import (
     restore_transcript,
     snapshot_from_transcript,
 )
+from tests.procs import WORKER_AUTH
 from tests.test_handoff import drain_quiet, freeze, prompt, thaw
 from tests.test_worker import TIMEOUT, WorkerProc, collect, new_sid, open_chat, recv, start_worker
 
@@ -45,7 +46,7 @@ def workers() -> Iterator[dict[str, WorkerProc]]:
     started: dict[str, WorkerProc] = {}
     try:
         for name in ("a", "b"):
-            started[name] = start_worker("--id", f"w{name}", *ARGS)
+            started[name] = start_worker("--id", f"w{name}", *ARGS, credential=True)
         yield started
     finally:
         for w in started.values():
@@ -106,7 +107,7 @@ def realtime_transcript(sid: str, i: int = 3, max_output: int = 8) -> dict[str, 
 
 
 async def resume_at(w: WorkerProc, sid: str, path: str = "/ws") -> ClientConnection:
-    headers = {"X-WSLB-Resume": sid, "X-Session-Id": sid}
+    headers = {**WORKER_AUTH, "X-WSLB-Resume": sid, "X-Session-Id": sid}
     url = f"ws://127.0.0.1:{w.port}{path}"
     return await connect(url, additional_headers=headers, open_timeout=TIMEOUT)
 

@@ -28,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 from backends.gpu import open_gpu
 from backends.model import ModelConfig, token_text
 from backends.worker import METRIC_NAMES, READY_PREFIX, Worker, WorkerConfig
+from tests.procs import WORKER_AUTH, WORKER_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFILL_MS = 0.01
@@ -77,16 +78,23 @@ class WorkerProc:
         return self.log.read()
 
 
-def start_worker(*args: str, module: str = "backends.worker") -> WorkerProc:
-    """Start a worker on a free loopback port (``--port 0``) and wait until it is healthy."""
+def start_worker(
+    *args: str, module: str = "backends.worker", credential: bool = False
+) -> WorkerProc:
+    """Start a worker on a free loopback port (``--port 0``) and wait until it is healthy;
+    ``credential``: with wslb's (``tests.procs.WORKER_TOKEN``), as a handoff test needs."""
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by WorkerProc.stop)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WSLB_WORKER_TOKEN", None)
+    if credential:
+        env["WSLB_WORKER_TOKEN"] = WORKER_TOKEN
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=log,
         cwd=ROOT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
     )
     assert proc.stdout is not None
     worker = WorkerProc(proc, 0, log)
@@ -137,7 +145,8 @@ async def recv(ws: ClientConnection) -> dict[str, Any]:
 
 
 async def open_chat(worker: WorkerProc, sid: str | None, **kwargs: Any) -> ClientConnection:
-    headers = {"X-Session-Id": sid} if sid else None
+    """A chat connection as wslb opens one (its credential: ignored by a worker without one)."""
+    headers = {**WORKER_AUTH, **({"X-Session-Id": sid} if sid else {})}
     return await connect(worker.ws, additional_headers=headers, open_timeout=TIMEOUT, **kwargs)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from balancer.aio.health import HealthChecker
-from balancer.aio.migrate import handoff_post, handoff_url, wait_until
+from balancer.aio.migrate import handoff_post, wait_until
 from balancer.aio.proxy import open_upstream
 from balancer.aio.session import Session
 from balancer.aio.state import ServerState
@@ -140,7 +140,7 @@ class Failover:
         try:
             try:
                 status, body = await handoff_post(
-                    state, handoff_url(target) + s.sid + "/thaw", {"state": transcript}
+                    state, target, s.sid, "thaw", {"state": transcript}
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.info("session %s: thaw on %s failed: %s", s.sid, target.id, exc)
@@ -153,7 +153,16 @@ class Failover:
                 )
                 return "rejected"
             if status != 200:
-                log.info("session %s: thaw on %s answered %d", s.sid, target.id, status)
+                log.log(
+                    logging.WARNING if status == 401 else logging.INFO,
+                    "session %s: thaw on %s answered %d%s",
+                    s.sid,
+                    target.id,
+                    status,
+                    " (wslb's credential refused: see the pool's worker_auth)"
+                    if status == 401
+                    else "",
+                )
                 return "thaw"
             try:
                 wt, proto, _, trailing = await open_upstream(

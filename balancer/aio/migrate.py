@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import yarl
 
+from balancer import workerauth
 from balancer.aio.proxy import open_upstream
 from balancer.aio.session import PAUSES_KEPT, Session
 from balancer.aio.state import ServerState
 from balancer.frames import CloseCode, FrameScanner
-from balancer.handshake import UpstreamReject
+from balancer.handshake import UpstreamReject, quote_key
 from balancer.pool import Backend
 
 __all__ = [
@@ -69,17 +71,35 @@ class MigrationResult:
     pause: float | None = None  # seconds from freeze to the first message on the new leg
 
 
-def handoff_url(backend: Backend) -> str:
-    """The prefix of the worker's handoff API (``.../wslb/sessions/``)."""
+def handoff_url(backend: Backend, sid: str, step: str) -> yarl.URL:
+    """``POST``'s target for a handoff ``step`` (freeze, thaw) of session ``sid`` on ``backend``.
+
+    The key is one percent-encoded path segment (``quote_key``) and the URL is taken as
+    encoded, so no key can name another session or route (``a/freeze?``, ``..``) and every key
+    reaches the worker as it is.
+    """
     up = backend.upstream
-    return f"{'https' if up.secure else 'http'}://{up.authority}/wslb/sessions/"
+    scheme = "https" if up.secure else "http"
+    return yarl.URL(
+        f"{scheme}://{up.authority}/wslb/sessions/{quote_key(sid)}/{step}", encoded=True
+    )
 
 
-async def handoff_post(state: ServerState, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    """POST a handoff step; the status and the JSON answer (None if not JSON)."""
+async def handoff_post(
+    state: ServerState, backend: Backend, sid: str, step: str, body: dict[str, Any]
+) -> tuple[int, Any]:
+    """POST a handoff step to ``backend``, with wslb's credential and over the pool's
+    ``upstream_tls`` for a ``wss://`` worker; the status and the JSON answer (None if not
+    JSON)."""
     assert state.handoff_http is not None
+    token = state.worker_token(backend)
+    headers = {workerauth.HEADER: token} if token is not None else {}
     async with state.handoff_http.post(
-        url, json=body, timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT)
+        handoff_url(backend, sid, step),
+        json=body,
+        headers=headers,
+        ssl=state.upstream_ssl(backend) or True,
+        timeout=aiohttp.ClientTimeout(total=STEP_TIMEOUT),
     ) as resp:
         try:
             data = await resp.json(content_type=None)
@@ -158,9 +178,16 @@ async def _migrate(
     s.hold()
     # FROZEN
     t_freeze = loop.time()
-    status, body = await handoff_post(state, handoff_url(old) + s.sid + "/freeze", {})
+    status, body = await handoff_post(state, old, s.sid, "freeze", {})
     if status == 404:  # a worker without the handoff API, or one that lost the session
         raise MigrationError("no_api", f"freeze answered {status}")
+    if status == 401:  # the worker has no credential, or another one than wslb shows
+        log.warning(
+            "backend %s refused wslb's credential (401): give it the pool's worker_auth "
+            "(docs/hardening.md#sessions-belong-to-their-owner)",
+            old.id,
+        )
+        raise MigrationError("unauthorized", "freeze answered 401")
     if status != 200 or not isinstance(body, dict):
         raise MigrationError("freeze", f"freeze answered {status}")
     try:
@@ -261,7 +288,7 @@ async def _move(
     state: ServerState, s: Session, target: Backend, frozen: Any, received: int
 ) -> None:
     """THAWED then SWITCHED on ``target`` (also used to put a session back on its old worker)."""
-    status, _ = await handoff_post(state, handoff_url(target) + s.sid + "/thaw", {"state": frozen})
+    status, _ = await handoff_post(state, target, s.sid, "thaw", {"state": frozen})
     if status != 200:
         raise MigrationError("thaw", f"{target.id} answered {status}")
     try:

@@ -65,7 +65,9 @@ class Scraper:
             backend.signals = signals.since(backend.signals, cfg.smoothing)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             why = str(exc) or type(exc).__name__
-            if backend.id not in self._failing:
+            # Logged once, and only for a backend that is up: a worker still starting (wslb
+            # spawns its workers as the scrapes begin) or down has its own log lines.
+            if backend.id not in self._failing and backend.healthy:
                 self._failing.add(backend.id)
                 log.info(
                     "backend %s: no load signals (GET %s %s); its weight follows session "

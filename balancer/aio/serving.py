@@ -28,10 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--log-level", default="info")
     ns = p.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, ns.log_level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s %(name)s[{ns.index}]: %(message)s",
-    )
+    logs.setup(getattr(logging, ns.log_level.upper(), logging.INFO), "text", str(ns.index))
     try:
         config = load_config(ns.config)
     except ConfigError as exc:

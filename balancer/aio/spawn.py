@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from balancer import workerauth
 from balancer.pool import Backend
 
 __all__ = ["Backoff", "Spawner", "child_env", "die_with_parent", "python_module"]
@@ -83,14 +84,27 @@ class Spawner:
         self._stopping = False
         self._on_state = on_state
         self.restarts: dict[str, int] = {}
+        workerauth.spawn_token()  # before any child starts (serving processes inherit it)
 
     def command(self, backend: Backend) -> list[str]:
+        """The worker's command line: wslb's own options last, so that no ``args`` (checked by
+        the config already) can override the address it was given."""
         up = backend.upstream
         return python_module(
             "backends.worker",
-            "--host", up.host, "--port", str(up.port), "--id", backend.id,
             *backend.cfg.args,
+            "--host", up.host, "--port", str(up.port), "--id", backend.id,
         )  # fmt: skip
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """The worker's environment: its credential (``balancer.workerauth``; never on the
+        command line, which ``ps`` shows to every user), not the one it would otherwise
+        inherit for the pools of other workers."""
+        env = child_env()
+        env[workerauth.ENV] = workerauth.spawn_token()
+        env.pop(workerauth.SPAWN_ENV, None)
+        return env
 
     def start(self, backend: Backend) -> None:
         """Start supervising a backend's worker process."""
@@ -120,9 +134,12 @@ class Spawner:
             started = loop.time()
             proc = await asyncio.create_subprocess_exec(
                 *self.command(backend),
+                # Its ready line is for a parent that reads it; wslb connects instead. Its log
+                # lines (stderr) join wslb's, in wslb's format (``logs.FORMAT_ENV``).
+                stdout=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env=child_env(),
+                env=self.environment(),
             )
             self._procs[backend.id] = proc
             log.info("started worker %s (pid %d)", backend.id, proc.pid)

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from balancer import workerauth
 from balancer.aio.offload import Offload
 from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
@@ -65,6 +66,7 @@ class ServerState:
         self.board = board
         self.wheel = TimerWheel(loop)  # the sessions' timers (heartbeat, idle, close)
         self.auth = Authenticator(config.auth)
+        workerauth.spawn_token()  # made before any child starts, so all of them inherit it
         # Per client address; the kernel spreads one client's connections over the serving
         # processes of workers: N by port, so each enforces its share.
         self.per_client_limit = -(-config.limits.max_connections_per_client // processes)
@@ -110,9 +112,11 @@ class ServerState:
             }
         )
 
-    def authorize(self, req: ClientRequest) -> str | None:
-        """Origin allow-list (403) and JWT (401); return the session key a claim gives, if any."""
-        return self.auth.session_key(self.auth.check(req))
+    def authorize(self, req: ClientRequest) -> tuple[str | None, str | None]:
+        """Origin allow-list (403) and JWT (401); whom the sessions belong to (None without
+        JWT: keys are bearer secrets) and the session key a claim gives, if any."""
+        claims = self.auth.check(req)
+        return self.auth.owner(claims), self.auth.session_key(claims)
 
     def at_capacity(self) -> bool:
         """``limits.max_connections`` reached, over every serving process of ``workers: N``."""
@@ -158,6 +162,13 @@ class ServerState:
             self._upstream_tls[key] = ctx
         return ctx
 
+    def worker_token(self, backend: Backend) -> str | None:
+        """The credential wslb shows this worker (``balancer.workerauth``), or None."""
+        found = self.find_backend(backend.id)
+        if found is None:
+            return None
+        return workerauth.token_for(found[0].cfg, backend.cfg)
+
     def forget_upstream_tls(self) -> None:
         """Reread upstream TLS files on the next connection (a reload)."""
         self._upstream_tls.clear()
@@ -201,7 +212,7 @@ class ServerState:
     def session_finished(self, s: Session) -> None:
         self.sessions.pop(s, None)
         self.connection_closed(s.peer)
-        self.stats.session_done(s)
+        self.stats.session_done(s, self.loop.time())
         if self.config.log.access:
             log_access(s)
         if not self.sessions:

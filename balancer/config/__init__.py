@@ -49,7 +49,9 @@ from balancer.config.model import (
     Limits,
     Listener,
     LogCfg,
+    MetricsCfg,
     OutlierCfg,
+    PlacementCfg,
     PoolCfg,
     RelayCfg,
     Timeouts,
@@ -58,6 +60,7 @@ from balancer.config.model import (
 )
 from balancer.config.model import IPNetwork as IPNetwork
 from balancer.config.model import UpstreamTls as UpstreamTls
+from balancer.config.model import WorkerAuthCfg as WorkerAuthCfg
 from balancer.config.units import DURATION_PATTERN as DURATION_PATTERN
 from balancer.config.units import SIZE_PATTERN as SIZE_PATTERN
 from balancer.config.units import expand_env, parse_duration, parse_size
@@ -78,7 +81,9 @@ __all__ = [
     "Limits",
     "Listener",
     "LogCfg",
+    "MetricsCfg",
     "OutlierCfg",
+    "PlacementCfg",
     "PoolCfg",
     "RelayCfg",
     "Timeouts",

@@ -46,13 +46,16 @@ from balancer.config.model import (
     Limits,
     Listener,
     LogCfg,
+    MetricsCfg,
     OutlierCfg,
+    PlacementCfg,
     PoolCfg,
     RelayCfg,
     Timeouts,
     Tls,
     UpstreamTls,
     WeightsCfg,
+    WorkerAuthCfg,
     _join_host_port,
 )
 from balancer.config.units import _BYTES, _line_col, expand_env, parse_duration, parse_size
@@ -187,6 +190,12 @@ _HOSTNAME_RE: Final = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?
 _WILDCARDS: Final = frozenset({"0.0.0.0", "::"})
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "localhost.", "ip6-localhost"})
 _HMAC_ALGORITHMS: Final = frozenset({"HS256", "HS384", "HS512"})
+# A credential wslb shows its workers (balancer.workerauth.TOKEN_RULE; that module imports this
+# package, so the rule is repeated here and a test keeps the two equal).
+_WORKER_TOKEN_RE: Final = re.compile(r"[\x21-\x2b\x2d-\x7e]{16,1024}")
+# Options of a spawned worker that wslb sets itself: its address (a worker on all interfaces
+# would serve anyone) and its credential. argparse also takes a unique prefix (--ho).
+_SPAWN_OWNED: Final = ("--host", "--port", "--worker-token-file", "--insecure-handoff")
 
 
 class _Reader:
@@ -325,8 +334,9 @@ class _Builder(_Reader):
         root: dict[object, object] = data if isinstance(data, dict) else {}
         listen = self.listeners(root)
         admin = self.admin(root, listen)
+        metrics = self.metrics(root, listen, admin)
         pools = self.pools(root)
-        self.spawned_clashes(listen, admin)
+        self.spawned_clashes(listen, admin, metrics)
         trusted = self.networks(root, "trusted_proxies")
         if not root.get("trusted_proxies") and any(lst.proxy_protocol for lst in listen):
             self.error(
@@ -337,6 +347,7 @@ class _Builder(_Reader):
         return Config(
             listen=listen,
             admin=admin,
+            metrics=metrics,
             pools=pools,
             timeouts=self.timeouts(root),
             limits=self.limits(root),
@@ -432,6 +443,26 @@ class _Builder(_Reader):
                     break
         return Admin(host, port, self.optional(a, "token", ("admin",)))
 
+    def metrics(
+        self, root: dict[object, object], listen: tuple[Listener, ...], admin: Admin
+    ) -> MetricsCfg:
+        """``metrics.listen``: "" (an unset ``${VAR}``) is no listener; no clash with wslb's
+        other addresses."""
+        text = self.string(self.section(root, "metrics", ()), "listen", ("metrics",), "")
+        at = ("metrics", "listen")
+        parsed = self.address(text, at) if text else None
+        if parsed is None:
+            return MetricsCfg()
+        own = Listener(*parsed)
+        ours = [(lst, "the listen address") for lst in listen]
+        ours.append((Listener(admin.host, admin.port), "the admin address"))
+        for lst, what in ours:
+            clash = _clash(own, lst)
+            if clash:
+                self.error(at, f"{_show(text)} {clash} {what} {lst}")
+                break
+        return MetricsCfg(own)
+
     def pools(self, root: dict[object, object]) -> tuple[PoolCfg, ...]:
         v = self.get(root, "pools", ())
         out: list[PoolCfg] = []
@@ -466,10 +497,15 @@ class _Builder(_Reader):
                 self._unique(spawn_ports, b.port, (*bp, "url"), "port of a spawned worker")
         return tuple(out)
 
-    def spawned_clashes(self, listen: tuple[Listener, ...], admin: Admin) -> None:
-        """A spawned worker would bind wslb's own listen or admin address (and fail to start)."""
+    def spawned_clashes(
+        self, listen: tuple[Listener, ...], admin: Admin, metrics: MetricsCfg
+    ) -> None:
+        """A spawned worker would bind wslb's own listen, admin or metrics address (and fail
+        to start)."""
         ours = [(lst, "the listen address") for lst in listen]
         ours.append((Listener(admin.host, admin.port), "the admin address"))
+        if metrics.listen is not None:
+            ours.append((metrics.listen, "the metrics address"))
         for b, bp in self.backend_paths:
             if b.spawn is None or not b.url or _url_problem(b.url) is not None:
                 continue
@@ -520,9 +556,22 @@ class _Builder(_Reader):
             failover=self.failover(self.section(item, "failover", p), (*p, "failover")),
             backends=self.backends(item, p),
             upstream_tls=self.upstream_tls(item, p),
+            worker_auth=self.worker_auth(item, p),
             affinity_hold=self.duration(item, "affinity_hold", p, 30.0),
             affinity_ceiling=self.number(item, "affinity_ceiling", p, 2.0),
             overload_ratio=self.number(item, "overload_ratio", p, 1.5),
+            placement=self.placement(self.section(item, "placement", p), (*p, "placement")),
+        )
+
+    def placement(self, m: dict[object, object], p: _Path) -> PlacementCfg:
+        d = PlacementCfg()
+        return PlacementCfg(
+            choices=self.integer(m, "choices", p, d.choices),
+            slack=self.number(m, "slack", p, d.slack),
+            kv_limit=self.number(m, "kv_limit", p, d.kv_limit),
+            move_cost=self.number(m, "move_cost", p, d.move_cost),
+            bytes_per_token=self.number(m, "bytes_per_token", p, d.bytes_per_token),
+            prefill_ms_per_token=self.number(m, "prefill_ms_per_token", p, d.prefill_ms_per_token),
         )
 
     def upstream_tls(self, item: dict[object, object], path: _Path) -> UpstreamTls | None:
@@ -537,6 +586,25 @@ class _Builder(_Reader):
         if (files["cert"] is None) != (files["key"] is None):
             self.error(p, "a client certificate needs both cert and key")
         return UpstreamTls(files["ca"], files["cert"], files["key"])
+
+    def worker_auth(self, item: dict[object, object], path: _Path) -> WorkerAuthCfg | None:
+        v = self.get(item, "worker_auth", path)
+        if not isinstance(v, dict):
+            return None
+        p = (*path, "worker_auth")
+        token = self.string(v, "token", p, "")
+        if not token:
+            if "token" in v and not self.is_rejected((*p, "token")):
+                self.error((*p, "token"), "is empty (is its environment variable set?)")
+            return None
+        if not _WORKER_TOKEN_RE.fullmatch(token):
+            self.error(
+                (*p, "token"),
+                f"must be 16-1024 printable ASCII characters, no spaces or commas (got "
+                f"{len(token)} characters)",
+            )  # never the value: it is a secret
+            return None
+        return WorkerAuthCfg(token)
 
     def session_key(self, item: dict[object, object], p: _Path) -> tuple[KeySource, ...]:
         v = self.get(item, "session_key", p)
@@ -667,6 +735,14 @@ class _Builder(_Reader):
         args = self.strings(b, "args", p) or ()
         if args and spawn is None:
             self.error((*p, "args"), "only used with spawn (arguments of a spawned worker)")
+        for i, arg in enumerate(args):
+            owned = _spawn_owned(arg)
+            if owned is not None:
+                self.error(
+                    (*p, "args", i),
+                    f"{_show(arg)}: wslb sets {owned} of a spawned worker itself (the address "
+                    "comes from url, the credential is generated)",
+                )
         if spawn is not None and url_ok:
             u = urlsplit(url)
             if not is_loopback(u.hostname or ""):
@@ -779,6 +855,7 @@ class _Builder(_Reader):
             audience=self.optional(j, "audience", p),
             query_param=self.optional(j, "query_param", p),
             session_claim=self.optional(j, "session_claim", p),
+            owner_claim=self.string(j, "owner_claim", p, "") or JwtCfg().owner_claim,
         )
 
     def networks(self, root: dict[object, object], key: str) -> tuple[IPNetwork, ...]:
@@ -858,6 +935,14 @@ def _families(host: str) -> set[int]:
         return {ipaddress.ip_address(host).version}
     except ValueError:
         return {4, 6}
+
+
+def _spawn_owned(arg: str) -> str | None:
+    """The option of ``_SPAWN_OWNED`` that ``arg`` would set in the worker's parser, if any."""
+    name = arg.partition("=")[0]
+    if len(name) < 4 or not name.startswith("--"):  # "--h" is ambiguous (--help): refused there
+        return None
+    return next((o for o in _SPAWN_OWNED if o.startswith(name)), None)
 
 
 def _key_source(text: str) -> KeySource | None:

@@ -33,12 +33,15 @@ __all__ = [
     "Limits",
     "Listener",
     "LogCfg",
+    "MetricsCfg",
     "OutlierCfg",
+    "PlacementCfg",
     "PoolCfg",
     "Timeouts",
     "Tls",
     "UpstreamTls",
     "WeightsCfg",
+    "WorkerAuthCfg",
 ]
 
 
@@ -70,6 +73,15 @@ class Admin:
     host: str = "127.0.0.1"
     port: int = 8081
     token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsCfg:
+    """A listener of its own serving ``GET /metrics`` without the admin token (None: the
+    metrics are on the admin API only, behind its token). Prometheus scrapes it where the admin
+    API must stay on loopback (a pod's, a host's)."""
+
+    listen: Listener | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +163,35 @@ class WeightsCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementCfg:
+    """Where ``consistent`` places new conversations and when a returning one moves
+    (``balancer.selection``; docs/routing.md has the formula)."""
+
+    choices: int = 2  # ring candidates a new key may take (1: the first within the bound)
+    slack: float = 1.0  # load (conversations per unit of weight) the first may have above
+    kv_limit: float = 0.9  # share of a candidate's KV the expected conversations may fill
+    move_cost: float = 1.5  # a key moves when staying costs more than this x the move
+    bytes_per_token: float = 4.0  # relayed bytes per token, for the context estimates
+    prefill_ms_per_token: float = 0.2  # where no worker reports its prefill time
+
+
+@dataclass(frozen=True, slots=True)
 class UpstreamTls:
     """TLS towards ``wss://`` workers: CA bundle (None: system trust) and client certificate."""
 
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerAuthCfg:
+    """The credential wslb shows the pool's workers (``balancer.workerauth``)."""
+
+    token: str
+
+    def __repr__(self) -> str:
+        return "WorkerAuthCfg(token=<hidden>)"  # configs get logged and printed in tests
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +244,14 @@ class PoolCfg:
     failover: FailoverCfg = FailoverCfg()
     backends: tuple[BackendCfg, ...] = ()
     upstream_tls: UpstreamTls | None = None
+    worker_auth: WorkerAuthCfg | None = None
     affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends
-    # A returning key stays on a worker that is not overloaded up to this many times its
-    # weighted share (``balancer.selection``); at or below hash_balance_factor: the strict bound.
+    # A returning key leaves a worker that would go above this many times its weighted share
+    # (``balancer.selection``); at or below hash_balance_factor: the strict bound.
     affinity_ceiling: float = 2.0
     # Pressure (the median load factor / the worker's) at which a worker counts as overloaded.
     overload_ratio: float = 1.5
+    placement: PlacementCfg = PlacementCfg()
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +308,8 @@ class JwtCfg:
     audience: str | None = None
     query_param: str | None = None
     session_claim: str | None = None
+    owner_claim: str = "sub"
+    """The claim naming whom a session belongs to: keys are scoped to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +334,7 @@ class Config:
 
     listen: tuple[Listener, ...] = (Listener("127.0.0.1", 8080),)
     admin: Admin = Admin()
+    metrics: MetricsCfg = MetricsCfg()
     pools: tuple[PoolCfg, ...] = ()
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
