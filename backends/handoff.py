@@ -55,6 +55,7 @@ from backends.model import (
 )
 
 __all__ = [
+    "EVENT_PROTOCOLS",
     "PROTOCOLS",
     "STATE_VERSION",
     "TRANSCRIPT_VERSION",
@@ -72,8 +73,10 @@ __all__ = [
 
 STATE_VERSION = 1
 TRANSCRIPT_VERSION = 2
-Protocol: TypeAlias = Literal["wslb-chat", "openai-realtime"]
-PROTOCOLS: tuple[Protocol, ...] = ("wslb-chat", "openai-realtime")
+Protocol: TypeAlias = Literal["wslb-chat", "openai-realtime", "openai-responses"]
+PROTOCOLS: tuple[Protocol, ...] = ("wslb-chat", "openai-realtime", "openai-responses")
+EVENT_PROTOCOLS = ("openai-realtime", "openai-responses")
+"""Protocols whose transcript's ``queued`` holds client events (not chat prompts)."""
 # The chat protocol's token texts (backends.model.token_text); the balancer joins a turn's
 # texts with nothing between them, so one assistant "word" can hold a run of them.
 _TOKEN_RUN = re.compile(r"(?:t\d+\.\d+-[0-9a-f]{8})+")
@@ -106,9 +109,10 @@ class TranscriptAnswer:
 class Transcript:
     """A validated version 2 state: the model's snapshot plus what the protocol layer needs.
 
-    ``events`` (openai-realtime): client events to act on after the resume, in order.
-    ``realtime``: the state's ``realtime`` value unchecked (None when absent), for
-    ``backends.protocol.realtime.restore_transcript``, which checks it against ``answer``.
+    ``events`` (openai-realtime, openai-responses): client events to act on after the resume,
+    in order. ``realtime`` / ``responses``: the state's ``realtime`` / ``responses`` value
+    unchecked (None when absent), for ``restore_transcript`` of
+    ``backends.protocol.realtime`` / ``.responses``, which check it against ``answer``.
     """
 
     snapshot: SessionSnapshot
@@ -118,6 +122,7 @@ class Transcript:
     answer: TranscriptAnswer | None
     events: tuple[dict[str, Any], ...] = ()
     realtime: object = None
+    responses: object = None
 
 
 def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Prompt, int]:
@@ -350,7 +355,7 @@ def transcript_from_json(
     limit = 2**63 if max_tokens_limit is None else max_tokens_limit
     for n, item in enumerate(raw_queued):
         q = _object(item, f"state.queued[{n}]")
-        if protocol == "openai-realtime":
+        if protocol in EVENT_PROTOCOLS:
             events.append(q)  # checked as the client's own events are, when acted on
             continue
         try:
@@ -387,6 +392,7 @@ def transcript_from_json(
         answer,
         tuple(events),
         obj.get("realtime"),
+        obj.get("responses"),
     )
 
 

@@ -12,7 +12,10 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from backends.handoff import TranscriptAnswer
 from backends.model import token_text
 from backends.protocol.realtime import RealtimeSession, Respond, Send
 from balancer.frames import OP_PING, OP_TEXT, build_frame
@@ -355,3 +358,196 @@ def test_token_run_fast_path_agrees_with_the_general_one(monkeypatch: pytest.Mon
     assert fast == slow
     assert fast["answer"]["turn"] == 2 and fast["answer"]["i"] == 30
     assert 'q"uote\\n' in fast["messages"][1]["content"]
+
+
+# -- the Responses API's WebSocket mode -----------------------------------------------------
+
+
+class ResponsesPair:
+    """The real Responses protocol session on the worker's side, its events relayed as frames
+    through the journal, as wslb sees them."""
+
+    def __init__(self, sid: str, journal: Journal) -> None:
+        from backends.protocol.responses import ResponsesSession
+
+        self.rs = ResponsesSession(sid, model="m", default_max_tokens=16)
+        self.j = journal
+        self.respond: Any = None
+
+    def out(self, events: list[Any]) -> None:
+        from backends.protocol.responses import Respond as ResponsesRespond
+
+        for e in events:
+            if isinstance(e, Send):
+                self.j.worker(wframe(e.event))
+            elif isinstance(e, ResponsesRespond):
+                self.respond = e
+
+    def client(self, event: dict[str, Any] | str) -> None:
+        text = event if isinstance(event, str) else json.dumps(event)
+        self.j.client(build_frame(OP_TEXT, text.encode(), mask=True))
+        self.out(self.rs.receive(text, now=7.0))
+
+
+def test_responses_transcript_is_the_workers_own_state() -> None:
+    """Two chained responses, the second mid-stream, errors between: the transcript's
+    ``responses`` is what the worker's own ``snapshot()`` holds, and it restores to a session
+    that goes on with the same events."""
+    from backends.protocol.responses import ResponsesSession, restore_transcript
+
+    sid = "rs1"
+    j = Journal(1 << 20)
+    p = ResponsesPair(sid, j)
+    p.client({"type": "response.create", "input": "first question", "instructions": "Be brief."})
+    for n in range(3):
+        p.out(p.rs.delta(f" w{n}"))
+    p.out(p.rs.finish(now=8.0))
+    first = p.rs.last_response_id
+    p.client({"type": "response.create", "input": "x", "previous_response_id": "resp_nope"})
+    p.client("{not json")
+    p.client(
+        {
+            "type": "response.create",
+            "input": [{"role": "developer", "content": [{"type": "input_text", "text": "d"}]}],
+            "previous_response_id": first,
+            "max_output_tokens": 9,
+            "stream_id": "lane",
+        }
+    )
+    p.client({"type": "response.create", "input": "while it runs"})  # an error: acked
+    for n in range(2):
+        p.out(p.rs.delta(f" x{n}"))
+    t = j.transcript(sid)
+    assert t["protocol"] == "openai-responses" and t["queued"] == []
+    assert t["answer"] == {"turn": 2, "i": 2, "text": " x0 x1", "max_tokens": 9, "cancelled": False}
+    assert t["messages"] == p.rs.messages()
+    assert t["responses"] == p.rs.snapshot()
+    restored = restore_transcript(
+        t["responses"], session=sid, answer=TranscriptAnswer(2, 2, " x0 x1", 9)
+    )
+    assert [e.event for e in restored.delta(" x2")] == [e.event for e in p.rs.delta(" x2")]
+    assert [e.event for e in restored.finish()] == [e.event for e in p.rs.finish()]
+    assert isinstance(restored, ResponsesSession)
+
+
+def test_responses_crash_before_the_first_answer_queues_the_request() -> None:
+    """No greeting in this protocol: a worker lost before it answered the first
+    ``response.create`` still gives a transcript, the request queued for the next worker."""
+    sid = "rs2"
+    j = Journal(1 << 20)
+    create = {"type": "response.create", "input": "hi"}
+    j.client(cframe(create))
+    t = j.transcript(sid)
+    assert t["protocol"] == "openai-responses" and t["queued"] == [create]
+    assert t["answer"] is None and t["responses"]["last"] is None
+    # An error as the first worker message is a Responses one too (no event_id).
+    j = Journal(1 << 20)
+    j.client(build_frame(OP_TEXT, b"{", mask=True))
+    j.worker(
+        wframe(
+            {
+                "type": "error",
+                "status": 400,
+                "error": {"type": "invalid_request_error", "message": "x"},
+            }
+        )
+    )
+    j.client(cframe(create))
+    assert j.transcript(sid)["queued"] == [create]
+
+
+def test_responses_continuing_an_unseen_response_loses_track() -> None:
+    sid = "rs3"
+    j = Journal(1 << 20)
+    p = ResponsesPair(sid, j)
+    p.client({"type": "response.create", "input": "one"})
+    p.out(p.rs.finish())
+    j2 = Journal(1 << 20)  # a new wslb session (a reconnect): the worker still holds "one"
+    p.j = j2
+    p.client(
+        {"type": "response.create", "input": "two", "previous_response_id": p.rs.last_response_id}
+    )
+    with pytest.raises(JournalError) as e:
+        j2.transcript(sid)
+    assert e.value.reason == "lost_track"
+
+
+def test_early_client_messages_of_a_chat_are_kept() -> None:
+    """A client that writes before the worker's hello reached wslb: its prompt is not lost."""
+    sid = "early"
+    j = Journal(1 << 20)
+    j.client(cframe({"type": "prompt", "text": "quick", "max_tokens": 3}))
+    j.worker(wframe({"type": "hello"}))
+    t = j.transcript(sid)
+    assert t["protocol"] == "wslb-chat" and t["queued"] == [{"text": "quick", "max_tokens": 3}]
+
+
+_RS_CLIENT = st.one_of(
+    st.builds(
+        lambda text, chain, limit: {
+            k: v
+            for k, v in {
+                "type": "response.create",
+                "input": text,
+                "previous_response_id": "<<last>>" if chain else None,
+                "max_output_tokens": limit,
+            }.items()
+            if v is not None
+        },
+        st.text(max_size=8),
+        st.booleans(),
+        st.sampled_from([None, 2, 0]),
+    ),
+    st.sampled_from(
+        [
+            {"type": "response.create", "input": "x", "previous_response_id": "resp_nope"},
+            {"type": "response.create", "input": "x", "tools": [{"type": "function"}]},
+            {"type": "response.steer", "input": "x", "previous_response_id": "r"},
+            {"type": "what.ever"},
+        ]
+    ),
+    st.sampled_from(["{", "[]"]),
+)
+_RS_STEP = st.one_of(
+    st.tuples(st.just("client"), _RS_CLIENT),
+    st.tuples(st.just("delta"), st.text(max_size=6)),
+    st.tuples(st.just("finish"), st.none()),
+    st.tuples(st.just("fail"), st.none()),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_RS_STEP, max_size=30))
+def test_responses_journal_always_rebuilds_the_workers_state(steps: list[tuple[str, Any]]) -> None:
+    """Whatever a client sends and however its responses end, the journal's transcript holds
+    exactly the worker's Responses state (so a failover continues the same session)."""
+    sid = "rs-any"
+    j = Journal(1 << 22)
+    p = ResponsesPair(sid, j)
+    for kind, arg in steps:
+        if kind == "client":
+            text = arg if isinstance(arg, str) else json.dumps(arg)
+            p.client(text.replace("<<last>>", p.rs.last_response_id or "resp_none"))
+        elif p.rs.response_id is None:
+            continue
+        elif kind == "delta":
+            p.out(p.rs.delta(arg))
+        elif kind == "finish":
+            p.out(p.rs.finish(now=9.0))
+        else:
+            p.out(p.rs.fail("engine: x"))
+    if not steps or steps[0][0] != "client":
+        return
+    try:
+        t = j.transcript(sid)
+    except JournalError as e:  # only a worker that never answered: nothing to rebuild
+        assert e.reason == "unknown_protocol", e
+        return
+    want = p.rs.snapshot()
+    if t["responses"]["model"] is None:  # no response yet: the thawing worker's default
+        want["model"] = None
+    running = want["response"]
+    if running is not None and running["max_output_tokens"] is None:
+        running["max_tokens"] = None  # no client limit: the thawing worker's default
+    assert t["responses"] == want
+    assert t["messages"] == p.rs.messages() and t["queued"] == []
