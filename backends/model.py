@@ -271,6 +271,9 @@ class ModelStats:
     prefill_tokens_total: int
     decode_tokens_total: int
     kv_transfer_tokens_total: int
+    prefill_seconds_total: float = 0.0
+    """Simulated prefill time of those tokens (with ``prefill_tokens_total``: the rate a
+    balancer prices a cold move at)."""
 
 
 @dataclass(slots=True)
@@ -401,6 +404,7 @@ class Model:
         self._prefilling = 0
         self.kv_hit_tokens_total = 0
         self.prefill_tokens_total = 0
+        self.prefill_seconds_total = 0.0
         self.decode_tokens_total = 0
         self.kv_transfer_tokens_total = 0
 
@@ -493,6 +497,7 @@ class Model:
         self.kv_hit_tokens_total += cached
         self.prefill_tokens_total += uncached
         prefill_s = uncached * self.config.prefill_ms_per_token / 1000.0 / self._slack()
+        self.prefill_seconds_total += prefill_s
         return Turn(
             session=session,
             turn=state.turns,
@@ -641,6 +646,7 @@ class Model:
         self._prefilling += 1
         self.prefill_tokens_total += uncached
         delay = uncached * self.config.prefill_ms_per_token / 1000.0 / self._slack()
+        self.prefill_seconds_total += delay
         return Turn(
             session=session,
             turn=answer.turn,
@@ -688,6 +694,7 @@ class Model:
             prefill_tokens_total=self.prefill_tokens_total,
             decode_tokens_total=self.decode_tokens_total,
             kv_transfer_tokens_total=self.kv_transfer_tokens_total,
+            prefill_seconds_total=self.prefill_seconds_total,
         )
 
     def _slack(self) -> float:

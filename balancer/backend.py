@@ -76,6 +76,7 @@ class Backend:
         "cfg",
         "connect_failures",
         "consecutive_failures",
+        "context_counted",
         "effective_weight",
         "ejected_until",
         "ejections",
@@ -88,17 +89,26 @@ class Backend:
         "healthy",
         "held",
         "id",
+        "kv_capacity",
+        "kv_demand",
         "last_check",
+        "moved",
+        "pending",
+        "prefill_s",
         "probe_fails",
         "probe_oks",
+        "refused",
         "remote_sessions",
         "returned_at",
         "sessions",
         "sessions_total",
         "signals",
         "stale",
+        "turns_counted",
         "upstream",
         "url",
+        "wait_at",
+        "wait_s",
         "weight",
     )
 
@@ -124,6 +134,9 @@ class Backend:
         # shared board, or cluster mode's scraped counts); bounds and least_conn see both.
         self.remote_sessions = 0
         self.held = 0  # keys whose session ended here less than ``hold_s`` ago (balancer.pool)
+        # Keys placed here whose session is not attached yet (its handshake is under way): a
+        # burst arriving at once is counted from its placements, not from its first answers.
+        self.pending = 0
         self.sessions_total = 0
         self.connect_failures = 0  # total, for metrics
         self.consecutive_failures = 0  # connect/handshake failures since the last success
@@ -135,6 +148,22 @@ class Backend:
         self.headroom = 1.0  # smoothed load signals' factor, at factor_at
         self.factor_at = 0.0
         self.factor = 1.0  # headroom x speed: effective_weight = weight x factor
+        # What placement and the move rule read (``balancer.pool`` keeps them, by the rules of
+        # ``balancer.selection``): the estimated context tokens and turns of the conversations
+        # counted here (live or held), the tokens they are expected to grow into, the KV size
+        # (0: unknown), the expected wait before a new turn starts and the prefill time per
+        # token (both smoothed; 0: none measured).
+        self.context_counted = 0.0
+        self.turns_counted = 0
+        self.kv_demand = 0.0
+        self.kv_capacity = 0.0
+        self.wait_s = 0.0
+        self.wait_at = 0.0
+        self.prefill_s = 0.0
+        # New keys that hashed here first and went elsewhere, and returning keys that left
+        # this backend, by reason (``selection.REASONS``): why a key moved, for operators.
+        self.refused: dict[str, int] = {}
+        self.moved: dict[str, int] = {}
 
     @property
     def ejected(self) -> bool:
@@ -148,8 +177,17 @@ class Backend:
     @property
     def counted(self) -> int:
         """What the bounded-load rule counts: ``load`` plus the places this process holds for
-        keys between sessions (``balancer.pool``'s docstring)."""
-        return self.load + self.held
+        keys between sessions and the keys it placed here whose handshake is under way
+        (``balancer.pool``'s docstring)."""
+        return self.load + self.held + self.pending
+
+    @property
+    def kv_headroom(self) -> float | None:
+        """Share of the KV cache the conversations counted here are not expected to need
+        (negative: they will not fit), None while its size is unknown."""
+        if self.kv_capacity <= 0:
+            return None
+        return 1.0 - self.kv_demand / self.kv_capacity
 
     @property
     def ready(self) -> bool:

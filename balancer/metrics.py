@@ -8,6 +8,8 @@ the live ones at scrape time.
 
 from __future__ import annotations
 
+import platform
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from balancer.selection import MOVED, REFUSED
+from balancer.version import version
+
 __all__ = ["BalancerCollector", "LiveSession", "Stats"]
 
 C2W = "client_to_worker"
@@ -33,8 +38,16 @@ class _ScannerCounts(Protocol):
     bytes: int
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
 class LiveSession(Protocol):
     """What the collector reads of a live session."""
+
+    @property
+    def pool(self) -> _Named: ...
 
     @property
     def cs(self) -> _ScannerCounts: ...
@@ -42,6 +55,7 @@ class LiveSession(Protocol):
     @property
     def ws(self) -> _ScannerCounts: ...
 
+    since: float  # loop time the client's 101 was sent
     prior_frames: int
     prior_messages: int
     prior_bytes: int
@@ -53,14 +67,17 @@ class LiveSession(Protocol):
 
 
 class Histogram:
-    """A fixed-bucket histogram for rare events (migrations, drains), read by the collector."""
+    """A fixed-bucket histogram of plain numbers (no lock, single-threaded), read by the
+    collector: once per handshake or session at most, never per frame."""
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
+    def __init__(self, buckets: tuple[float, ...], keep: bool = True) -> None:
+        """``keep``: also keep the last few values (the admin API and benchmarks read them)."""
         self.buckets = buckets
         self.counts = [0] * len(buckets)
         self.count = 0
         self.sum = 0.0
-        self.samples: list[float] = []  # the last few, for the admin API and benchmarks
+        self.keep = keep
+        self.samples: list[float] = []
 
     def observe(self, v: float) -> None:
         self.count += 1
@@ -68,21 +85,58 @@ class Histogram:
         for i, b in enumerate(self.buckets):
             if v <= b:
                 self.counts[i] += 1
-        self.samples.append(v)
-        if len(self.samples) > 10_000:
-            del self.samples[:5_000]
+        if self.keep:
+            self.samples.append(v)
+            if len(self.samples) > 10_000:
+                del self.samples[:5_000]
+
+    def add_to(self, m: HistogramMetricFamily, labels: list[str]) -> None:
+        buckets = [(str(b), c) for b, c in zip(self.buckets, self.counts, strict=True)]
+        m.add_metric(labels, [*buckets, ("+Inf", self.count)], sum_value=self.sum)
 
     def metric(self, name: str, doc: str) -> HistogramMetricFamily:
         m = HistogramMetricFamily(name, doc)
-        buckets = [(str(b), c) for b, c in zip(self.buckets, self.counts, strict=True)]
-        m.add_metric([], [*buckets, ("+Inf", self.count)], sum_value=self.sum)
+        self.add_to(m, [])
         return m
+
+
+class Histograms:
+    """One ``Histogram`` per key (a backend's id, a pool's name), made on first use."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.by: dict[str, Histogram] = {}
+
+    def observe(self, key: str, v: float) -> None:
+        h = self.by.get(key)
+        if h is None:
+            h = self.by[key] = Histogram(self.buckets, keep=False)
+        h.observe(v)
 
 
 PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A real engine re-prefills the conversation before its first token after a move: seconds.
 FIRST_MESSAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 DRAIN_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A client's upgrade includes the worker's: loopback takes about a millisecond, a remote worker
+# or a TLS handshake tens; the last buckets are the handshake timeout's neighbourhood.
+HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONNECT_BUCKETS = HANDSHAKE_BUCKETS
+# Chat sessions last from one answer (seconds) to a tab left open for the idle timeout (hours).
+SESSION_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0)
+# Each load signal a scrape gives (balancer.weights.SIGNALS), as its own gauge with its unit.
+SIGNAL_FAMILIES: dict[str, tuple[str, str]] = {
+    "gpu_util": ("wslb_backend_gpu_utilization_ratio", "Last scraped GPU utilisation (0..1)"),
+    "kv_cache_usage": ("wslb_backend_kv_cache_usage_ratio", "Last scraped KV-cache usage (0..1)"),
+    "running": ("wslb_backend_running_requests", "Last scraped requests the engine runs"),
+    "waiting": ("wslb_backend_waiting_requests", "Last scraped requests queued in the engine"),
+    "tpot": ("wslb_backend_tpot_seconds", "Time per output token (decayed mean of scrapes)"),
+    "prefill": (
+        "wslb_backend_prefill_seconds_per_token",
+        "Prefill time per prompt token (decayed mean of scrapes)",
+    ),
+    "kv_capacity": ("wslb_backend_kv_capacity_tokens", "Tokens the engine's KV cache holds"),
+}
 
 
 @dataclass
@@ -110,13 +164,19 @@ class Stats:
     migrated_away: Counter[str] = field(default_factory=Counter)  # by the old backend's id
     failover_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
+    handshake_duration: Histogram = field(
+        default_factory=lambda: Histogram(HANDSHAKE_BUCKETS, keep=False)
+    )
+    upstream_connect: Histograms = field(default_factory=lambda: Histograms(CONNECT_BUCKETS))
+    session_duration: Histograms = field(default_factory=lambda: Histograms(SESSION_BUCKETS))
     connections_total: int = 0
     backpressure_closes: int = 0
     # The relay thread (aio/offload.py): "taken" hand-overs, and hand-backs by reason.
     relay_thread: Counter[str] = field(default_factory=Counter)
 
-    def session_done(self, s: LiveSession) -> None:
-        """Fold a finished session's counts into the totals."""
+    def session_done(self, s: LiveSession, now: float) -> None:
+        """Fold a finished session's counts into the totals; ``now``: the loop's time."""
+        self.session_duration.observe(s.pool.name, now - s.since)
         for direction, sc in ((C2W, s.cs), (W2C, s.ws)):
             self.frames[direction] += sc.frames
             self.messages[direction] += sc.messages
@@ -146,6 +206,9 @@ class BackendView:
     ejections: int = 0
     overloaded: bool = False  # measured overloaded relative to its peers (balancer.selection)
     held: int = 0  # places held for keys between sessions (counted in bounds; balancer.pool)
+    kv_headroom: float | None = None  # KV share the conversations there are not expected to need
+    refused: dict[str, int] = field(default_factory=dict)  # new keys passed over, by reason
+    moved: dict[str, int] = field(default_factory=dict)  # returning keys that left, by reason
     health_reason: str | None = None  # why it is down (the last failed check), None while up
     health_kind: str | None = None  # that reason's kind: refused, timeout, http_status, ...
     health_since: float | None = None  # wall clock of the last health flip
@@ -161,11 +224,15 @@ class BalancerCollector(Collector):
         sessions: Callable[[], Iterable[LiveSession]],
         backends: Callable[[], Iterable[BackendView]],
         connections: Callable[[], int],
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        """``wall``: the clock of the ``_timestamp_seconds`` gauges (Unix time)."""
         self._stats = stats
         self._sessions = sessions
         self._backends = backends
         self._connections = connections
+        self._wall = wall
+        self._build = [version(), platform.python_version()]
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -221,30 +288,53 @@ class BalancerCollector(Collector):
             "1 if the scraped signals are too old (weight falls back to static)",
             labels=["pool", "backend"],
         )
-        age = GaugeMetricFamily(
-            "wslb_backend_scrape_age_seconds",
-            "Age of the last good scrape",
+        # Timestamps, not ages (Prometheus' naming guide): an age is stale as soon as scraped.
+        scraped = GaugeMetricFamily(
+            "wslb_backend_last_scrape_timestamp_seconds",
+            "When the last good scrape of its load signals was (Unix time)",
             labels=["pool", "backend"],
         )
-        signal = GaugeMetricFamily(
-            "wslb_backend_signal", "Last scraped load signal", labels=["pool", "backend", "signal"]
-        )
+        signals = {
+            name: GaugeMetricFamily(family, doc, labels=["pool", "backend"])
+            for name, (family, doc) in SIGNAL_FAMILIES.items()
+        }
         ejected = GaugeMetricFamily(
-            "wslb_backend_ejected_seconds",
-            "Seconds of ejection left (0 if not ejected)",
+            "wslb_backend_ejected_until_timestamp_seconds",
+            "When its outlier ejection ends (Unix time; 0 if not ejected)",
             labels=["pool", "backend"],
         )
         overloaded = GaugeMetricFamily(
             "wslb_backend_overloaded",
-            "1 while measured overloaded relative to its peers (returning keys get the c bound)",
+            "1 while measured overloaded relative to its peers (reported only: see the moves)",
             labels=["pool", "backend"],
+        )
+        headroom = GaugeMetricFamily(
+            "wslb_backend_kv_headroom_ratio",
+            "Share of the KV cache the conversations placed there are not expected to need "
+            "(negative: they will not fit; absent while its size is unknown)",
+            labels=["pool", "backend"],
+        )
+        refused = CounterMetricFamily(
+            "wslb_backend_placements_refused",
+            "New keys whose ring candidate this backend was, placed elsewhere: above its bound, "
+            "a lighter candidate, or no KV room",
+            labels=["pool", "backend", "reason"],
+        )
+        moved = CounterMetricFamily(
+            "wslb_backend_moves",
+            "Returning keys that left this backend: the move paid (cost) or it was at its "
+            "affinity ceiling",
+            labels=["pool", "backend", "reason"],
         )
         down = GaugeMetricFamily(
             "wslb_backend_down",
             "1 while health checks hold the backend down, labelled with the kind of failure",
             labels=["pool", "backend", "reason"],
         )
+        wall = self._wall()
+        pool_of: dict[str, str] = {}  # the counters kept by backend id get its pool too
         for b in self._backends():
+            pool_of[b.id] = b.pool
             labels = [b.pool, b.id]
             active.add_metric(labels, b.sessions)
             total.add_metric(labels, b.sessions_total)
@@ -254,12 +344,19 @@ class BalancerCollector(Collector):
             healthy.add_metric(labels, 1 if b.healthy else 0)
             stale.add_metric(labels, 1 if b.stale else 0)
             if b.scrape_age is not None:
-                age.add_metric(labels, b.scrape_age)
-            for name, value in sorted(b.signals.items()):
-                if value is not None:
-                    signal.add_metric([*labels, name], value)
-            ejected.add_metric(labels, b.ejected_for)
+                scraped.add_metric(labels, wall - b.scrape_age)
+            for name, value in b.signals.items():
+                gauge = signals.get(name)
+                if value is not None and gauge is not None:
+                    gauge.add_metric(labels, value)
+            ejected.add_metric(labels, wall + b.ejected_for if b.ejected_for > 0 else 0.0)
             overloaded.add_metric(labels, 1 if b.overloaded else 0)
+            if b.kv_headroom is not None:
+                headroom.add_metric(labels, b.kv_headroom)
+            for reason in REFUSED:
+                refused.add_metric([*labels, reason], b.refused.get(reason, 0))
+            for reason in MOVED:
+                moved.add_metric([*labels, reason], b.moved.get(reason, 0))
             if not b.healthy:
                 down.add_metric([*labels, b.health_kind or "unknown"], 1)
         yield from (
@@ -270,21 +367,62 @@ class BalancerCollector(Collector):
             weight,
             healthy,
             stale,
-            age,
-            signal,
+            scraped,
+            *signals.values(),
             ejected,
             overloaded,
+            headroom,
+            refused,
+            moved,
             down,
         )
+        # Kept by backend id; a removed backend's series end with it.
         for name, doc, counts in (
             ("wslb_backend_ejections", "Outlier ejections", st.ejections),
             ("wslb_scrape_failures", "Failed metrics scrapes", st.scrape_failures),
             ("wslb_health_check_failures", "Failed active health checks", st.probe_failures),
+            (
+                "wslb_upstream_connect_failures",
+                "Failed TCP connects to a worker",
+                st.connect_failures,
+            ),
+            (
+                "wslb_upstream_handshake_failures",
+                "Worker upgrade answers that were not a valid 101",
+                st.handshake_failures,
+            ),
         ):
-            fam = CounterMetricFamily(name, doc, labels=["backend"])
+            fam = CounterMetricFamily(name, doc, labels=["pool", "backend"])
             for bid, n in sorted(counts.items()):
-                fam.add_metric([bid], n)
+                if bid in pool_of:
+                    fam.add_metric([pool_of[bid], bid], n)
             yield fam
+        connect = HistogramMetricFamily(
+            "wslb_upstream_connect_duration_seconds",
+            "TCP connect (and TLS handshake) to a worker, for sessions, moves and failovers",
+            labels=["pool", "backend"],
+        )
+        for bid, h in sorted(st.upstream_connect.by.items()):
+            if bid in pool_of:
+                h.add_to(connect, [pool_of[bid], bid])
+        yield connect
+        yield st.handshake_duration.metric(
+            "wslb_handshake_duration_seconds",
+            "From a client connection's accept to its 101, the worker's own upgrade included",
+        )
+        sessions = HistogramMetricFamily(
+            "wslb_session_duration_seconds",
+            "From a session's 101 to its end, over all its legs",
+            labels=["pool"],
+        )
+        for pool, h in sorted(st.session_duration.by.items()):
+            h.add_to(sessions, [pool])
+        yield sessions
+        info = GaugeMetricFamily(
+            "wslb_build_info", "The running wslb (always 1)", labels=["version", "python"]
+        )
+        info.add_metric(self._build, 1)
+        yield info
 
         rej = CounterMetricFamily(
             "wslb_handshake_rejections",
@@ -302,22 +440,6 @@ class BalancerCollector(Collector):
         for reason, n in sorted(st.tls_failures.items()):
             tls.add_metric([reason], n)
         yield tls
-        cf = CounterMetricFamily(
-            "wslb_upstream_connect_failures",
-            "Failed TCP connects to a worker",
-            labels=["backend"],
-        )
-        for bid, n in sorted(st.connect_failures.items()):
-            cf.add_metric([bid], n)
-        yield cf
-        hf = CounterMetricFamily(
-            "wslb_upstream_handshake_failures",
-            "Worker upgrade answers that were not a valid 101",
-            labels=["backend"],
-        )
-        for bid, n in sorted(st.handshake_failures.items()):
-            hf.add_metric([bid], n)
-        yield hf
         closes = CounterMetricFamily(
             "wslb_close_frames",
             "Close frames sent, by receiving side and code (forwarded or wslb's own)",

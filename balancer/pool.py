@@ -10,13 +10,16 @@ Held places: when a session ends, its key keeps its place on the backend for ``h
 cache, and chat clients that open a connection per turn (as HTTP-style clients do) come back
 after a think time. A held place counts in the backend's counted load (``Backend.counted``) and
 in the pool's total, as a live session does, until the key returns (its session takes the place
-back: the count does not grow) or the hold expires. So the bounded-load rule counts
-conversations rather than open sockets, and a returning key is not pushed off its worker because
-it was between turns. The rule, exactly: a placement never takes a backend's counted load above
-its *limit*, ``ring.load_bound`` of the pool's counted total after it with the backends'
-*effective* weights at that moment and a factor that ``balancer.selection`` states:
-``hash_balance_factor`` for new keys and for any key on an overloaded backend,
-``affinity_ceiling`` for a key returning to a backend that is not overloaded. A key taking back
+back: the count does not grow) or the hold expires. A key placed on a backend counts there from
+its placement, before its session attaches (``Backend.pending``, for ``PENDING_S`` at most): a
+burst of keys arriving together sees the ones placed before it, not only the sessions whose
+handshakes are done. So the bounded-load rule counts conversations rather than open sockets,
+and a returning key is not pushed off its worker because it was between turns. The rule,
+exactly: a placement never takes a backend's counted load above its *limit*,
+``ring.load_bound`` of the pool's counted total after it with the backends' *effective* weights
+at that moment and a factor that ``balancer.selection`` states: ``hash_balance_factor`` for new
+keys (and for a returning key that moves), ``affinity_ceiling`` for a key returning to its
+backend. A key taking back
 its held place adds nothing to either count, so it fits wherever the backend is within its
 limit counting the key's place already. A held place is a reservation, not a session: when its
 backend's counted load is above its limit (of the current total), places held there are given
@@ -25,8 +28,26 @@ live sessions are never moved for a bound.
 
 Overload is the pool's state, refreshed with the weights (``refresh``): the set of backends
 ``selection.overloaded`` finds among the ready backends with fresh signals, given the set before,
-so that its hysteresis holds across refreshes. Under ``workers: N`` every process works it out
-from the same published signals.
+so that its hysteresis holds across refreshes (reported; it moves no key by itself). Under
+``workers: N`` every process works it out from the same published signals.
+
+Conversations: what placement and the move rule (``balancer.selection``) read of each key,
+learnt from what wslb relayed. When a session ends, its client's bytes and data messages and the
+worker's data messages update the key's *turns* (client messages) and *context estimate* in
+tokens: the larger of the estimate before and the session's mean client message (a chat client
+that sends the whole conversation each turn sends its context; ``placement.bytes_per_token``
+turns bytes into tokens), plus the worker's messages (an answer streams about a token or a chunk
+per message). A conversation is *counted* on the backend of its live session or held place;
+each backend sums the context and turns of those counted there, and the pool learns, over all
+keys, the context growth per turn, the answer tokens per turn, and from conversations whose
+place lapsed their turns and final context. A backend's *KV demand* is the context counted
+there plus what it is expected to grow into (its conversations' expected turns left, at least
+half a turn each, times the growth per turn); a new conversation is expected to reach the
+learnt final context. Each refresh also brings, per backend, the *wait* before a new turn
+starts (``waiting / max(1, running) x answer tokens per turn x tpot``, smoothed over
+``weights.smoothing``), its prefill time per token and KV size (scraped signals ``prefill`` and
+``kv_capacity``). These estimates are per process: under ``workers: N`` a key that returns
+through another process has no size there, and does not move for cost.
 
 Under ``workers: N`` each process keeps its own holds and publishes its live sessions plus
 held places on the board, so every process's bounds count them (``remote_sessions``); a key that
@@ -36,11 +57,13 @@ expires, which errs on the side of a tighter bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
 from balancer import selection
 from balancer.backend import AdminState, Backend, Upstream
@@ -54,7 +77,9 @@ __all__ = [
     "DRAINING",
     "AdminState",
     "Backend",
+    "Conversation",
     "Pool",
+    "Relayed",
     "SharedLoad",
     "Upstream",
 ]
@@ -64,11 +89,47 @@ __all__ = [
 AFFINITY_TTL = 600.0
 # How long a key keeps its place (counted in its backend's load) after its session ends.
 HOLD_S = PoolCfg("").affinity_hold
+# How long a placement counts on its backend before its session attaches (longer than a
+# worker's connect and handshake take; a placement whose handshake failed lapses then).
+PENDING_S = 15.0
 
 # The admin states, as the names every caller imports (``balancer.backend.AdminState``).
 ACTIVE = AdminState.ACTIVE
 DRAINING = AdminState.DRAINING
 DRAINED = AdminState.DRAINED
+
+
+Relayed: TypeAlias = tuple[int, int, int]
+"""What one session relayed: client bytes, client data messages, worker data messages."""
+
+# Samples after which a learnt mean becomes an exponential one (it follows a changing workload).
+_WINDOW = 200
+
+
+class _Mean:
+    """A running mean of the last ``_WINDOW`` or so samples; None before the first."""
+
+    __slots__ = ("n", "value")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += (x - self.value) / min(self.n, _WINDOW)
+
+    def get(self) -> float | None:
+        return self.value if self.n else None
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One key's conversation as wslb has relayed it (module docstring)."""
+
+    turns: int = 0
+    context: float = 0.0  # estimated tokens
+    on: Backend | None = None  # where it is counted: its live session's or held place's backend
 
 
 class SharedLoad(Protocol):
@@ -113,6 +174,23 @@ class Pool:
         self.factor = cfg.hash_balance_factor
         self.ceiling = cfg.affinity_ceiling
         self.overload_ratio = cfg.overload_ratio
+        pl = cfg.placement
+        self.placement = pl
+        self.rules = selection.Rules(
+            factor=cfg.hash_balance_factor,
+            ceiling=cfg.affinity_ceiling,
+            choices=pl.choices,
+            slack=pl.slack,
+            kv_limit=pl.kv_limit,
+            move_cost=pl.move_cost,
+            prefill_s=pl.prefill_ms_per_token / 1000.0,
+        )
+        # key -> its conversation (module docstring); forgotten with its placement.
+        self._convs: dict[str, Conversation] = {}
+        self._growth = _Mean()  # context tokens per turn
+        self._answer = _Mean()  # answer tokens (worker messages) per turn
+        self._turns = _Mean()  # turns of a conversation whose place lapsed
+        self._final = _Mean()  # ... and its context
         # Backends measured overloaded relative to their peers (``selection.overloaded``).
         self.overloaded: set[str] = set()
         self.backends: dict[str, Backend] = {}
@@ -122,6 +200,8 @@ class Pool:
         self._affinity_size = affinity_size
         # key -> (backend holding its place, loop time the hold ends), in expiry order
         self._held: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
+        # key -> (backend placed on, loop time the placement lapses): handshakes under way
+        self._pending: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
         self.hold_s = cfg.affinity_hold if hold_s is None else hold_s
         self._rr = selection.SmoothRoundRobin()
         self._random = random.Random(seed)
@@ -171,7 +251,15 @@ class Pool:
                 break
             del held[key]
             hb.held -= 1
+            self._lapse(key, hb)
             self._publish(hb)
+        pending = self._pending
+        while pending:
+            key, (pb, until) = next(iter(pending.items()))
+            if until > now:
+                break
+            del pending[key]
+            pb.pending -= 1
         w = self.cfg.weights
         shared = self.shared
         mid_tpot = (
@@ -214,12 +302,55 @@ class Pool:
             b = self.backends[bid]
             b.effective_weight = b.weight * f
         self.overloaded = selection.overloaded(denoised, self.overloaded, self.overload_ratio)
-        if held and self.balance == "consistent":
-            self._trim_holds()
+        if self.balance == "consistent":
+            self._outlook(now)
+            if held:
+                self._trim_holds()
+
+    def _outlook(self, now: float) -> None:
+        """Each backend's wait, prefill time, KV size and demand (module docstring)."""
+        w = self.cfg.weights
+        answer = self._answer.get() or 0.0
+        growth = self._growth.get() or 0.0
+        turns = self._turns.get()
+        prefills = []
+        for b in self.backends.values():
+            sig = b.signals
+            fresh = sig is not None and not b.stale
+            raw = 0.0
+            if fresh and sig is not None:
+                if sig.waiting and sig.tpot:
+                    raw = sig.waiting / max(1.0, sig.running or 0.0) * answer * sig.tpot
+                b.prefill_s = sig.prefill or 0.0
+                if sig.kv_capacity:
+                    b.kv_capacity = sig.kv_capacity
+            else:
+                b.prefill_s = 0.0
+            if not fresh or w.smoothing <= 0:
+                b.wait_s = raw
+            elif now > b.wait_at:  # smoothed in time, as the weights are
+                b.wait_s += (raw - b.wait_s) * (1.0 - math.exp((b.wait_at - now) / w.smoothing))
+            b.wait_at = now
+            if b.prefill_s > 0 and b.ready:
+                prefills.append(b.prefill_s)
+            n = b.sessions + b.held
+            ahead = 1.0 if turns is None or not n else max(0.5, turns - b.turns_counted / n)
+            b.kv_demand = b.context_counted + n * ahead * growth
+        mid = median(prefills)
+        default = mid if mid is not None else self.placement.prefill_ms_per_token / 1000.0
+        if default != self.rules.prefill_s:
+            self.rules = dataclasses.replace(self.rules, prefill_s=default)
+
+    def _new_size(self) -> float:
+        """The tokens a new conversation is expected to grow into (0 until one is known)."""
+        final = self._final.get()
+        if final is not None:
+            return final
+        return (self._growth.get() or 0.0) * (self._turns.get() or 1.0)
 
     def limit(self, b: Backend) -> float:
         """The factor of ``b``'s bound for a key returning to it (module docstring)."""
-        return self.factor if b.id in self.overloaded else max(self.factor, self.ceiling)
+        return max(self.factor, self.ceiling)
 
     def _trim_holds(self) -> None:
         """Give up held places on backends above their limit (module docstring), oldest first.
@@ -245,6 +376,7 @@ class Pool:
                     del held[key]
                     hb.held -= 1
                     total -= 1
+                    self._lapse(key, hb)
                     self._publish(hb)
                     trimmed = True
             if not trimmed:
@@ -256,6 +388,7 @@ class Pool:
         ``exclude`` holds backends already tried for this session (connect failures), so the
         caller walks on to the next candidate. ``now`` is the clock of the scraped signals.
         """
+        self._unreserve(key)  # a retry: its last placement failed, or this one replaces it
         self.refresh(now)
         skip = set(exclude)
         ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
@@ -264,15 +397,26 @@ class Pool:
         if self.balance == "consistent":
             hold = self._held.get(key)
             remembered = self._remembered(key)
-            return selection.consistent(
+            conv = self._convs.get(key)
+            choice = selection.consistent(
                 ready,
                 self.ring.walk(key),
-                self.factor,
+                self.rules,
                 held_on=hold[0] if hold is not None else None,
                 remembered=remembered[:2] if remembered is not None else None,
-                ceiling=self.ceiling,
-                overloaded=self.overloaded,
+                context=conv.context if conv is not None and conv.context > 0 else None,
+                size=self._new_size(),
             )
+            for b, why in choice.passed:
+                b.refused[why] = b.refused.get(why, 0) + 1
+            if choice.left is not None:
+                b, why = choice.left
+                b.moved[why] = b.moved.get(why, 0) + 1
+            chosen = choice.backend
+            if hold is None or hold[0] is not chosen:  # its held place counts there already
+                self._pending[key] = (chosen, now + PENDING_S)
+                chosen.pending += 1
+            return chosen
         if self.balance == "least_conn":
             return selection.least_conn(ready)
         if self.balance == "round_robin":
@@ -281,9 +425,21 @@ class Pool:
 
     # -- accounting ------------------------------------------------------------------------
 
+    def cancel(self, key: str) -> None:
+        """The key's placement will not be attached (its handshake failed, or the caller only
+        asked): stop counting it (it would lapse after ``PENDING_S`` anyway)."""
+        self._unreserve(key)
+
+    def _unreserve(self, key: str) -> None:
+        """Stop counting the key's placement whose handshake was under way, if any."""
+        entry = self._pending.pop(key, None)
+        if entry is not None:
+            entry[0].pending -= 1
+
     def attach(self, key: str, backend: Backend, now: float = 0.0) -> None:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
-        held (wherever) is taken back."""
+        held (wherever) is taken back, as is its placement under way."""
+        self._unreserve(key)
         self._release(key)
         backend.sessions += 1
         backend.sessions_total += 1
@@ -297,18 +453,74 @@ class Pool:
         if self.shared is not None:
             self.shared.remember(key, backend.id, first)
         aff.move_to_end(key)
+        conv = self._convs.get(key)
+        if conv is None:
+            conv = self._convs[key] = Conversation()
+        self._count(conv, backend)
         self._prune(now)
+
+    # -- conversations (module docstring) --------------------------------------------------
+
+    def _count(self, conv: Conversation, b: Backend) -> None:
+        """Count ``conv`` on ``b`` (and nowhere else)."""
+        if conv.on is b:
+            return
+        self._uncount(conv)
+        b.context_counted += conv.context
+        b.turns_counted += conv.turns
+        conv.on = b
+
+    @staticmethod
+    def _uncount(conv: Conversation) -> None:
+        b = conv.on
+        if b is not None:
+            b.context_counted = max(0.0, b.context_counted - conv.context)
+            b.turns_counted = max(0, b.turns_counted - conv.turns)
+            conv.on = None
+
+    def _relayed(self, conv: Conversation, relayed: Relayed) -> None:
+        """Update a conversation with what one of its sessions relayed."""
+        client_bytes, client_msgs, worker_msgs = relayed
+        if client_msgs <= 0:
+            return
+        mean = client_bytes / self.placement.bytes_per_token / client_msgs
+        context = max(conv.context, mean) + worker_msgs
+        self._growth.add((context - conv.context) / client_msgs)
+        self._answer.add(worker_msgs / client_msgs)
+        b = conv.on
+        if b is not None:
+            b.context_counted += context - conv.context
+            b.turns_counted += client_msgs
+        conv.context = context
+        conv.turns += client_msgs
+
+    def _lapse(self, key: str, hb: Backend) -> None:
+        """A key's place on ``hb`` lapsed (expired or given up): it is counted nowhere, and
+        its conversation, taken as over, teaches the pool a length."""
+        conv = self._convs.get(key)
+        if conv is None or conv.on is not hb:
+            return
+        self._uncount(conv)
+        if conv.turns:
+            self._turns.add(conv.turns)
+            self._final.add(conv.context)
 
     def _prune(self, now: float) -> None:
         """Forget placements older than ``AFFINITY_TTL`` (their KV cache is gone by then) and
         beyond the table's size, so memory follows the live key set, not every key ever seen."""
         aff = self._affinity
         while len(aff) > self._affinity_size:
-            aff.popitem(last=False)
+            self._forget(aff.popitem(last=False)[0])
         if now > 0.0:
             horizon = now - AFFINITY_TTL
             while aff and next(iter(aff.values()))[2] < horizon:
-                aff.popitem(last=False)
+                self._forget(aff.popitem(last=False)[0])
+
+    def _forget(self, key: str) -> None:
+        """Drop a forgotten placement's conversation, unless it is still counted somewhere."""
+        conv = self._convs.get(key)
+        if conv is not None and conv.on is None:
+            del self._convs[key]
 
     def failed(self, backend: Backend, now: float) -> bool:
         """Passive outlier detection: count a connect/handshake failure; True if now ejected.
@@ -341,15 +553,26 @@ class Pool:
         backend.consecutive_failures = 0
 
     def _release(self, key: str) -> None:
-        """Give back the place the key holds, if any."""
+        """Give back the place the key holds, if any (its conversation is counted nowhere
+        until the caller counts it again)."""
         hold = self._held.pop(key, None)
         if hold is not None:
             hold[0].held -= 1
+            conv = self._convs.get(key)
+            if conv is not None and conv.on is hold[0]:
+                self._uncount(conv)
             self._publish(hold[0])
 
-    def detach(self, backend: Backend, key: str | None = None, now: float = 0.0) -> None:
+    def detach(
+        self,
+        backend: Backend,
+        key: str | None = None,
+        now: float = 0.0,
+        relayed: Relayed | None = None,
+    ) -> None:
         """Count a session gone from ``backend``; its key's placement counts from now, and the
-        key holds its place there for ``hold_s`` (module docstring)."""
+        key holds its place there for ``hold_s`` (module docstring). ``relayed``: what the
+        session relayed, for its conversation's size."""
         backend.sessions -= 1
         if key is not None:
             entry = self._affinity.get(key)
@@ -358,10 +581,17 @@ class Pool:
                 self._affinity.move_to_end(key)
             if self.shared is not None:
                 self.shared.touch(key, backend.id)
+            conv = self._convs.get(key)
+            if conv is not None and relayed is not None:
+                self._relayed(conv, relayed)
             if self.hold_s > 0 and self.backends.get(backend.id) is backend:
                 self._release(key)
                 self._held[key] = (backend, now + self.hold_s)
                 backend.held += 1
+                if conv is not None:
+                    self._count(conv, backend)
+            elif conv is not None and conv.on is backend:
+                self._lapse(key, backend)
         self._publish(backend)
 
     def _publish(self, backend: Backend) -> None:

@@ -1,39 +1,69 @@
 """The balance algorithms: which ready backend a new session goes to.
 
 Kept apart from ``balancer.pool`` so that each policy is a small, sans-I/O function of what it is
-given (the ready backends, the key's ring walk, their counts and effective weights) and can be
-read and tested alone; the pool owns the state they read (membership, holds, the affinity table,
-which backends are overloaded) and dispatches on ``balance``. Nothing here imports the pool.
+given (the ready backends, the key's ring walk, their counts, effective weights and the load
+estimates the pool keeps on each ``Backend``) and can be read and tested alone; the pool owns the
+state they read (membership, holds, the affinity table, the conversations' sizes) and dispatches
+on ``balance``. Nothing here imports the pool.
 
-``consistent``: affinity is the rule, load the exception.
+``consistent``: place for the whole conversation, move only when it pays.
 
-- A *new* key (the pool has no placement for it) takes the first ready backend on its ring walk
-  that stays within its bound, ``ring.load_bound`` with ``c = hash_balance_factor`` (HAProxy's
-  and Envoy's bounded load), counting held places as ``balancer.pool`` describes.
-- A *returning* key has a home: the backend it was last placed on (the affinity table, a bounded
+- *Candidates.* A key's candidates are the first ``choices`` ready backends on its ring walk that
+  stay within their bound, ``ring.load_bound`` with ``c = hash_balance_factor`` (HAProxy's and
+  Envoy's bounded load), counting held places as ``balancer.pool`` describes. The bound is a
+  ceiling, not a target: a backend is not filled to it while another candidate has room.
+- *A new key* (the pool has no placement for it) goes to the first candidate unless another is
+  lighter: a candidate's *load* is its counted conversations after the placement per unit of
+  effective weight, and the lightest candidate takes the key when the first's load is more than
+  ``slack`` above it (ring order decides among equals, so a key's worker stays predictable and a
+  pool at rest places exactly as plain bounded-load hashing). Before that, candidates without KV
+  room are passed over while one has it: room means the tokens the conversations counted there
+  are expected to grow into (``Backend.kv_demand``: their estimated context now plus their
+  expected turns ahead times the growth per turn, from what wslb relayed), plus the new
+  conversation's expected size, stay within ``kv_limit`` of the backend's KV size (scraped; a
+  backend of unknown size always has room). So a burst of new conversations, all placed before
+  any load shows, is spread by their counts, not stacked on the worker the ring favours up to
+  its bound; and mixed conversation sizes are spread by the KV they will need.
+- *A returning key* has a home: the backend it was last placed on (the affinity table, a bounded
   LRU like an HAProxy stick table), if the key's first ready backend on the ring is still the
-  one it was then, else the backend holding its place. It stays there unless the home is
-  *overloaded* (below), up to a hard ceiling: the same bound with ``affinity_ceiling`` in place
-  of ``c``. An overloaded home keeps it only within the ``c`` bound. A key that leaves walks its
-  ring as a new key does. If readiness changed since its placement (a worker went down and came
-  back), the ring decides again, so keys return to a worker when it returns.
-- So the ``c`` bound still decides where new conversations go, and what an overloaded worker
-  keeps; the ceiling (``2`` by default) stops a worker that is not measurably slower from
-  collecting everything, e.g. when the pool empties around the conversations it holds. Moving
-  a conversation costs a prefill of its whole context on the new worker, which on an unhurried
-  worker is never won back: the issue this rule answers measured 9 of 90 sessions moved by the
-  bound, each a cold prefill, with no worker slow.
-- *Overloaded*, measured relative to the peers: a backend's pressure is the median load factor
-  of the ready backends with fresh signals divided by its own, where the load factor is its
-  effective weight per unit of static weight (GPU, KV cache, queue and tpot, smoothed and
-  denoised: ``balancer.weights``). It becomes overloaded at pressure ``>= overload_ratio``
-  (1.5 by default: its measured headroom is two thirds of the median's or less) and stays so
-  until its pressure falls below ``1 + (overload_ratio - 1) / 2`` (1.25), so a backend at the
-  threshold does not flap. A backend with stale or no signals, or fewer than two fresh ready
-  backends, cannot be measured and is never overloaded: the ceiling guards it.
+  one it was then, else the backend holding its place. If readiness changed since its placement
+  (a worker went down and came back), the ring decides again, so keys return to a worker when it
+  returns. The key stays home unless a move *pays*: its worker holds the conversation's KV cache,
+  and anywhere else its whole context is prefilled again. With ``x`` the backend the key would be
+  placed on as a new key (the home left out), ``n`` the key's estimated context tokens and
+  ``p(b)`` the backend's prefill time per token (scraped, else the pool's median, else
+  ``prefill_ms_per_token``)::
+
+      stay = wait(home) + evicted(home) x n x p(home)
+      move = n x p(x) + wait(x)
+      the key moves iff stay > move_cost x move
+
+  ``wait(b)`` is the expected time a new turn waits there before its prefill starts: the
+  requests queued ahead per running one times the time a running answer takes (``waiting /
+  max(1, running) x answer tokens x tpot``, smoothed), and ``evicted(b)`` the share of the
+  counted conversations' context that does not fit in its KV cache (``1 - capacity / context``
+  when they exceed it: the part LRU evicts, which a turn prefills again even at home). A key of
+  unknown size (placed by another process) does not move for cost. Identical workers, each
+  with its share, wait alike, so no returning key moves between them; a worker whose queue
+  makes a turn wait longer than re-prefilling the conversation elsewhere gives it up.
+- A hard ceiling stays: a returning key leaves a home that would go above ``affinity_ceiling``
+  x its weighted share (the same bound with the ceiling in place of ``c``), e.g. when the pool
+  empties around the conversations one worker holds; it then walks its ring as a new key does.
 
 A key holding a place on a ready backend is already counted there: placing it anywhere adds
 nothing to the total, and taking its own place back adds nothing there.
+
+Each decision says why (``Choice``): the candidates passed over (``bound``: above its ``c``
+bound; ``load``: a lighter candidate took the key; ``kv``: no KV room) and a returning key's
+move (``cost`` or ``ceiling``). The pool counts them per backend for ``GET /backends`` and
+``/metrics``.
+
+``overloaded``, measured relative to the peers, is reported (``GET /backends``) but no longer
+moves keys by itself: a backend's pressure is the median load factor of the ready backends with
+fresh signals divided by its own (effective weight per unit of static weight: ``weights``). It
+becomes overloaded at pressure ``>= overload_ratio`` and stays so until its pressure falls below
+``1 + (overload_ratio - 1) / 2``, so a backend at the threshold does not flap. A backend with
+stale or no signals, or fewer than two fresh ready backends, is never overloaded.
 
 ``least_conn``: the fewest live sessions (every process's) per unit of effective weight, ties to
 the lowest id. ``round_robin``: smooth weighted round robin, as nginx does it. ``random``: a
@@ -44,13 +74,58 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass
 
 from balancer.backend import Backend
 from balancer.ring import load_bound
 from balancer.weights import median
 
-__all__ = ["SmoothRoundRobin", "consistent", "least_conn", "overloaded", "weighted_random"]
+__all__ = [
+    "MOVED",
+    "REFUSED",
+    "Choice",
+    "Rules",
+    "SmoothRoundRobin",
+    "consistent",
+    "evicted",
+    "least_conn",
+    "move_pays",
+    "overloaded",
+    "weighted_random",
+]
+
+_Fits = Callable[[Backend, float], bool]
+
+REFUSED = ("bound", "load", "kv")
+"""Why a new key's ring candidate was passed over (``Choice.passed``)."""
+MOVED = ("cost", "ceiling")
+"""Why a returning key left its home (``Choice.left``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """A pool's ``consistent`` settings (``PoolCfg`` and its ``placement``)."""
+
+    factor: float = 1.25
+    ceiling: float = 2.0
+    choices: int = 2
+    slack: float = 1.0
+    kv_limit: float = 0.9
+    move_cost: float = 1.5
+    prefill_s: float = 0.0002
+    """Prefill seconds per token where none is scraped (the pool's median first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where a key goes, and why it did not go elsewhere."""
+
+    backend: Backend
+    passed: tuple[tuple[Backend, str], ...] = ()
+    """Ring candidates before ``backend`` that did not take the new key, with the reason."""
+    left: tuple[Backend, str] | None = None
+    """The home a returning key left, with the reason."""
 
 
 def overloaded(factors: Mapping[str, float], was: Set[str], ratio: float) -> set[str]:
@@ -71,24 +146,42 @@ def overloaded(factors: Mapping[str, float], was: Set[str], ratio: float) -> set
     return out
 
 
+def evicted(b: Backend) -> float:
+    """The share of the context counted on ``b`` that its KV cache cannot hold (0 when it fits
+    or its size is unknown): what LRU has evicted, or will, by the time a turn comes back."""
+    if b.kv_capacity <= 0 or b.context_counted <= b.kv_capacity:
+        return 0.0
+    return 1.0 - b.kv_capacity / b.context_counted
+
+
+def move_pays(
+    home: Backend, target: Backend, context: float, move_cost: float, prefill_s: float
+) -> bool:
+    """Whether a returning key of ``context`` estimated tokens should leave ``home`` for
+    ``target`` (the module docstring's formula; ``prefill_s``: the time per token of a backend
+    that reports none)."""
+    stay = home.wait_s + evicted(home) * context * (home.prefill_s or prefill_s)
+    move = context * (target.prefill_s or prefill_s) + target.wait_s
+    return stay > move_cost * move
+
+
 def consistent(
     ready: Sequence[Backend],
     walk: Iterable[str],
-    factor: float,
+    rules: Rules,
     held_on: Backend | None = None,
     remembered: tuple[str, str | None] | None = None,
     *,
-    ceiling: float = 0.0,
-    overloaded: Set[str] = frozenset(),
-) -> Backend:
-    """Affinity-first bounded-load consistent hashing over ``ready`` (not empty).
+    context: float | None = None,
+    size: float = 0.0,
+) -> Choice:
+    """Bounded-load consistent hashing over ``ready`` (not empty), placing for the whole
+    conversation and moving a returning key only when it pays (module docstring).
 
-    ``walk`` is the key's ring walk (backend ids, nearest first); ``factor`` the pool's
-    ``hash_balance_factor``, ``ceiling`` its ``affinity_ceiling`` (at or below ``factor``: a
-    returning key obeys the ``factor`` bound, the rule before affinity came first).
-    ``held_on`` is the backend the key holds a place on, if any; ``remembered`` its last
-    placement: (backend placed on, the key's first ready backend then). ``overloaded``: ids of
-    the backends measured overloaded (``overloaded()``).
+    ``walk`` is the key's ring walk (backend ids, nearest first). ``held_on`` is the backend the
+    key holds a place on, if any; ``remembered`` its last placement: (backend placed on, the
+    key's first ready backend then). ``context``: the key's estimated context tokens (None:
+    unknown); ``size``: the tokens a new conversation is expected to grow into.
     """
     by_id = {b.id: b for b in ready}
     holder = held_on if held_on is not None and by_id.get(held_on.id) is held_on else None
@@ -107,15 +200,67 @@ def consistent(
             home = by_id.get(remembered[0])
     else:
         home = holder
+    left: tuple[Backend, str] | None = None
     if home is not None:
-        limit = factor if home.id in overloaded else max(factor, ceiling)
-        if fits(home, limit):
-            return home
+        if not fits(home, max(rules.factor, rules.ceiling)):
+            left = (home, "ceiling")
+            on_ring = [b for b in on_ring if b is not home]
+        elif context is None:
+            return Choice(home)
+        else:
+            others = [b for b in on_ring if b is not home]
+            target = _place(others, rules, fits, holder, size)
+            if target is None or not move_pays(
+                home, target.backend, context, rules.move_cost, rules.prefill_s
+            ):
+                return Choice(home)
+            return Choice(target.backend, target.passed, (home, "cost"))
+    placed = _place(on_ring, rules, fits, holder, size)
+    if placed is None:
+        # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
+        b = min(ready, key=lambda b: (b.counted / b.effective_weight, b.id))
+        return Choice(b, left=left)
+    return Choice(placed.backend, placed.passed, left)
+
+
+def _place(
+    on_ring: Sequence[Backend],
+    rules: Rules,
+    fits: _Fits,
+    holder: Backend | None,
+    size: float,
+) -> Choice | None:
+    """A new key's backend among ``on_ring`` (its walk, nearest first), or None if none is
+    within its ``c`` bound: the module docstring's candidates, KV room and load rules."""
+    candidates: list[Backend] = []
+    passed: list[tuple[Backend, str]] = []
     for b in on_ring:
-        if fits(b, factor):
-            return b
-    # Unreachable with factor > 1 (the bounds sum above the load); be safe regardless.
-    return min(ready, key=lambda b: (b.counted / b.effective_weight, b.id))
+        if fits(b, rules.factor):
+            candidates.append(b)
+            if len(candidates) >= rules.choices:
+                break
+        elif not candidates:
+            passed.append((b, "bound"))
+    if not candidates:
+        return None
+
+    def room(b: Backend) -> bool:
+        cap = b.kv_capacity
+        return cap <= 0 or b.kv_demand + (0.0 if b is holder else size) <= rules.kv_limit * cap
+
+    def load(b: Backend) -> float:
+        return (b.counted + (0 if b is holder else 1)) / b.effective_weight
+
+    roomy = [b for b in candidates if room(b)] or candidates
+    chosen = roomy[0]
+    lightest = min(roomy, key=lambda b: (load(b), roomy.index(b)))
+    if load(chosen) - load(lightest) > rules.slack:
+        chosen = lightest
+    for b in candidates:
+        if b is chosen:
+            break
+        passed.append((b, "load" if b in roomy else "kv"))
+    return Choice(chosen, tuple(passed))
 
 
 def least_conn(ready: Sequence[Backend]) -> Backend:

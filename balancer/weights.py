@@ -33,6 +33,11 @@ smoothed factor against the median of the pool's and shrinks the ratio towards 1
 ``noise_band`` (in log terms, a soft threshold): identical workers within +/-15% of each other get
 the same factor, a hot worker at 0.57 of the median keeps 0.66 of it. Only shares matter to the
 bounded-load rule, so the level (all workers busier) passes through unchanged.
+
+Two more signals feed placement and the move rule (``balancer.selection``), not the weight:
+``prefill``, the worker's seconds per prefilled token (its prefill time and prefilled-token
+counters, differenced and decayed as ``tpot`` is: what a move's re-prefill costs there), and
+``kv_capacity``, its KV cache's size in tokens (what the conversations placed there must fit in).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ __all__ = [
     "speed",
 ]
 
-SIGNALS = ("gpu_util", "kv_cache_usage", "running", "waiting", "tpot")
+SIGNALS = ("gpu_util", "kv_cache_usage", "running", "waiting", "tpot", "prefill", "kv_capacity")
 
 # signal -> candidate metric names, first present wins (vLLM renamed its KV-cache gauge).
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -66,6 +71,9 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
         "running": ("wslb_worker_active_sessions",),
         "waiting": ("wslb_worker_queue_depth",),
         "tpot": ("wslb_worker_inter_token_latency_seconds",),
+        "prefill_seconds": ("wslb_worker_prefill_seconds_total",),
+        "prefill_tokens": ("wslb_worker_prefill_tokens_total",),
+        "kv_capacity": ("wslb_worker_kv_capacity_tokens",),
     },
     "vllm": {
         "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
@@ -73,6 +81,12 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("vllm:num_requests_waiting",),
         # Renamed in vLLM 0.10 (V1); the old name stayed as a deprecated alias for a while.
         "tpot": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        # Prefill time per request over prompt tokens processed (prefix-cache hits are
+        # counted apart, in vllm:prefix_cache_hits_total). The KV size is in the labels of
+        # cache_config_info (num_gpu_blocks x block_size).
+        "prefill_seconds": ("vllm:request_prefill_time_seconds_sum",),
+        "prefill_tokens": ("vllm:prompt_tokens_total",),
+        "kv_capacity": ("vllm:cache_config_info",),
     },
     "sglang": {
         "kv_cache_usage": ("sglang:token_usage",),
@@ -80,6 +94,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
         "waiting": ("sglang:num_queue_reqs",),
         # Older releases exported the per-token histogram under vLLM's old name.
         "tpot": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        "kv_capacity": ("sglang:max_total_num_tokens",),
     },
     # llama.cpp's llama-server with --metrics: slot counts only. It exports no KV-cache gauge
     # and no inter-token histogram (its tokens_predicted_seconds_total and
@@ -87,6 +102,8 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "llamacpp": {
         "running": ("llamacpp:requests_processing",),
         "waiting": ("llamacpp:requests_deferred",),
+        "prefill_seconds": ("llamacpp:prompt_seconds_total",),
+        "prefill_tokens": ("llamacpp:prompt_tokens_total",),
     },
     "dcgm": {"gpu_util": ("DCGM_FI_DEV_GPU_UTIL",)},
 }
@@ -95,6 +112,13 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
 _FRACTIONS = frozenset({"gpu_util", "kv_cache_usage"})
 # Histograms: the mapped name is the family; its _sum and _count are read (summed over labels).
 _HISTOGRAMS = frozenset({"tpot"})
+# Counters read as exposed (``_total`` / ``_sum`` included), summed over labels: the pair that
+# gives ``prefill`` (``Signals.since``).
+_COUNTERS = frozenset({"prefill_seconds", "prefill_tokens"})
+# An info gauge whose labels carry the value: the KV size is their product (vLLM).
+_LABEL_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "vllm:cache_config_info": ("num_gpu_blocks", "block_size"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,31 +155,72 @@ class Signals:
     tpot_count: float | None = None
     tpot_wsum: float = 0.0
     tpot_wcount: float = 0.0
+    prefill: float | None = None
+    """Seconds per prefilled token, decayed as ``tpot`` (``since``)."""
+    prefill_seconds: float | None = None
+    prefill_tokens: float | None = None
+    prefill_wsum: float = 0.0
+    prefill_wcount: float = 0.0
+    kv_capacity: float | None = None
+    """KV cache size in tokens."""
 
     def as_dict(self) -> dict[str, float | None]:
         return {s: getattr(self, s) for s in SIGNALS}
 
     def since(self, prev: Signals | None, tau: float) -> Signals:
-        """This scrape with ``tpot``: the mean time per token, each token weighted by
-        ``exp(-age / tau)`` (``tau`` 0: the tokens since ``prev`` only).
+        """This scrape with ``tpot`` and ``prefill``: the mean time per token (decoded, and
+        prefilled), each token weighted by ``exp(-age / tau)`` (``tau`` 0: the tokens since
+        ``prev`` only).
 
         No tokens since ``prev``: the previous figure stands. A first scrape gives none (its
         totals may hold hours of history); a counter that went back (the worker restarted)
         starts over.
         """
-        if self.tpot_count is None or self.tpot_sum is None:
-            return self
-        if prev is None or prev.tpot_count is None or prev.tpot_sum is None:
-            return self
-        dn = self.tpot_count - prev.tpot_count
-        if dn < 0:
+        if prev is None:
             return self
         decay = math.exp(-max(0.0, self.at - prev.at) / tau) if tau > 0 else 0.0
-        wsum = prev.tpot_wsum * decay + max(0.0, self.tpot_sum - prev.tpot_sum)
-        wcount = prev.tpot_wcount * decay + dn
-        if dn == 0 or wcount <= 0:
-            return replace(self, tpot=prev.tpot, tpot_wsum=wsum, tpot_wcount=wcount)
-        return replace(self, tpot=wsum / wcount, tpot_wsum=wsum, tpot_wcount=wcount)
+        out = self
+        tpot = _decayed(
+            (self.tpot_sum, self.tpot_count),
+            (prev.tpot_sum, prev.tpot_count),
+            (prev.tpot, prev.tpot_wsum, prev.tpot_wcount),
+            decay,
+        )
+        if tpot is not None:
+            out = replace(out, tpot=tpot[0], tpot_wsum=tpot[1], tpot_wcount=tpot[2])
+        prefill = _decayed(
+            (self.prefill_seconds, self.prefill_tokens),
+            (prev.prefill_seconds, prev.prefill_tokens),
+            (prev.prefill, prev.prefill_wsum, prev.prefill_wcount),
+            decay,
+        )
+        if prefill is not None:
+            out = replace(
+                out, prefill=prefill[0], prefill_wsum=prefill[1], prefill_wcount=prefill[2]
+            )
+        return out
+
+
+def _decayed(
+    now: tuple[float | None, float | None],
+    before: tuple[float | None, float | None],
+    mean: tuple[float | None, float, float],
+    decay: float,
+) -> tuple[float | None, float, float] | None:
+    """A decayed mean of time per unit from two running totals (time, units) scraped now and
+    before, and the mean so far (value, decayed time, decayed units); None: no figure yet."""
+    (s, n), (ps, pn) = now, before
+    if s is None or n is None or ps is None or pn is None:
+        return None
+    dn = n - pn
+    if dn < 0:  # the counter went back: the worker restarted
+        return None
+    value, wsum, wcount = mean
+    wsum = wsum * decay + max(0.0, s - ps)
+    wcount = wcount * decay + dn
+    if dn == 0 or wcount <= 0:
+        return value, wsum, wcount
+    return wsum / wcount, wsum, wcount
 
 
 def resolve_mapping(
@@ -175,7 +240,14 @@ def parse_signals(text: str, mapping: Mapping[str, tuple[str, ...]], at: float) 
     values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:  # keyed by the exposed name (counters keep "_total")
-            values.setdefault(sample.name, []).append(float(sample.value))
+            value = float(sample.value)
+            labels = _LABEL_PRODUCTS.get(sample.name)
+            if labels is not None:
+                try:
+                    value = math.prod(float(sample.labels[k]) for k in labels)
+                except (KeyError, ValueError):
+                    continue
+            values.setdefault(sample.name, []).append(value)
     found: dict[str, float] = {}
     for signal, names in mapping.items():
         for name in names:

@@ -5,8 +5,10 @@ A multi-turn chat workload runs against reference workers (``backends.worker``) 
 KV cache, through wslb, once per balancing mode and run:
 
 - ``--workload issue17`` (the default) is issue 17's: 90 sessions of 5 turns, one WebSocket per
-  turn, three identical workers; ``mixed`` is the benchmark's earlier one (300 sessions of 4-6
-  turns, half of them reconnecting per turn, four workers). Sessions arrive as a Poisson
+  turn, three identical workers; ``issue24`` issue 24's burst (every first turn within 0.3 s,
+  6 turns, think 0.6 s, ``--max-batch 10 --kv-capacity-tokens 26000``, seed 22: the ring
+  favours w3 with 38 of the 90 keys); ``mixed`` is the benchmark's earlier one (300 sessions
+  of 4-6 turns, half of them reconnecting per turn, four workers). Sessions arrive as a Poisson
   process over ``--arrival-s`` seconds, with an exponential think time (``--think-s`` mean)
   between turns. Every session starts with the same ``--system-words`` system prompt; user
   prompts and answers are ``--prompt-words`` words / ``--answer-tokens`` tokens, so the context
@@ -14,13 +16,17 @@ KV cache, through wslb, once per balancing mode and run:
   chat-completions clients send it, so a session that lands on a new worker still has its
   context (and pays its prefill).
 - Modes (``--modes``): ``default`` is ``consistent`` with wslb's defaults (load-aware weights,
-  affinity first: ``affinity_ceiling`` 2, ``overload_ratio`` 1.5); ``strict-bound`` the same
-  with ``affinity_ceiling`` = c, the rule before issue 17 (every placement within c x its
-  share); ``static-bound`` that rule with static weights; ``static-sticky`` static weights and
+  placement for the whole conversation, moves only when they pay: ``balancer.selection``),
+  with ``placement.bytes_per_token`` set to ``--bytes-per-token`` (the reference worker's
+  words); ``ring-first`` the same with ``placement.choices: 1`` (plain bounded-load
+  placement); ``strict-bound`` with ``affinity_ceiling`` = c (every placement within c x its
+  share); ``static-bound`` that with static weights; ``static-sticky`` static weights and
   c = ``--sticky-factor`` (100: nothing ever moves); ``round_robin`` (and ``least_conn``) with
-  the load-aware weights (or static ones with ``--baseline-weights static``). The session
-  plan (arrivals, prompts, think times) is the same for every mode; every run starts fresh
-  workers and a fresh wslb.
+  the load-aware weights (or static ones with ``--baseline-weights static``); ``haproxy``
+  HAProxy itself (Debian's package) with ``balance url_param session``, ``hash-type
+  consistent`` and ``hash-balance-factor`` c x 100. The session plan (arrivals, prompts,
+  think times) is the same for every mode; every run starts fresh workers and a fresh
+  balancer.
 - Runs (``--runs``): ``even`` (identical workers); ``hetero`` (the last worker has
   ``--hot-background-util`` of its GPU taken by something else: prefill and decode run
   1/(1-U) slower and its GPU utilisation reads at least U); ``hot`` (the worker the ring gives
@@ -34,7 +40,9 @@ cached tokens per turn (``done.cached_tokens``), the worker of every turn, token
 wslb's admin API is polled every ``--poll-s`` for live sessions, held places and effective
 weights per worker (the bounded-load check uses what wslb counts: live + held); the polls'
 weights also tell when a worker is overloaded by wslb's rule (``selection.overloaded``).
-Prints one set of tables per run and issue 17's targets (MET / MISSED), writes
+Prints one set of tables per run and issue 24's targets (MET / MISSED: on identical workers no
+returning key moves, KV hit >= 97% of the ideal, follow-up p99 <= 0.5 x round robin's; with a
+slowed or busy worker, follow-up p99 <= HAProxy's), writes
 ``docs/routing.md`` (tables, command, machine, parameters, definitions; text after an
 ``<!-- analysis -->`` line of an existing file is kept) and a plot ``docs/routing.png`` (if
 matplotlib is importable).
@@ -43,6 +51,12 @@ The machine may be shared: each run records the CPU cores this benchmark and eve
 used meanwhile (``--wait-idle-s`` waits for the others to go quiet first). ``--modes`` also
 takes weight variants (``NAME=BALANCE:GPU,KV_CACHE,QUEUE[,TPOT]``), ``--code`` runs another
 checkout's wslb.
+
+``--sweep N`` (seeded by ``--seed``) runs N random configurations instead (``sweep_cases``:
+identical, slowed and mixed workers, 3 to 8 of them, bursts and spread arrivals, conversation
+lengths, growth and think times, KV sizes the balanced share fits in) with ``--sweep-modes``
+(wslb's default, round robin, HAProxy) and prints a table and the targets per case; ten cases
+take about 11 minutes on a 2-core machine.
 
 Not a test: ``pytest`` only collects ``tests/``. ``python bench/routing.py --help``;
 ``--quick`` for a small version.
@@ -56,6 +70,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import os
 import random
 import secrets
 import shlex
@@ -64,6 +79,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,13 +92,14 @@ from websockets.asyncio.client import ClientConnection, connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from balancer.config import PoolCfg  # noqa: E402
+import tests.procs as procs_module  # noqa: E402
+from balancer.config import PlacementCfg, PoolCfg  # noqa: E402
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import Ring, load_bound  # noqa: E402
 from balancer.selection import overloaded as selection_overloaded  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
 from bench.common import machine_line, pct  # noqa: E402
-from tests.procs import Procs, Worker, Wslb, free_port  # noqa: E402
+from tests.procs import Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
 DEFAULT_OVERLOAD_RATIO = PoolCfg("").overload_ratio
@@ -90,8 +107,18 @@ DEFAULT_CEILING = PoolCfg("").affinity_ceiling
 LOAD_AWARE = {"gpu": 0.5, "kv_cache": 0.5, "queue": 0.25, "tpot": 1.0, "min_factor": 0.05}
 STATIC = {"gpu": 0.0, "kv_cache": 0.0, "queue": 0.0, "tpot": 0.0, "min_factor": 0.05}
 NEW = "default"  # consistent with wslb's defaults: the mode the targets are about
-KNOWN_MODES = (NEW, "strict-bound", "static-bound", "static-sticky", "least_conn", "round_robin")
-DEFAULT_MODES = (NEW, "strict-bound", "static-bound", "static-sticky", "round_robin")
+KNOWN_MODES = (
+    NEW,
+    "ring-first",
+    "strict-bound",
+    "static-bound",
+    "static-sticky",
+    "least_conn",
+    "round_robin",
+    "haproxy",
+)
+DEFAULT_MODES = (NEW, "ring-first", "round_robin", "haproxy")
+SWEEP_MODES = (NEW, "round_robin", "haproxy")
 WORKLOADS: dict[str, dict[str, Any]] = {
     # Issue 17's: 90 sessions, 5 turns, one WebSocket per turn, three identical workers.
     "issue17": {
@@ -101,6 +128,20 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "think_s": 1.5,
         "reconnect_share": 1.0,
         "workers": 3,
+    },
+    # Issue 24's: a burst (every first turn at once) of 90 conversations of 6 turns, one
+    # WebSocket per turn, three identical workers decoding at most 10 streams each, with a
+    # KV cache the balanced share fits in. The ring gives w3 38 of the 90 keys (seed 22).
+    "issue24": {
+        "sessions": 90,
+        "turns": (6, 6),
+        "arrival_s": 0.3,
+        "think_s": 0.6,
+        "reconnect_share": 1.0,
+        "workers": 3,
+        "seed": 22,
+        "max_batch": 10,
+        "kv_capacity_tokens": 26_000,
     },
     # The benchmark's earlier workload (docs/routing.md before issue 17).
     "mixed": {
@@ -140,15 +181,19 @@ class WorkerParams:
     max_batch: int
     session_ttl: float
     hot_background_util: float
+    # Mixed workers (the sweep): per worker, factors on tokens_per_s and kv_capacity_tokens
+    # and a background utilisation of its own (0: none); empty: identical workers.
+    mixed: tuple[tuple[float, float, float], ...] = ()
 
-    def args(self, hot: bool) -> list[str]:
+    def args(self, i: int, hot: bool) -> list[str]:
+        speed, kv, background = self.mixed[i] if i < len(self.mixed) else (1.0, 1.0, 0.0)
         a = [
             "--tokens-per-s",
-            f"{self.tokens_per_s:g}",
+            f"{self.tokens_per_s * speed:g}",
             "--prefill-ms-per-token",
             f"{self.prefill_ms_per_token:g}",
             "--kv-capacity-tokens",
-            str(self.kv_capacity_tokens),
+            str(round(self.kv_capacity_tokens * kv)),
             "--max-batch",
             str(self.max_batch),
             "--session-ttl",
@@ -158,8 +203,25 @@ class WorkerParams:
             "warning",
         ]
         if hot:
-            a += ["--background-util", f"{self.hot_background_util:g}"]
+            background = self.hot_background_util
+        if background > 0:
+            a += ["--background-util", f"{background:g}"]
         return a
+
+    def describe(self) -> str:
+        """One line for the tables: what the workers are."""
+        base = (
+            f"{self.count} x `--tokens-per-s {self.tokens_per_s:g} --prefill-ms-per-token "
+            f"{self.prefill_ms_per_token:g} --kv-capacity-tokens {self.kv_capacity_tokens} "
+            f"--max-batch {self.max_batch}`"
+        )
+        if not self.mixed:
+            return base
+        each = ", ".join(
+            f"w{i + 1}: speed x{sp:.2f} KV x{kv:.2f}" + (f" bg {bg:.2f}" if bg else "")
+            for i, (sp, kv, bg) in enumerate(self.mixed)
+        )
+        return f"{base}; {each}"
 
 
 @dataclass(frozen=True)
@@ -169,6 +231,7 @@ class Mode:
     coefficients: dict[str, float]
     factor: float | None = None  # hash_balance_factor; None: --factor
     pool: dict[str, Any] = field(default_factory=dict)  # more pool keys (affinity_ceiling, ...)
+    proxy: str = "wslb"  # or "haproxy": HAProxy's bounded-load hash, c = factor
 
 
 @dataclass(frozen=True)
@@ -269,6 +332,9 @@ class Poll:
     kv: dict[str, float]
     held: dict[str, int] = field(default_factory=dict)  # places held between sessions
     stale: dict[str, bool] = field(default_factory=dict)  # signals_stale
+    # wslb's placement counters per worker (refused_*, moved_*) and KV headroom
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    headroom: dict[str, float | None] = field(default_factory=dict)
 
 
 class SessionError(Exception):
@@ -294,14 +360,16 @@ class Fleet:
     def start_workers(self, params: WorkerParams, hot: set[str]) -> None:
         for i in range(params.count):
             wid, port = f"w{i + 1}", free_port()
-            args = params.args(wid in hot)
+            args = params.args(i, wid in hot)
             w = Worker(wid, args, port, procs=self.procs, name=f"{wid}-{port}", src=self.code)
             self.workers.append(w.start(wait=False))
             self.pids.append(w.pid)
         for w in self.workers:
             w.wait(30.0)
 
-    def start_lb(self, mode: Mode, lbp: LbParams) -> Wslb:
+    def start_lb(self, mode: Mode, lbp: LbParams) -> Wslb | Haproxy:
+        if mode.proxy == "haproxy":
+            return self.start_haproxy(mode.factor or lbp.factor)
         cfg: dict[str, Any] = {
             "pools": [
                 {
@@ -335,6 +403,33 @@ class Fleet:
             raise TimeoutError(f"wslb backends not ready:\n{lb.log_tail(20)}") from None
         return lb
 
+    def start_haproxy(self, factor: float) -> Haproxy:
+        """HAProxy in front of the workers: ``balance url_param session``, ``hash-type
+        consistent``, ``hash-balance-factor`` = c x 100 (its bounded load, counting active
+        connections), an HTTP health check. It shows the workers the credential wslb would."""
+        port = free_port()
+        token = getattr(procs_module, "WORKER_TOKEN", None)
+        header = f"  http-request set-header X-WSLB-Worker-Token {token}\n" if token else ""
+        servers = "".join(
+            f"  server {w.id} 127.0.0.1:{w.port} check inter 2s\n" for w in self.workers
+        )
+        path = self.procs.logdir / f"haproxy-{port}.cfg"
+        path.write_text(
+            "global\n  nbthread 1\n"
+            "defaults\n  mode http\n  timeout connect 5s\n  timeout client 1h\n"
+            "  timeout server 1h\n  timeout tunnel 1h\n  timeout http-request 10s\n"
+            f"frontend fe\n  bind 127.0.0.1:{port}\n  default_backend workers\n"
+            "backend workers\n  balance url_param session\n  hash-type consistent\n"
+            f"  hash-balance-factor {round(factor * 100)}\n  option httpchk GET /healthz\n"
+            f"{header}{servers}"
+        )
+        binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+        proc = self.procs.spawn(f"haproxy-{port}", [binary, "-db", "-f", str(path)])
+        self.pids.append(proc.pid)
+        wait_port(port, 10.0, proc)
+        time.sleep(2.5)  # its first health checks: servers start down until one passes
+        return Haproxy(f"ws://127.0.0.1:{port}", proc.pid)
+
     def close(self) -> None:
         self.procs.close()
 
@@ -343,6 +438,14 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Haproxy:
+    """A running HAProxy: where clients connect (it has no admin API to poll)."""
+
+    url: str
+    pid: int
 
 
 def scraped(backends: list[dict[str, Any]]) -> bool:
@@ -509,6 +612,15 @@ async def poll_admin(lb: Wslb, period: float, out: list[Poll], t0: float) -> Non
                         {b["id"]: float(b["signals"].get("kv_cache_usage") or 0.0) for b in data},
                         {b["id"]: int(b.get("held") or 0) for b in data},
                         {b["id"]: bool(b.get("signals_stale")) for b in data},
+                        {
+                            b["id"]: {
+                                k: int(v)
+                                for k, v in (b.get("counters") or {}).items()
+                                if k.startswith(("refused_", "moved_"))
+                            }
+                            for b in data
+                        },
+                        {b["id"]: b.get("kv_headroom") for b in data},
                     )
                 )
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
@@ -547,7 +659,7 @@ async def side_stream(url: str, sid: str, side: SideLoad, t0: float) -> int:
 async def drive(
     plans: list[SessionPlan],
     system: str,
-    lb: Wslb,
+    lb: Wslb | Haproxy,
     poll_s: float,
     timeout: float,
     side: tuple[str, SideLoad] | None = None,
@@ -556,7 +668,9 @@ async def drive(
     loop = asyncio.get_running_loop()
     polls: list[Poll] = []
     t0 = loop.time() + 0.2
-    poller = asyncio.create_task(poll_admin(lb, poll_s, polls, t0))
+    poller = asyncio.create_task(
+        poll_admin(lb, poll_s, polls, t0) if isinstance(lb, Wslb) else asyncio.sleep(0)
+    )
     extra = []
     if side is not None:
         url, load = side
@@ -623,6 +737,9 @@ class Result:
     overload_over_settled: float = math.nan  # share of those polls with it above its bound
     cpu_ours: float = math.nan  # cores used by this script, its workers and wslb
     cpu_other: float = math.nan  # cores used by everything else on the machine meanwhile
+    first_max: int = 0  # most conversations one worker answered the first turn of
+    # wslb's placement counters at the last poll, summed over workers (refused_*, moved_*)
+    placement: dict[str, int] = field(default_factory=dict)
 
 
 def overload_seen(
@@ -691,6 +808,10 @@ def analyse(
     by_worker: dict[str, int] = {}
     for t in turns:
         by_worker[t.worker] = by_worker.get(t.worker, 0) + 1
+    firsts: dict[str, int] = {}
+    for t in turns:
+        if t.index == 0:
+            firsts[t.worker] = firsts.get(t.worker, 0) + 1
 
     totals = [sum(p.sessions.values()) for p in polls]
     peak_total = max(totals, default=0)
@@ -770,6 +891,10 @@ def analyse(
         overload_ratio_max=ov_max,
         overload_ratio_settled=ov_settled,
         overload_over_settled=ov_over,
+        first_max=max(firsts.values(), default=0),
+        placement=dict(
+            sum((Counter(c) for c in polls[-1].counters.values()), Counter()) if polls else {}
+        ),
     )
 
 
@@ -795,11 +920,20 @@ def table(results: list[Result]) -> str:
             f"| {ms(r.ttft_follow_p50)} / {ms(r.ttft_follow_p99)} "
             f"| {r.follow_missed} / {r.follow_turns} "
             f"({r.follow_missed / max(1, r.follow_turns):.1%}; {r.follow_moved} moved) "
-            f"| {r.tokens_per_s:.0f} | {r.peak_sessions} / {r.mean_sessions:.1f} "
-            f"| {r.imbalance:.2f} | {r.bound_ratio_max:.2f} ({r.bound_over_polls:.0%}) "
+            f"| {r.tokens_per_s:.0f} | {balance_cells(r)} "
             f"| {r.changed} / {r.sessions} | {r.failed} |"
         )
     return "\n".join(lines)
+
+
+def balance_cells(r: Result) -> str:
+    """The admin polls' columns (none for HAProxy, which has no admin API to poll)."""
+    if math.isnan(r.imbalance):
+        return f"first turns max {r.first_max} | - | -"
+    return (
+        f"{r.peak_sessions} / {r.mean_sessions:.1f} | {r.imbalance:.2f} "
+        f"| {r.bound_ratio_max:.2f} ({r.bound_over_polls:.0%})"
+    )
 
 
 def detail_table(results: list[Result]) -> str:
@@ -848,7 +982,9 @@ def verdict(ok: bool) -> str:
 
 
 def targets(results: list[Result], runs: list[str], factor: float, grace: float) -> list[str]:
-    """Issue 17's targets for the new default (``NEW``), each against modes of the same run."""
+    """Issue 24's targets for wslb's default (``NEW``), each against modes of the same run:
+    identical workers (``even``): no returning key moves, KV hit >= 97% of the ideal,
+    follow-up p99 <= 0.5 x round robin's; a slowed or busy worker: p99 <= HAProxy's."""
     out = []
     for run in runs:
         rs = {r.mode: r for r in results if r.run == run}
@@ -859,39 +995,56 @@ def targets(results: list[Result], runs: list[str], factor: float, grace: float)
             f"{r.mode} {ms(r.ttft_follow_p99)}"
             for r in sorted(rs.values(), key=lambda r: r.ttft_follow_p99)
         )
+        out.append(f"- {run}: " + "; ".join(verdicts(new, rs, identical=run == "even")))
+        out.append(f"  (follow-up p99: {order} ms)")
+    return out
+
+
+def verdicts(new: Result, rs: dict[str, Result], identical: bool) -> list[str]:
+    """The targets of one run (``targets``) for the ``NEW`` mode's result."""
+    out = []
+    if identical:
+        out.append(
+            f"no returning key moves: {verdict(new.changed == 0)} ({new.changed} of "
+            f"{new.sessions} sessions changed worker)"
+        )
+        ok = new.hit >= 0.97 * new.ideal
+        out.append(
+            f"KV hit >= 97% of the ideal: {verdict(ok)} ({new.hit:.1%} of {new.ideal:.1%} = "
+            f"{new.hit / new.ideal:.1%})"
+        )
         rr = rs.get("round_robin")
-        if run == "even" and rr is not None:
+        if rr is not None:
             ok = new.ttft_follow_p99 <= 0.5 * rr.ttft_follow_p99
             out.append(
-                f"- {run}: follow-up TTFT p99 at most 0.5 x round_robin's: {verdict(ok)} "
-                f"({ms(new.ttft_follow_p99)} vs 0.5 x {ms(rr.ttft_follow_p99)} ms; {order} ms)"
+                f"follow-up p99 <= 0.5 x round robin's: {verdict(ok)} "
+                f"({ms(new.ttft_follow_p99)} vs 0.5 x {ms(rr.ttft_follow_p99)} ms)"
             )
-        static = rs.get("static-bound")
-        if run == "hetero" and static is not None:
-            ok = new.ttft_follow_p99 <= static.ttft_follow_p99
-            out.append(
-                f"- {run}: follow-up TTFT p99 at most static hashing's (c = {factor:g}): "
-                f"{verdict(ok)} ({order} ms)"
-            )
-        if new.overloaded_workers:
-            ok = not new.overload_ratio_settled > 1.0
-            out.append(
-                f"- {run}: no worker above c x its share while overload is measured "
-                f"(c = {factor:g}, from {grace:g} s after it is): {verdict(ok)} "
-                f"(overloaded {', '.join(new.overloaded_workers)} in "
-                f"{new.overload_polls:.0%} of polls; max load / bound "
-                f"{new.overload_ratio_settled:.2f}, above in {new.overload_over_settled:.0%} "
-                f"of those polls; from its first poll overloaded {new.overload_ratio_max:.2f})"
-            )
-        else:
-            out.append(f"- {run}: no worker measured overloaded (the bound target does not apply)")
-        ok = new.hit >= 0.95 * new.ideal
+    hp = rs.get("haproxy")
+    if not identical and hp is not None:
+        ok = new.ttft_follow_p99 <= hp.ttft_follow_p99
         out.append(
-            f"- {run}: KV hit at least 95% of the ideal: {verdict(ok)} "
-            f"({new.hit:.1%} of {new.ideal:.1%} = {new.hit / new.ideal:.1%}; "
-            f"{new.changed} of {new.sessions} sessions moved)"
+            f"follow-up p99 <= HAProxy's: {verdict(ok)} ({ms(new.ttft_follow_p99)} vs "
+            f"{ms(hp.ttft_follow_p99)} ms)"
         )
     return out
+
+
+def _value(v: object) -> str:
+    """A config value as the docs show it."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in v.items()) + "}"
+    return f"{v:g}" if isinstance(v, float | int) and not isinstance(v, bool) else str(v)
+
+
+def haproxy_version() -> str:
+    """HAProxy's version, as ``haproxy -v`` prints it."""
+    import subprocess
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["haproxy", "-v"], capture_output=True, text=True, timeout=5).stdout
+        return out.split()[2] if len(out.split()) > 2 else "?"
+    return "?"
 
 
 def write_doc(
@@ -973,16 +1126,21 @@ def write_doc(
         f"`round_robin` use the {baseline} weights; admin polled every {lb.poll_s:g} s",
         "- modes: "
         + "; ".join(
-            f"`{m.name}`: {m.balance}, "
-            + ("load-aware" if m.coefficients.get("gpu") else "static")
-            + " weights"
-            + (f", c = {m.factor:g}" if m.factor else "")
-            + "".join(f", `{k}: {v:g}`" for k, v in m.pool.items())
+            (
+                f"`{m.name}`: HAProxy {haproxy_version()}, `balance url_param session`, "
+                f"`hash-type consistent`, `hash-balance-factor {round(lb.factor * 100)}`"
+                if m.proxy == "haproxy"
+                else f"`{m.name}`: {m.balance}, "
+                + ("load-aware" if m.coefficients.get("gpu") else "static")
+                + " weights"
+                + (f", c = {m.factor:g}" if m.factor else "")
+                + "".join(f", `{k}: {_value(v)}`" for k, v in m.pool.items())
+            )
             for m in modes
         )
-        + f" (`{NEW}`: wslb's defaults, `affinity_ceiling: {DEFAULT_CEILING:g}`, "
-        f"`overload_ratio: {DEFAULT_OVERLOAD_RATIO:g}`; `affinity_ceiling` = c is the strict "
-        "bound, the rule before)",
+        + f" (`{NEW}`: wslb's defaults, `affinity_ceiling: {DEFAULT_CEILING:g}`, placement "
+        f"`{_value(asdict(PlacementCfg()))}`, with the reference worker's bytes per token; "
+        "`ring-first`: `choices: 1`, plain bounded-load placement)",
         "",
     ]
     for run in runs:
@@ -1156,8 +1314,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=sorted(WORKLOADS),
         default="issue17",
-        help="issue17: 90 sessions of 5 turns, a connection per turn, 3 workers; mixed: 300 "
-        "sessions of 4-6 turns, half reconnecting, 4 workers (the options below override it)",
+        help="issue17: 90 sessions of 5 turns, a connection per turn, 3 workers; issue24: the "
+        "same kind, 6 turns, every first turn at once, seed 22, max batch 10, KV 26000; mixed: "
+        "300 sessions of 4-6 turns, half reconnecting, 4 workers (the options below override it)",
     )
     a("--quick", action="store_true", help="small version (~3 min): fewer, shorter sessions")
     a("--sessions", type=int, default=None, help="sessions per run")
@@ -1169,12 +1328,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--answer-tokens", type=pair, default=(20, 60))
     a("--reconnect-share", type=float, default=None, help="sessions opening a connection per turn")
     a("--turn-timeout-s", type=float, default=30.0)
-    a("--seed", type=int, default=1)
+    a("--seed", type=int, default=None, help="the plan's (the sweep's: its draws'); default: 1")
     a("--workers", type=int, default=None)
     a("--tokens-per-s", type=float, default=40.0)
     a("--prefill-ms-per-token", type=float, default=1.0)
-    a("--kv-capacity-tokens", type=int, default=32_000)
-    a("--max-batch", type=int, default=16)
+    a("--kv-capacity-tokens", type=int, default=None, help="default: the workload's, or 32000")
+    a("--max-batch", type=int, default=None, help="default: the workload's, or 16")
+    a(
+        "--bytes-per-token",
+        type=float,
+        default=7.0,
+        help="wslb placement.bytes_per_token (the reference worker's words are ~7 bytes); "
+        "0: not set",
+    )
+    a(
+        "--sweep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N random configurations (seeded by --seed) with the modes of --sweep-modes "
+        "instead: see sweep()",
+    )
+    a("--sweep-modes", default=";".join(SWEEP_MODES), help="';'-separated, as --modes")
     a("--session-ttl", type=float, default=300.0)
     a("--hot-background-util", type=float, default=0.6)
     a("--factor", type=float, default=1.25, help="hash_balance_factor c")
@@ -1224,87 +1399,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_average() -> str:
+    """The 1/5/15-minute load averages (the machine is shared)."""
+    with contextlib.suppress(OSError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return "-"
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    preset = dict(WORKLOADS[args.workload])
-    if args.quick:
-        preset.update(sessions=30, turns=(3, 3), arrival_s=6.0, think_s=1.0)
-    w = Workload(
-        sessions=args.sessions or int(preset["sessions"]),
-        turns=args.turns or preset["turns"],
-        think_s=args.think_s or float(preset["think_s"]),
-        arrival_s=args.arrival_s or float(preset["arrival_s"]),
-        system_words=args.system_words,
-        prompt_words=args.prompt_words,
-        answer_tokens=args.answer_tokens,
-        reconnect_share=(
-            args.reconnect_share
-            if args.reconnect_share is not None
-            else float(preset["reconnect_share"])
-        ),
-        turn_timeout_s=args.turn_timeout_s,
-        seed=args.seed,
-    )
-    wp = WorkerParams(
-        count=args.workers or int(preset["workers"]),
-        tokens_per_s=args.tokens_per_s,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        max_batch=args.max_batch,
-        session_ttl=args.session_ttl,
-        hot_background_util=args.hot_background_util,
-    )
-    lbp = LbParams(
-        factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s, smoothing_s=args.smoothing_s
-    )
-    baseline = LOAD_AWARE if args.baseline_weights == "load-aware" else STATIC
-    strict = {"affinity_ceiling": args.factor}  # the ceiling at c: the bound before issue 17
-    all_modes = {
-        NEW: Mode(NEW, "consistent", LOAD_AWARE),
-        "strict-bound": Mode("strict-bound", "consistent", LOAD_AWARE, pool=strict),
-        "static-bound": Mode("static-bound", "consistent", STATIC, pool=strict),
-        "static-sticky": Mode("static-sticky", "consistent", STATIC, factor=args.sticky_factor),
-        "least_conn": Mode("least_conn", "least_conn", baseline),
-        "round_robin": Mode("round_robin", "round_robin", baseline),
-    }
-    try:
-        modes = [parse_mode(m.strip(), all_modes) for m in args.modes.split(";") if m.strip()]
-    except ValueError as exc:
-        raise SystemExit(f"--modes: {exc}") from None
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    for r in runs:
-        if r not in ("even", "hetero", "hot"):
-            raise SystemExit(f"unknown run {r!r} (even, hetero, hot)")
-    system, plans = make_plan(w)
-    # hetero: the last worker is slow from the start; hot: the worker the ring gives the most
-    # sessions (the one a skewed hash loads most anyway) gets the side load.
-    ids = [f"w{i + 1}" for i in range(wp.count)]
-    ring = Ring(dict.fromkeys(ids, 1.0))
-    owned = {i: sum(ring.owner(p.sid) == i for p in plans) for i in ids}
-    hot_of = {"hetero": ids[-1], "hot": max(ids, key=lambda i: (owned[i], i))}
-    lo, hi = args.side_window
-    side = SideLoad(hot_of["hot"], args.side_streams, args.side_tokens, lo, hi)
-    command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
-    print(f"# {command.strip()}\n# {machine_line()}", flush=True)
+@dataclass
+class Outcome:
+    """What ``run_modes`` measured: a result per (run, mode), its polls and its moves."""
 
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    results: list[Result] = field(default_factory=list)
+    polls: dict[tuple[str, str], list[Poll]] = field(default_factory=dict)
+    moves: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     with contextlib.suppress(ImportError):
         import uvloop
 
-        loop_factory = uvloop.new_event_loop
+        return uvloop.new_event_loop
+    return None
 
-    # SIGTERM (and SIGINT, also where a non-interactive shell ignores it) end the script
-    # through its finally blocks, so every worker and wslb it started is stopped.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, _exit_on_signal)
-    results: list[Result] = []
-    polls_of: dict[tuple[str, str], list[Poll]] = {}
-    moves_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    started = time.monotonic()
+
+def run_modes(
+    runs: Sequence[str],
+    modes: Sequence[Mode],
+    w: Workload,
+    wp: WorkerParams,
+    lbp: LbParams,
+    side: SideLoad,
+    hot_of: dict[str, str],
+    args: argparse.Namespace,
+    out: Outcome,
+    label: str = "",
+) -> None:
+    """Every (run, mode) once, each on fresh workers and a fresh balancer, the same plan."""
+    system, plans = make_plan(w)
     tmpdir = tempfile.mkdtemp(prefix="wslb-routing-")
     try:
         for run in runs:
@@ -1316,7 +1452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     lb = fleet.start_lb(mode, lbp)
                     cpu = CpuMeter(fleet.pids)
                     target = next(x for x in fleet.workers if x.id == side.worker)
-                    with asyncio.Runner(loop_factory=loop_factory) as runner:
+                    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
                         records, polls, duration = runner.run(
                             drive(
                                 plans,
@@ -1339,9 +1475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.overload_grace_s,
                 )
                 res.cpu_ours, res.cpu_other = ours, other
-                results.append(res)
-                polls_of[(run, mode.name)] = polls
-                moves_of[(run, mode.name)] = [
+                out.results.append(res)
+                out.polls[(run, mode.name)] = polls
+                out.moves[(run, mode.name)] = [
                     {
                         "sid": r.sid,
                         "turn": b.index,
@@ -1354,9 +1490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if a.worker != b.worker
                 ]
                 print(
-                    f"[{run}] {mode.name}: {duration:.1f}s, hit {res.hit:.1%}/{res.ideal:.1%}, "
-                    f"follow-up p99 {ms(res.ttft_follow_p99)} ms, failed {res.failed}; "
-                    f"CPU cores: this benchmark {ours:.2f}, other processes {other:.2f}",
+                    f"[{label}{run}] {mode.name}: {duration:.1f}s, hit {res.hit:.1%}/"
+                    f"{res.ideal:.1%}, follow-up p99 {ms(res.ttft_follow_p99)} ms, moved "
+                    f"{res.changed}, first turns per worker max {res.first_max} "
+                    f"(share {res.sessions / max(1, wp.count):.1f}), counters "
+                    f"{ {k: v for k, v in res.placement.items() if v} }, failed {res.failed}; CPU "
+                    f"cores: this benchmark {ours:.2f}, other processes {other:.2f}",
                     flush=True,
                 )
                 for f in res.failures:
@@ -1366,7 +1505,265 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"logs in {tmpdir}")
         else:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def all_modes(args: argparse.Namespace) -> dict[str, Mode]:
+    """The known modes with this run's settings."""
+    baseline = LOAD_AWARE if args.baseline_weights == "load-aware" else STATIC
+    strict = {"affinity_ceiling": args.factor}  # the ceiling at c: the strict bound
+    # What an operator sets for the reference worker's tokens (words of ~7 bytes), for the
+    # placement's KV and move estimates; 0: not set (a --code checkout from before them).
+    bpt = {"placement": {"bytes_per_token": args.bytes_per_token}} if args.bytes_per_token else {}
+    first = {"placement": {**bpt.get("placement", {}), "choices": 1}} if bpt else {}
+    return {
+        NEW: Mode(NEW, "consistent", LOAD_AWARE, pool=bpt),
+        "ring-first": Mode("ring-first", "consistent", LOAD_AWARE, pool=first),
+        "strict-bound": Mode("strict-bound", "consistent", LOAD_AWARE, pool={**strict, **bpt}),
+        "static-bound": Mode("static-bound", "consistent", STATIC, pool={**strict, **bpt}),
+        "static-sticky": Mode(
+            "static-sticky", "consistent", STATIC, factor=args.sticky_factor, pool=bpt
+        ),
+        "least_conn": Mode("least_conn", "least_conn", baseline),
+        "round_robin": Mode("round_robin", "round_robin", baseline),
+        "haproxy": Mode("haproxy", "consistent", STATIC, proxy="haproxy"),
+    }
+
+
+def parse_modes(spec: str, known: dict[str, Mode]) -> list[Mode]:
+    try:
+        modes = [parse_mode(m.strip(), known) for m in spec.split(";") if m.strip()]
+    except ValueError as exc:
+        raise SystemExit(f"--modes: {exc}") from None
+    if any(m.proxy == "haproxy" for m in modes) and shutil.which("haproxy") is None:
+        print("warning: haproxy is not installed (apt-get install haproxy): mode skipped")
+        modes = [m for m in modes if m.proxy != "haproxy"]
+    return modes
+
+
+# -- the sweep ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    """One random configuration of the sweep."""
+
+    name: str
+    kind: str  # identical, slowed (one worker with background load) or mixed
+    workload: Workload
+    workers: WorkerParams
+    kv_factor: float  # KV capacity / the balanced share's largest context
+
+    def line(self) -> str:
+        w, wp = self.workload, self.workers
+        return (
+            f"{self.name}: {self.kind}, {wp.count} workers, {w.sessions} conversations of "
+            f"{w.turns[0]}-{w.turns[1]} turns, arrivals over {w.arrival_s:g} s, think "
+            f"{w.think_s:g} s, system {w.system_words} words, prompts {w.prompt_words[0]}-"
+            f"{w.prompt_words[1]}, answers {w.answer_tokens[0]}-{w.answer_tokens[1]}; workers "
+            f"{wp.describe()}; KV {self.kv_factor:.2f} x the balanced share's need"
+        )
+
+
+def sweep_cases(n: int, seed: int, timeout: float) -> list[SweepCase]:
+    """``n`` configurations drawn from ``seed``: every other one identical workers, the rest a
+    slowed worker or mixed speeds and KV sizes; 3 to 8 workers, 8 to 12 conversations each (72
+    at most, for a 2-core machine), 2 to 8 turns, think times 0.3-1.5 s, half of them a burst
+    (every first turn at once). Each worker's KV cache holds 1.4 to 3 times what its balanced
+    share of conversations needs at their longest: enough for a balanced placement never to
+    evict, not for a worker given its ``c`` bound of long ones."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        kind = "identical" if i % 2 == 0 else rng.choice(("slowed", "mixed"))
+        count = rng.randint(3, 8)
+        sessions = min(72, count * rng.randint(8, 12))
+        lo = rng.randint(2, 4)
+        turns = (lo, rng.randint(lo, min(8, lo + 4)))
+        plo, alo = rng.randint(10, 40), rng.randint(10, 30)
+        prompt, answer = (plo, plo + rng.randint(0, 30)), (alo, alo + rng.randint(0, 30))
+        system = rng.randint(150, 400)
+        burst = rng.random() < 0.5
+        w = Workload(
+            sessions=sessions,
+            turns=turns,
+            think_s=round(rng.uniform(0.3, 1.5), 2),
+            arrival_s=0.3 if burst else round(rng.uniform(2.0, 10.0), 1),
+            system_words=system,
+            prompt_words=prompt,
+            answer_tokens=answer,
+            reconnect_share=1.0,
+            turn_timeout_s=timeout,
+            seed=rng.randrange(1_000_000),
+        )
+        longest = system + turns[1] * (sum(prompt) + sum(answer)) / 2
+        kv_factor = rng.uniform(1.4, 3.0)
+        mixed: tuple[tuple[float, float, float], ...] = ()
+        if kind == "slowed":
+            slow = rng.randrange(count)
+            util = round(rng.uniform(0.4, 0.7), 2)
+            mixed = tuple((1.0, 1.0, util if j == slow else 0.0) for j in range(count))
+        elif kind == "mixed":
+            mixed = tuple(
+                (round(rng.uniform(0.5, 1.5), 2), round(rng.uniform(0.8, 1.5), 2), 0.0)
+                for _ in range(count)
+            )
+        wp = WorkerParams(
+            count=count,
+            tokens_per_s=round(rng.uniform(30.0, 80.0)),
+            prefill_ms_per_token=round(rng.uniform(1.0, 2.0), 2),
+            kv_capacity_tokens=int(kv_factor * sessions / count * longest),
+            max_batch=rng.randint(6, 16),
+            session_ttl=300.0,
+            hot_background_util=0.0,
+            mixed=mixed,
+        )
+        cases.append(SweepCase(f"s{i + 1}", kind, w, wp, kv_factor))
+    return cases
+
+
+def sweep_table(cases: list[SweepCase], out: Outcome) -> list[str]:
+    """One row per case: wslb's default against round robin and HAProxy, and its targets."""
+    head = (
+        "| case | kind | workers | conversations x turns | arrivals s | think s | KV / need "
+        "| follow-up p99 ms wslb / RR / HAProxy | sessions moved wslb / HAProxy "
+        "| KV hit / ideal wslb / HAProxy | most first turns on a worker wslb / HAProxy (share) "
+        "| targets |"
+    )
+    lines = [head, "|" + " --- |" * 12]
+    for c in cases:
+        rs = {r.mode: r for r in out.results if r.run == c.name}
+        new, rr, hp = rs.get(NEW), rs.get("round_robin"), rs.get("haproxy")
+        if new is None:
+            continue
+
+        def p99(r: Result | None) -> str:
+            return ms(r.ttft_follow_p99) if r is not None else "-"
+
+        w = c.workload
+        ok = verdicts(new, rs, identical=c.kind == "identical")
+        lines.append(
+            f"| {c.name} | {c.kind} | {c.workers.count} | {w.sessions} x {w.turns[0]}-"
+            f"{w.turns[1]} | {w.arrival_s:g} | {w.think_s:g} | {c.kv_factor:.2f} "
+            f"| {p99(new)} / {p99(rr)} / {p99(hp)} "
+            f"| {new.changed} / {hp.changed if hp else '-'} "
+            f"| {new.hit / new.ideal:.3f} / {f'{hp.hit / hp.ideal:.3f}' if hp else '-'} "
+            f"| {new.first_max} / {hp.first_max if hp else '-'} "
+            f"({w.sessions / c.workers.count:.1f}) "
+            f"| {', '.join(v.split(':')[1].split('(')[0].strip() for v in ok)} |"
+        )
+    return lines
+
+
+def sweep(args: argparse.Namespace, command: str) -> int:
+    """``--sweep N``: N random configurations (``sweep_cases``), each with every mode of
+    ``--sweep-modes`` on fresh processes; prints each case, a table and the targets met."""
+    seed = args.seed if args.seed is not None else 1
+    cases = sweep_cases(args.sweep, seed, args.turn_timeout_s)
+    modes = parse_modes(args.sweep_modes, all_modes(args))
+    lbp = LbParams(
+        factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s, smoothing_s=args.smoothing_s
+    )
+    print(f"# {command}\n# {machine_line()}\n# load average at start {load_average()}")
+    for c in cases:
+        print(f"# {c.line()}", flush=True)
+    out = Outcome()
+    started = time.monotonic()
+    loads = []
+    for c in cases:
+        side = SideLoad("w1", 0, 0, 0.0, 1.0)
+        run_modes([c.name], modes, c.workload, c.workers, lbp, side, {}, args, out, "")
+        loads.append(load_average())
     elapsed = time.monotonic() - started
+    lines = sweep_table(cases, out)
+    failed = 0
+    for c in cases:
+        rs = {r.mode: r for r in out.results if r.run == c.name}
+        if NEW in rs:
+            failed += sum("MISSED" in v for v in verdicts(rs[NEW], rs, c.kind == "identical"))
+    cpu = [r.cpu_other for r in out.results]
+    print("\n" + "\n".join(lines))
+    print(
+        f"\nwall time {elapsed:.0f} s for {len(cases)} cases x {len(modes)} modes; load "
+        f"average after each case: {'; '.join(loads)}; other processes' CPU during the runs "
+        f"{min(cpu, default=0):.2f}-{max(cpu, default=0):.2f} cores; targets missed: {failed}"
+    )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "cases": [{**asdict(c), "line": c.line()} for c in cases],
+                    "results": [asdict(r) for r in out.results],
+                    "moves": {f"{k[0]}/{k[1]}": v for k, v in out.moves.items()},
+                    "table": lines,
+                    "elapsed_s": elapsed,
+                }
+            )
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM (and SIGINT, also where a non-interactive shell ignores it) end the script
+    # through its finally blocks, so every worker and wslb it started is stopped.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    if args.sweep:
+        return sweep(args, command.strip())
+    preset = dict(WORKLOADS[args.workload])
+    if args.quick:
+        preset.update(sessions=30, turns=(3, 3), arrival_s=6.0, think_s=1.0)
+    w = Workload(
+        sessions=args.sessions or int(preset["sessions"]),
+        turns=args.turns or preset["turns"],
+        think_s=args.think_s or float(preset["think_s"]),
+        arrival_s=args.arrival_s or float(preset["arrival_s"]),
+        system_words=args.system_words,
+        prompt_words=args.prompt_words,
+        answer_tokens=args.answer_tokens,
+        reconnect_share=(
+            args.reconnect_share
+            if args.reconnect_share is not None
+            else float(preset["reconnect_share"])
+        ),
+        turn_timeout_s=args.turn_timeout_s,
+        seed=args.seed if args.seed is not None else int(preset.get("seed", 1)),
+    )
+    wp = WorkerParams(
+        count=args.workers or int(preset["workers"]),
+        tokens_per_s=args.tokens_per_s,
+        prefill_ms_per_token=args.prefill_ms_per_token,
+        kv_capacity_tokens=args.kv_capacity_tokens or int(preset.get("kv_capacity_tokens", 32_000)),
+        max_batch=args.max_batch or int(preset.get("max_batch", 16)),
+        session_ttl=args.session_ttl,
+        hot_background_util=args.hot_background_util,
+    )
+    lbp = LbParams(
+        factor=args.factor, scrape_s=args.scrape_s, poll_s=args.poll_s, smoothing_s=args.smoothing_s
+    )
+    modes = parse_modes(args.modes, all_modes(args))
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for r in runs:
+        if r not in ("even", "hetero", "hot"):
+            raise SystemExit(f"unknown run {r!r} (even, hetero, hot)")
+    _, plans = make_plan(w)
+    # hetero: the last worker is slow from the start; hot: the worker the ring gives the most
+    # sessions (the one a skewed hash loads most anyway) gets the side load.
+    ids = [f"w{i + 1}" for i in range(wp.count)]
+    ring = Ring(dict.fromkeys(ids, 1.0))
+    owned = {i: sum(ring.owner(p.sid) == i for p in plans) for i in ids}
+    hot_of = {"hetero": ids[-1], "hot": max(ids, key=lambda i: (owned[i], i))}
+    lo, hi = args.side_window
+    side = SideLoad(hot_of["hot"], args.side_streams, args.side_tokens, lo, hi)
+    print(f"# {command.strip()}\n# {machine_line()}\n# load average {load_average()}", flush=True)
+
+    out = Outcome()
+    started = time.monotonic()
+    run_modes(runs, modes, w, wp, lbp, side, hot_of, args, out)
+    elapsed = time.monotonic() - started
+    results = out.results
 
     for run in runs:
         rs = [r for r in results if r.run == run]
@@ -1398,8 +1795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = [
             {
                 **asdict(r),
-                "polls": [asdict(p) for p in polls_of[(r.run, r.mode)]],
-                "moves": moves_of[(r.run, r.mode)],
+                "polls": [asdict(p) for p in out.polls[(r.run, r.mode)]],
+                "moves": out.moves[(r.run, r.mode)],
             }
             for r in results
         ]

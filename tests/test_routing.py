@@ -81,8 +81,8 @@ async def test_hot_worker_gets_fewer_sessions_and_stale_falls_back(tmp_path: Pat
         assert min(live["cold0"], live["cold1"]) > 2 * live["hot"], live
         metrics = lb.admin("/metrics")
         assert 'wslb_backend_signals_stale{backend="blind",pool="chat"} 1.0' in metrics
-        assert 'wslb_scrape_failures_total{backend="blind"}' in metrics
-        assert 'wslb_backend_signal{backend="hot",pool="chat",signal="gpu_util"}' in metrics
+        assert 'wslb_scrape_failures_total{backend="blind",pool="chat"}' in metrics
+        assert 'wslb_backend_gpu_utilization_ratio{backend="hot",pool="chat"}' in metrics
         assert 'wslb_backend_overloaded{backend="hot",pool="chat"} 1.0' in metrics
         assert 'wslb_backend_overloaded{backend="cold0",pool="chat"} 0.0' in metrics
     finally:
@@ -143,7 +143,7 @@ async def test_a_slow_decoder_gets_fewer_sessions_from_its_inter_token_latency(
         conns, where = await open_sessions(lb.url, "next", 60)
         assert where["slow"] < 0.5 * min(where["fast0"], where["fast1"]), where
         metrics = lb.admin("/metrics")
-        assert 'wslb_backend_signal{backend="slow",pool="chat",signal="tpot"}' in metrics
+        assert 'wslb_backend_tpot_seconds{backend="slow",pool="chat"}' in metrics
     finally:
         for ws in conns:
             await ws.close()
@@ -172,7 +172,12 @@ async def test_conversations_stay_on_their_workers_when_a_worker_joins(
 
     workers = [Worker(f"w{i}").start() for i in range(4)]
     backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers[:3]]
-    cfg = pool_config(backends, **({} if ceiling is None else {"affinity_ceiling": ceiling}))
+    # Plain bounded-load placement (``choices: 1``), so that w0 fills to its bound as before.
+    pool = {
+        "placement": {"choices": 1},
+        **({} if ceiling is None else {"affinity_ceiling": ceiling}),
+    }
+    cfg = pool_config(backends, **pool)
     lb = Wslb(cfg, tmp_path).start()
     try:
         three = Ring({w.id: 1.0 for w in workers[:3]})
@@ -252,8 +257,10 @@ async def test_health_fall_and_rise_keep_affinity(toggles: list[Toggle], tmp_pat
     cfg = pool_config(
         [{"id": t.id, "url": f"ws://127.0.0.1:{t.port}/ws"} for t in toggles],
         health={"interval": "0.1s", "timeout": "0.5s", "rise": 2, "fall": 3, "path": "/healthz"},
-        # Ring order only: the 30 keys' held places would otherwise bring the bound in.
+        # Ring order only: the 30 keys' held places would otherwise bring the bound (and the
+        # placement's lighter candidate) in.
         hash_balance_factor=100,
+        placement={"choices": 1},
     )
     cfg["timeouts"] = FAST
     lb = Wslb(cfg, tmp_path).start()
@@ -274,7 +281,7 @@ async def test_health_fall_and_rise_keep_affinity(toggles: list[Toggle], tmp_pat
         await wait_for(lambda: lb.admin(f"/backends/{sick.id}")["state"] == "active", 5, "up")
         after = {k: await hello(lb.url, k) for k in keys}
         assert after == before  # its keys came back (ring points were skipped, not removed)
-        assert 'wslb_health_check_failures_total{backend="t0"}' in lb.admin("/metrics")
+        assert 'wslb_health_check_failures_total{backend="t0",pool="chat"}' in lb.admin("/metrics")
     finally:
         lb.stop()
 
@@ -317,7 +324,8 @@ async def test_repeated_connect_failures_eject_and_ejection_grows(
         second, since = await eject(400)
         assert second["ejections"] == 2
         assert second["ejected_for"] + since > 1.0 and second["ejected_for"] <= 2.0
-        assert 'wslb_backend_ejections_total{backend="dead"} 2.0' in lb.admin("/metrics")
+        ejections = 'wslb_backend_ejections_total{backend="dead",pool="chat"} 2.0'
+        assert ejections in lb.admin("/metrics")
     finally:
         lb.stop()
 

@@ -45,7 +45,14 @@ class Child(Protocol):
 
 
 # Gauges that count things each process holds: summed. Other gauges are the supervisor's own.
-ADDITIVE_GAUGES = frozenset({"wslb_sessions_active", "wslb_connections_active"})
+ADDITIVE_GAUGES = frozenset(
+    {"wslb_sessions_active", "wslb_connections_active", "wslb_relay_thread_sessions"}
+)
+# Shares each process takes its part of (the KV its conversations need): 1 - sum of (1 - share).
+COMPLEMENT_GAUGES = frozenset({"wslb_backend_kv_headroom_ratio"})
+# The process the scrape reached (Prometheus' convention for process_*): a start time or an fd
+# limit summed over processes means nothing; the serving processes' figures are in /debug/stats.
+OWN_PREFIXES = ("process_",)
 # Numeric drain-progress fields that add up over processes.
 _DRAIN_SUMS = (
     "sessions_at_start",
@@ -72,12 +79,14 @@ def _escape(value: str) -> str:
 def merge_metrics(texts: Iterable[str], own: str) -> str:
     """One exposition from the supervisor's (``own``) and its serving processes' metrics.
 
-    Counters and histograms add up over processes, as do ``ADDITIVE_GAUGES``; any other gauge
-    (a backend's weight, health, state) is taken from ``own`` only.
+    Counters and histograms add up over processes, as do ``ADDITIVE_GAUGES``; the
+    ``COMPLEMENT_GAUGES`` add up what each process takes of a share; ``process_*`` and any other
+    gauge (a backend's weight, health, state, ``wslb_build_info``) are taken from ``own`` only.
     """
     order: list[str] = []
     families: dict[str, tuple[str, str]] = {}  # name -> (type, documentation)
     samples: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    own_only: set[tuple[str, tuple[tuple[str, str], ...]]] = set()  # taken shares not yet theirs
 
     def add(text: str, is_own: bool) -> None:
         for fam in text_string_to_metric_families(text):
@@ -85,13 +94,26 @@ def merge_metrics(texts: Iterable[str], own: str) -> str:
                 families[fam.name] = (fam.type, fam.documentation)
                 order.append(fam.name)
                 samples[fam.name] = {}
-            summed = fam.type != "gauge" or fam.name in ADDITIVE_GAUGES
-            if not (summed or is_own):
+            if fam.name.startswith(OWN_PREFIXES):
+                summed = False
+            else:
+                summed = fam.type != "gauge" or fam.name in ADDITIVE_GAUGES
+            taken = fam.name in COMPLEMENT_GAUGES
+            if not (summed or taken or is_own):
                 continue
             into = samples[fam.name]
             for s in fam.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
-                into[key] = into.get(key, 0.0) + s.value if summed else s.value
+                if taken:  # kept as the share taken, turned back at the end; the serving
+                    # processes' replace the supervisor's own (as in GET /backends)
+                    if is_own:
+                        own_only.add(key)
+                    elif key in own_only:
+                        own_only.discard(key)
+                        into[key] = 0.0
+                    into[key] = into.get(key, 0.0) + (1.0 - s.value)
+                else:
+                    into[key] = into.get(key, 0.0) + s.value if summed else s.value
 
     add(own, True)
     for text in texts:
@@ -99,8 +121,13 @@ def merge_metrics(texts: Iterable[str], own: str) -> str:
     out: list[str] = []
     for name in order:
         kind, doc = families[name]
-        out.append(f"# HELP {name} {_escape(doc)}\n# TYPE {name} {kind}\n")
+        # The parser names a counter without its _total; its samples and generate_latest's
+        # HELP and TYPE lines have it (promtool finds no help text for the samples otherwise).
+        shown = f"{name}_total" if kind == "counter" else name
+        out.append(f"# HELP {shown} {_escape(doc)}\n# TYPE {shown} {kind}\n")
         for (sname, labels), value in samples[name].items():
+            if name in COMPLEMENT_GAUGES:
+                value = 1.0 - value
             lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
             out.append(f"{sname}{{{lab}}}" if lab else sname)
             out.append(f" {_number(value)}\n")
@@ -218,6 +245,11 @@ class FanoutControl:
                 own["ejected_for"] = max(b["ejected_for"] for b in theirs)
                 own["ejections"] = max(b["ejections"] for b in theirs)
                 own["overloaded"] = own["overloaded"] or any(b["overloaded"] for b in theirs)
+                # Each process counts the KV its own conversations need (the supervisor places
+                # none): the backend's headroom is what is left of it after all of them.
+                rooms = [b["kv_headroom"] for b in theirs if b.get("kv_headroom") is not None]
+                if rooms:
+                    own["kv_headroom"] = round(1.0 - sum(1.0 - r for r in rooms), 4)
                 drains = [b["drain"] for b in theirs if b["drain"]]
                 own["drain"] = _merge_drains(drains) if drains else None
                 # Probes count in the supervisor, sessions' moves in the serving processes.

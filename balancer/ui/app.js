@@ -342,6 +342,8 @@
       cells[`${s.col}-value`] = value;
       sparks[s.key] = sp;
     }
+    add("kv-headroom", "num");
+    add("placement", "num");
     add("migrations", "num");
     add("failovers", "num");
     add("errors", "num");
@@ -427,7 +429,22 @@
       drawSpark(row.sparks[s.key], samples, s.floor, now);
     }
 
+    setText(c["kv-headroom"], pct(b.kv_headroom));
     const k = b.counters && typeof b.counters === "object" ? b.counters : null;
+    if (k) {
+      // Why keys went elsewhere (balancer/selection.py): new keys passed over, keys that left.
+      const sum = (prefix) =>
+        Object.entries(k)
+          .filter(([name, v]) => name.startsWith(prefix) && isNum(v))
+          .reduce((n, [, v]) => n + v, 0);
+      setText(c.placement, `${num(sum("refused_"))} / ${num(sum("moved_"))}`);
+      c.placement.title =
+        `refused: ${num(k.refused_bound)} above the bound, ${num(k.refused_load)} to a lighter ` +
+        `worker, ${num(k.refused_kv)} for KV room; moved: ${num(k.moved_cost)} when it paid, ` +
+        `${num(k.moved_ceiling)} at the ceiling`;
+    } else {
+      setText(c.placement, DASH);
+    }
     setText(c.migrations, k ? num(k.migrated_away) : DASH);
     setText(c.failovers, k ? num(k.failed_over) : DASH);
     if (k) {
