@@ -16,6 +16,17 @@ One run measures, for each proxy, on 127.0.0.0/8 only:
 - **multi-core**: saturation frames/s of wslb ``workers: N`` and of nginx ``worker_processes N`` /
   HAProxy ``nbthread N`` for N in ``--cores``.
 
+``--tls``: every proxy terminates TLS on its client listener with the same certificate
+(``--tls-key`` ecdsa, P-256, or rsa; trustme), the workers stay plain, the clients speak
+Python's ``ssl``. Idle, stream and saturation run over TLS; then the **handshake** phase
+(``--hs-connects`` whole connections per window from ``--hs-procs`` x ``--hs-threads`` blocking
+clients: CPU of the proxy per connection, ``plain`` on a second plain listener of the same
+proxy, ``full`` TLS handshakes and ``resumed`` ones) and the **burst** (``--burst`` TLS connects
+at once from ``--burst-procs`` processes: how many got 101, were reset, timed out). No
+multi-core rows or hold with ``--tls``. ``--wslb-variant NAME=PATH`` runs another wslb source
+tree beside (a patched copy), ``--skip`` leaves phases out, ``--perf DIR`` / ``--py-spy DIR``
+profile the first window of each phase.
+
 The workers and clients here are raw uvloop protocols (no aiohttp, no JSON decoding) so that
 the proxy, not the load generator, spends the CPU: each frame is a fixed 66-byte text frame
 (``{"type":"token","ts":...}``), clients count frames by their 2-byte headers. The same worker
@@ -46,12 +57,14 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, cast
@@ -95,6 +108,43 @@ _H0 = b"\x81" * 65536
 _H1 = bytes([PAYLOAD_LEN]) * 65536
 LAT_BINS = 200_000  # latency histogram: 1 us bins up to 200 ms, the last bin holds the rest
 IP_BIND_ADDRESS_NO_PORT = 24  # Linux: pick the source port at connect, not at bind
+
+
+# -- TLS (--tls): one certificate for every proxy's client listener ----------------------------
+
+SNI = "localhost"  # the name the clients ask for and check; the leaf also names 127.0.0.1
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """``--tls``'s files: a throwaway CA and a leaf signed by it (``key_type``: ecdsa is P-256)."""
+
+    ca: Path
+    cert: Path  # the leaf's chain (nginx ``ssl_certificate``, wslb ``tls.cert``)
+    key: Path
+    combined: Path  # key and chain in one file: HAProxy's ``crt``
+    key_type: str = "ecdsa"
+
+
+def make_tls(d: Path, key_type: str = "ecdsa") -> TlsFiles:
+    """A CA and a leaf for ``localhost`` and 127.0.0.1, written under ``d`` (trustme)."""
+    import trustme
+
+    kt = trustme.KeyType.ECDSA if key_type == "ecdsa" else trustme.KeyType.RSA
+    ca = trustme.CA(key_type=kt)
+    leaf = ca.issue_cert(SNI, "127.0.0.1", key_type=kt)
+    d.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(d / "ca.pem", d / "cert.pem", d / "key.pem", d / "combined.pem", key_type)
+    ca.cert_pem.write_to_path(str(files.ca))
+    files.cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(files.key))
+    leaf.private_key_and_cert_chain_pem.write_to_path(str(files.combined))
+    return files
+
+
+def client_context(ca: str | Path) -> ssl.SSLContext:
+    """What the clients use: the platform's defaults (TLS 1.2-1.3), trusting ``ca`` only."""
+    return ssl.create_default_context(cafile=str(ca))
 
 
 def token_frame(ns: int) -> bytes:
@@ -444,17 +494,24 @@ async def dial(
     dest: tuple[str, int],
     factory: Callable[[], Conn],
     timeouts: tuple[float, float] = (10.0, 15.0),
+    tls: ssl.SSLContext | None = None,
 ) -> Conn:
     """A client connection from ``src``, upgraded: each loopback source address has its own
     ephemeral ports per destination, so many sources hold many sessions. ``timeouts``: for the
-    connect and for the 101. Raises OSError, TimeoutError or ConnectionError (socket closed)."""
+    connect and for the 101 (with ``tls``, the TLS handshake has the second one too). Raises
+    OSError (ssl.SSLError is one), TimeoutError or ConnectionError (socket closed)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
         sock.bind((src, 0))
         await asyncio.wait_for(loop.sock_connect(sock, dest), timeouts[0])
-        _, proto = await loop.create_connection(factory, sock=sock)
+        if tls is None:
+            _, proto = await loop.create_connection(factory, sock=sock)
+        else:
+            _, proto = await loop.create_connection(
+                factory, sock=sock, ssl=tls, server_hostname=SNI, ssl_handshake_timeout=timeouts[1]
+            )
         await asyncio.wait_for(proto.upgraded, timeouts[1])
     except (OSError, TimeoutError, ConnectionError):
         sock.close()
@@ -471,12 +528,13 @@ async def open_session(
     dest: tuple[str, int],
     factory: Callable[[], Conn],
     timeouts: tuple[float, float] = (10.0, 15.0),
+    tls: ssl.SSLContext | None = None,
 ) -> None:
     """Session ``i`` (``dial``, at most ``sem`` at once): kept in ``keep`` and counted in ``st``
     as open, or counted as failed with why."""
     async with sem:
         try:
-            proto = await dial(asyncio.get_running_loop(), src, dest, factory, timeouts)
+            proto = await dial(asyncio.get_running_loop(), src, dest, factory, timeouts, tls)
         except (OSError, TimeoutError, ConnectionError) as exc:
             st.failed += 1
             st.note(f"connect {i}: {exc!r}")
@@ -517,9 +575,11 @@ async def serve_parent(
 
 async def _client(spec: dict[str, Any]) -> None:
     """``serve_parent`` for this benchmark: ``open`` answers ``ready {...}``. Group 1, when
-    there is one, is the direct control group for latency."""
+    there is one, is the direct control group for latency. With ``tls`` (the CA file), group 0
+    speaks TLS; the direct group stays plain (the workers are)."""
     groups: list[list[tuple[str, int, str]]] = [[tuple(t) for t in g] for g in spec["groups"]]
     n_src: int = spec["sources"]
+    tls = client_context(spec["tls"]) if spec.get("tls") else None
     stats = [ClientStats() for _ in groups]
     keep: list[ClientConn] = []
     sem = asyncio.Semaphore(spec["concurrency"])
@@ -530,9 +590,9 @@ async def _client(spec: dict[str, Any]) -> None:
         host, port, path = groups[group][i % len(groups[group])]
         src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
         request = upgrade_request(host, port, f"{path}?session=bench-{spec['prefix']}-{i}")
-        await open_session(
-            keep, st, sem, i, src, (host, port), lambda: ClientConn(st, request, rate)
-        )
+        factory = lambda: ClientConn(st, request, rate)  # noqa: E731
+        ctx = tls if group == 0 else None
+        await open_session(keep, st, sem, i, src, (host, port), factory, tls=ctx)
 
     async def open_batch(n: int, rate: float | None, group: int) -> str:
         nonlocal counter
@@ -543,6 +603,172 @@ async def _client(spec: dict[str, Any]) -> None:
         return "ready " + json.dumps(ready)
 
     await serve_parent(stats, keep, open_batch)
+
+
+def outcome(exc: BaseException) -> str:
+    """What became of a connect that got no 101: ``reset``, ``timeout``, ``refused``,
+    ``closed`` (the proxy closed it cleanly), ``tls`` (a TLS alert), ``http`` (another
+    status), ``error``."""
+    text = repr(exc)
+    if isinstance(exc, ConnectionResetError) or "ConnectionResetError" in text or "reset" in text:
+        return "reset"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if "lost before upgrade: None" in text or isinstance(exc, ssl.SSLEOFError):
+        return "closed"
+    if isinstance(exc, ssl.SSLError):
+        return "tls"
+    if isinstance(exc, ConnectionError) and "HTTP/" in text:
+        return "http"
+    return "error"
+
+
+def _read_head(s: socket.socket) -> bytes:
+    """A response head read from a blocking socket (what follows it is dropped)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(4096)
+        if not chunk:
+            raise ConnectionError(f"closed before a response head: {buf[:60]!r}")
+        buf += chunk
+    return buf.split(b"\r\n\r\n", 1)[0]
+
+
+CLOSE_1000 = client_frame(0x8, (1000).to_bytes(2, "big"))
+
+
+def _handshakes(spec: dict[str, Any]) -> int:
+    """The handshake phase's client: ``threads`` threads connect one after another until
+    ``n`` connects in all were made to ``target``. Each connect is a whole connection's life:
+    TCP connect, TLS handshake (``mode`` ``full``: a new session; ``resumed``: the session of
+    the thread's previous connection, a ticket; ``plain``: none), upgrade, 101, a close frame,
+    then read until the proxy closes. Prints one JSON line: counts, connect-to-101 times, the
+    TLS version and cipher. Blocking sockets, as asyncio's TLS cannot resume a session."""
+    host, port, path = spec["target"]
+    mode: str = spec["mode"]
+    n, n_src, timeout = int(spec["n"]), int(spec["sources"]), float(spec["timeout"])
+    ctx = client_context(spec["ca"]) if mode != "plain" else None
+    counter = itertools.count()  # next() is atomic under the GIL
+    lock = threading.Lock()
+    out: dict[str, Any] = {"ok": 0, "failed": 0, "resumed": 0, "close_errors": 0}
+    out |= {"outcomes": {}, "errors": [], "tls": "", "lat_ms": []}
+
+    def one(i: int, session: ssl.SSLSession | None) -> ssl.SSLSession | None:
+        src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s: socket.socket = raw
+        t0 = time.perf_counter()
+        try:
+            raw.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+            raw.bind((src, 0))
+            raw.settimeout(timeout)
+            raw.connect((host, port))
+            if ctx is not None:
+                reuse = session if mode == "resumed" else None
+                s = ctx.wrap_socket(raw, server_hostname=SNI, session=reuse)
+            s.sendall(upgrade_request(host, port, f"{path}?session=hs-{spec['prefix']}-{i}"))
+            head = _read_head(s)
+            if not head.startswith(b"HTTP/1.1 101"):
+                raise ConnectionError(head.split(b"\r\n", 1)[0].decode(errors="replace"))
+            ms = (time.perf_counter() - t0) * 1000
+            new = None
+            if isinstance(s, ssl.SSLSocket):
+                new = s.session
+                with lock:
+                    out["resumed"] += s.session_reused
+                    out["tls"] = out["tls"] or f"{s.version()} {(s.cipher() or ('?',))[0]}"
+            with lock:
+                out["ok"] += 1
+                out["lat_ms"].append(round(ms, 3))
+            try:
+                s.sendall(CLOSE_1000)
+                while s.recv(4096):
+                    pass
+            except OSError:
+                with lock:
+                    out["close_errors"] += 1
+            return new
+        except (OSError, ConnectionError) as exc:
+            with lock:
+                out["failed"] += 1
+                kind = outcome(exc)
+                out["outcomes"][kind] = out["outcomes"].get(kind, 0) + 1
+                if len(out["errors"]) < 5:
+                    out["errors"].append(f"{i}: {exc!r}")
+            return None
+        finally:
+            s.close()
+            raw.close()
+
+    def loop() -> None:
+        session: ssl.SSLSession | None = None
+        while (i := next(counter)) < n:
+            session = one(i, session) or session
+
+    sys.stdout.write("ready\n")  # then waits for the parent's go (its CPU reading first)
+    sys.stdout.flush()
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=loop) for _ in range(int(spec["threads"]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["seconds"] = time.monotonic() - t0
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+async def _burst(spec: dict[str, Any]) -> None:
+    """The burst's client: at its parent's ``go`` (sent to every client process at once) it
+    dials ``n`` TLS sessions at once, waits for each one's 101 or failure, prints what became
+    of them as one JSON line, then holds the sessions until its parent closes stdin."""
+    loop = asyncio.get_running_loop()
+    host, port, path = spec["target"]
+    n, n_src, timeout = int(spec["n"]), int(spec["sources"]), float(spec["timeout"])
+    tls = client_context(spec["ca"]) if spec.get("ca") else None
+    st = ClientStats()
+    keep: list[ClientConn] = []
+    outcomes: dict[str, int] = {}
+    errors: list[str] = []
+    lat: list[float] = []
+
+    async def one(i: int) -> None:
+        src = f"127.0.0.{2 + i % n_src}" if n_src else "127.0.0.1"
+        request = upgrade_request(host, port, f"{path}?session=burst-{spec['prefix']}-{i}")
+        t0 = time.monotonic()
+        try:
+            proto = await dial(
+                loop,
+                src,
+                (host, port),
+                lambda: ClientConn(st, request, None),
+                (timeout, timeout),
+                tls,
+            )
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            kind = outcome(exc)
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+            if len(errors) < 5:
+                errors.append(f"{i}: {exc!r}")
+            return
+        outcomes["101"] = outcomes.get("101", 0) + 1
+        lat.append(round((time.monotonic() - t0) * 1000, 3))
+        keep.append(proto)
+
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    await stdin.readline()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    sys.stdout.write(json.dumps({"outcomes": outcomes, "errors": errors, "lat_ms": lat}) + "\n")
+    sys.stdout.flush()
+    await stdin.read()
+    os._exit(0)
 
 
 def _run_uvloop(main: Callable[[dict[str, Any]], Any], spec_json: str) -> int:
@@ -556,13 +782,19 @@ def _run_uvloop(main: Callable[[dict[str, Any]], Any], spec_json: str) -> int:
 # -- proxies under test ------------------------------------------------------------------------
 
 
-def ws_probe(host: str, port: int, path: str, timeout: float = 30.0) -> None:
-    """Wait until a WebSocket upgrade through ``host:port`` gets a 101 (workers healthy)."""
+def ws_probe(
+    host: str, port: int, path: str, timeout: float = 30.0, tls: ssl.SSLContext | None = None
+) -> None:
+    """Wait until a WebSocket upgrade through ``host:port`` (over TLS with ``tls``) gets a 101
+    (workers healthy)."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), 2) as s:
+            with contextlib.ExitStack() as stack:
+                s = stack.enter_context(socket.create_connection((host, port), 2))
+                if tls is not None:
+                    s = stack.enter_context(tls.wrap_socket(s, server_hostname=SNI))
                 s.sendall(upgrade_request(host, port, f"{path}?session=probe"))
                 head = s.recv(4096)
                 if head.startswith(b"HTTP/1.1 101"):
@@ -579,11 +811,15 @@ class Proxy(Target):
 
     kind: ClassVar[str]
 
-    def __init__(self, cores: int = 1) -> None:
+    def __init__(self, cores: int = 1, tls: TlsFiles | None = None) -> None:
         self.cores = cores
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.logdir: Path | None = None
+        # --tls: ``port`` speaks TLS (the same certificate for every proxy), and ``plain_port``
+        # plain, the same proxy otherwise: the handshake phase's baseline without TLS.
+        self.tls = tls
+        self.plain_port = 0
 
     @property
     def label(self) -> str:
@@ -591,7 +827,12 @@ class Proxy(Target):
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws"
+        return f"{'wss' if self.tls else 'ws'}://127.0.0.1:{self.port}/ws"
+
+    def _ports(self) -> None:
+        self.port = free_port()
+        if self.tls is not None:
+            self.plain_port = free_port()
 
     @property
     def pid(self) -> int:
@@ -613,7 +854,8 @@ class Proxy(Target):
         """Until ``listening()`` returns and a WebSocket upgrade through the proxy gets a 101."""
         try:
             listening()
-            ws_probe("127.0.0.1", self.port, "/ws")
+            tls = client_context(self.tls.ca) if self.tls is not None else None
+            ws_probe("127.0.0.1", self.port, "/ws", tls=tls)
         except (RuntimeError, TimeoutError, OSError) as exc:
             tail = procs.log_tail(self.kind)
             raise RuntimeError(f"{self.label} did not start: {exc}\n{tail}") from None
@@ -634,6 +876,9 @@ class Direct(Proxy):
     """No proxy: clients dial the workers themselves (the latency baseline)."""
 
     kind = "direct"
+
+    def __init__(self, cores: int = 1, tls: TlsFiles | None = None) -> None:
+        super().__init__(cores)  # plain whatever --tls says: the workers are
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
         pass
@@ -660,21 +905,40 @@ class Nginx(Proxy):
     kind = "nginx"
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
-        self.port = free_port()
+        self._ports()
         d = procs.logdir / "nginx"
         d.mkdir(exist_ok=True)
+        (d / "nginx.conf").write_text(self.config(d, procs.logdir, backends))
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        self._launch(procs, [nginx, "-p", f"{d}/", "-c", f"{d}/nginx.conf", "-e", f"{d}/e.log"])
+
+    def config(self, d: Path, logdir: Path, backends: Sequence[str]) -> str:
+        """nginx.conf. With TLS, as nginx's "Configuring HTTPS servers" has it: ``listen ...
+        ssl``, the certificate and key, a shared session cache (its "HTTPS server
+        optimization"); TLS 1.2 and 1.3, session tickets on (the defaults)."""
         servers = "".join(f"    server {h}:{p};\n" for h, p in _host_ports(backends))
         temp = "".join(
             f"  {k}_temp_path {d}/{k};\n"
             for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
-        (d / "nginx.conf").write_text(f"""\
+        listen = f"    listen 127.0.0.1:{self.port} backlog=4096;\n"
+        if self.tls is not None:
+            listen = (
+                f"    listen 127.0.0.1:{self.port} ssl backlog=4096;\n"
+                f"    listen 127.0.0.1:{self.plain_port} backlog=4096;\n"
+                f"    ssl_certificate {self.tls.cert};\n"
+                f"    ssl_certificate_key {self.tls.key};\n"
+                "    ssl_protocols TLSv1.2 TLSv1.3;\n"
+                "    ssl_session_cache shared:SSL:10m;\n"
+                "    ssl_session_timeout 10m;\n"
+            )
+        return f"""\
 daemon off;
 master_process on;
 worker_processes {self.cores};
 worker_rlimit_nofile {nofile()};
 pid {d}/nginx.pid;
-error_log {procs.logdir}/nginx-error.log warn;
+error_log {logdir}/nginx-error.log warn;
 events {{
   worker_connections {nofile() - 100};
   use epoll;
@@ -690,8 +954,7 @@ http {{
     hash $arg_session consistent;
 {servers}  }}
   server {{
-    listen 127.0.0.1:{self.port} backlog=4096;
-    location / {{
+{listen}    location / {{
       proxy_pass http://workers;
       proxy_http_version 1.1;
       proxy_set_header Upgrade $http_upgrade;
@@ -705,9 +968,7 @@ http {{
     }}
   }}
 }}
-""")
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        self._launch(procs, [nginx, "-p", f"{d}/", "-c", f"{d}/nginx.conf", "-e", f"{d}/e.log"])
+"""
 
 
 class Haproxy(Proxy):
@@ -716,13 +977,27 @@ class Haproxy(Proxy):
     kind = "haproxy"
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
-        self.port = free_port()
+        self._ports()
         path = procs.logdir / "haproxy.cfg"
+        path.write_text(self.config(backends))
+        haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+        self._launch(procs, [haproxy, "-db", "-f", str(path)])
+
+    def config(self, backends: Sequence[str]) -> str:
+        """haproxy.cfg. With TLS, as HAProxy's configuration manual has it: ``bind ... ssl crt``
+        (key and chain in one PEM); its defaults allow TLS 1.2 and 1.3, send session tickets
+        and keep a session cache (``tune.ssl.cachesize`` 20,000)."""
         servers = "".join(
             f"  server w{i + 1} {h}:{p} check inter 2s\n"
             for i, (h, p) in enumerate(_host_ports(backends))
         )
-        path.write_text(f"""\
+        bind = f"  bind 127.0.0.1:{self.port}\n"
+        if self.tls is not None:
+            bind = (
+                f"  bind 127.0.0.1:{self.port} ssl crt {self.tls.combined}\n"
+                f"  bind 127.0.0.1:{self.plain_port}\n"
+            )
+        return f"""\
 global
   nbthread {self.cores}
   maxconn {(nofile() - 200) // 2}
@@ -735,15 +1010,12 @@ defaults
   timeout http-request 10s
   maxconn {(nofile() - 200) // 2}
 frontend fe
-  bind 127.0.0.1:{self.port}
-  default_backend workers
+{bind}  default_backend workers
 backend workers
   balance url_param session
   hash-type consistent
   option httpchk GET /healthz
-{servers}""")
-        haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
-        self._launch(procs, [haproxy, "-db", "-f", str(path)])
+{servers}"""
 
 
 class Wslb(Proxy):
@@ -751,9 +1023,32 @@ class Wslb(Proxy):
 
     kind = "wslb"
     relay_thread = True  # the default: streaming sessions' frames forwarded by the C thread
+    src: ClassVar[Path | None] = None  # the source tree, if not --wslb-src (--wslb-variant)
 
     def start(self, procs: Procs, backends: Sequence[str]) -> None:
-        config = {
+        config = self.config(backends)
+        # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and logs
+        # a warning, which problems() would report. Nothing here calls the admin API. From the
+        # source tree under test (--wslb-src), as its working directory.
+        wslb = WslbProcess(
+            config,
+            procs.logdir,
+            procs=procs,
+            name=self.kind,
+            token=secrets.token_urlsafe(32),
+            args=["--log-level", "warning"],
+            src=self.src or WSLB_SRC[0],
+        )
+        if self.tls is not None:
+            wslb.port = self.port  # the TLS listener's, chosen in config()
+        self.logdir, self.port = procs.logdir, wslb.port
+        self._ready(procs, lambda: wslb.start(wait_ready=False, timeout=20.0))
+        self.proc = wslb.proc
+
+    def config(self, backends: Sequence[str]) -> dict[str, Any]:
+        """balancer.yaml as a dict. With TLS: a ``wss`` listener with the certificate and a
+        plain one (wslb makes the listener's context: ``Listeners.start`` in aio/app.py)."""
+        config: dict[str, Any] = {
             "pools": [
                 {
                     "name": "chat",
@@ -767,21 +1062,14 @@ class Wslb(Proxy):
             "workers": self.cores,
             "relay": {"thread": self.relay_thread},
         }
-        # A token of its own: with none, wslb writes a generated one to $WSLB_STATE_DIR and logs
-        # a warning, which problems() would report. Nothing here calls the admin API. From the
-        # source tree under test (--wslb-src), as its working directory.
-        wslb = WslbProcess(
-            config,
-            procs.logdir,
-            procs=procs,
-            name=self.kind,
-            token=secrets.token_urlsafe(32),
-            args=["--log-level", "warning"],
-            src=WSLB_SRC[0],
-        )
-        self.logdir, self.port = procs.logdir, wslb.port
-        self._ready(procs, lambda: wslb.start(wait_ready=False, timeout=20.0))
-        self.proc = wslb.proc
+        if self.tls is not None:
+            self._ports()
+            tls = {"cert": str(self.tls.cert), "key": str(self.tls.key)}
+            config["listen"] = [
+                {"address": f"127.0.0.1:{self.port}", "tls": tls},
+                {"address": f"127.0.0.1:{self.plain_port}"},
+            ]
+        return config
 
     def processes(self) -> int:
         return len(tree(self.pid))
@@ -795,6 +1083,8 @@ def source_state(src: Path) -> str:
     head = _cmd_out(["git", "-C", str(src), "log", "-1", "--format=%h %s"])[:80]
     dirty = _cmd_out(["git", "-C", str(src), "status", "--porcelain", "--", "balancer"])
     n = len([ln for ln in dirty.splitlines() if ln.strip()])
+    if head.startswith("fatal:"):  # a copy of a tree (--wslb-variant, a snapshot)
+        head, n = "(not a git checkout)", 0
     loop = _cmd_out(
         [
             "env",
@@ -824,6 +1114,17 @@ class WslbEventLoop(Wslb):
 TARGETS: dict[str, type[Proxy]] = {"direct": Direct, "nginx": Nginx, "haproxy": Haproxy}
 TARGETS["wslb"] = Wslb
 TARGETS["wslb-loop"] = WslbEventLoop
+
+
+def wslb_variant(name: str, src: Path) -> type[Proxy]:
+    """``--wslb-variant NAME=PATH``: wslb from another source tree (a patched copy), labelled
+    ``wslb-NAME``, measured beside the others in the same run."""
+
+    class Variant(Wslb):
+        kind = f"wslb-{name}"
+
+    Variant.src = src
+    return Variant
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -889,6 +1190,7 @@ class Phase:
     windows: list[Window] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     processes: int = 1
+    lost: int = 0  # sessions that ended during a window (the most of any window)
 
     def med(self, attr: str) -> float:
         vals = [getattr(w, attr) for w in self.windows]
@@ -901,12 +1203,70 @@ class Phase:
 
 
 @dataclass
+class HsWindow:
+    """One window of the handshake phase (``--tls``): ``connects`` whole connections."""
+
+    mode: str  # plain, full (TLS, a new session each time) or resumed (TLS, a ticket)
+    connects: int
+    ok: int
+    failed: int
+    resumed: int
+    seconds: float
+    proxy_cpu_s: float
+    proxy_sys_s: float
+    idle_cpu_s: float  # what the proxy uses idle in as long (health checks): subtracted
+    lat_p50_ms: float
+    lat_p99_ms: float
+    tls: str = ""
+    close_errors: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def us_per_connect(self) -> float:
+        return (self.proxy_cpu_s - self.idle_cpu_s) * 1e6 / self.ok if self.ok else math.nan
+
+    @property
+    def sys_us_per_connect(self) -> float:
+        return self.proxy_sys_s * 1e6 / self.ok if self.ok else math.nan
+
+
+@dataclass
+class Burst:
+    """One burst (``--tls``): ``n`` TLS connects at once from ``procs`` client processes."""
+
+    n: int
+    procs: int
+    outcomes: dict[str, int]
+    lat_p50_ms: float
+    lat_max_ms: float
+    proxy_cpu_s: float
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        o = self.outcomes
+        rest = {k: v for k, v in o.items() if k not in ("101", "reset", "timeout")}
+        more = "".join(f" / {v} {k}" for k, v in sorted(rest.items()))
+        return (
+            f"{o.get('101', 0)}/{self.n} 101, {o.get('reset', 0)} reset, "
+            f"{o.get('timeout', 0)} timed out{more}"
+        )
+
+
+@dataclass
 class Result:
     label: str
     idle_kb: float = math.nan
     idle_steps_kb: list[float] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    handshakes: list[HsWindow] = field(default_factory=list)
+    bursts: list[Burst] = field(default_factory=list)
+
+    def hs(self, mode: str, attr: str) -> float:
+        vals = [getattr(w, attr) for w in self.handshakes if w.mode == mode]
+        vals = [v for v in vals if not math.isnan(v)]
+        return statistics.median(vals) if vals else math.nan
 
 
 class Load:
@@ -919,8 +1279,11 @@ class Load:
         groups: list[list[tuple[str, int, str]]],
         pids: dict[str, list[int]],
         sources: int,
+        tls: Path | None = None,
     ) -> None:
         spec = {"groups": groups, "sources": sources, "concurrency": 200, "prefix": name}
+        if tls is not None:
+            spec["tls"] = str(tls)  # group 0 over TLS, trusting this CA
         cmd = [sys.executable, str(Path(__file__).resolve()), "--client-spec", json.dumps(spec)]
         self.client = ClientProc(procs.spawn(f"client-{name}", cmd, pipes=True, term_timeout=0), 0)
         self.pids = dict(pids, clients=[self.client.proc.pid])
@@ -1001,6 +1364,7 @@ def measure(
             f"proxy cpu {100 * w.proxy_cpu_s / w.seconds:.0f}%{lat}"
         )
         t0, s0, c0 = t1, s1, c1
+    phase.lost = max(phase.lost, s0[0]["closed"])
     for g in s0:
         if g["bad"]:
             phase.warnings.append(f"{g['bad']} frames of unexpected size")
@@ -1033,13 +1397,25 @@ class Bench:
     """The shared workers and the steps of a run, each on one running proxy."""
 
     def __init__(
-        self, args: argparse.Namespace, backends: list[str], worker_pids: list[int], root: Path
+        self,
+        args: argparse.Namespace,
+        backends: list[str],
+        worker_pids: list[int],
+        root: Path,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.args = args
         self.backends = backends
         self.hp = _host_ports(backends)
         self.worker_pids = worker_pids
         self.root = root
+        self.tls = tls
+        self._idle: dict[str, float] = {}
+
+    @staticmethod
+    def ca(proxy: Proxy) -> Path | None:
+        """The CA file the clients trust when ``proxy`` speaks TLS to them, else None."""
+        return proxy.tls.ca if proxy.tls is not None else None
 
     def start(self, stack: contextlib.ExitStack, proxy: Proxy) -> Running:
         logdir = self.root / proxy.label.replace(" ", "")
@@ -1061,7 +1437,12 @@ class Bench:
         args, res, ppids = self.args, run.res, run.proxy.pids()
         log(f"[idle] {run.proxy.label}")
         load = Load(
-            run.procs, "idle", [run.proxy.addresses(self.hp)], self.pids(run), self.args.sources
+            run.procs,
+            "idle",
+            [run.proxy.addresses(self.hp)],
+            self.pids(run),
+            self.args.sources,
+            self.ca(run.proxy),
         )
         load.open(args.idle_base, -1)
         time.sleep(1.0)
@@ -1098,7 +1479,7 @@ class Bench:
         if control:
             groups.append([(h, p, "/ws") for h, p in self.hp])
         tag = f"{name}{len(phase.windows)}"
-        load = Load(run.procs, tag, groups, self.pids(run), args.sources)
+        load = Load(run.procs, tag, groups, self.pids(run), args.sources, self.ca(proxy))
         rate = args.rate if stream else 0.0
         opened = load.open(sessions, rate)["open"]
         for _ in range(3):  # refused (wslb 503s while its health checks recover): again
@@ -1114,7 +1495,8 @@ class Bench:
             load.open(max(50, sessions // 5), rate, 1)
         load.go()
         duration = args.duration if stream else args.sat_duration
-        measure(load, phase, ppids, args.warmup, 1, duration)
+        with self.profiled(run, name, not phase.windows):
+            measure(load, phase, ppids, args.warmup, 1, duration)
         load.close()
         time.sleep(0.5)
 
@@ -1126,6 +1508,194 @@ class Bench:
             for run in runs[k:] + runs[:k]:
                 log(f"[{name} {r + 1}/{self.args.repeat}] {run.proxy.label}")
                 self.window(run, name)
+
+    @contextlib.contextmanager
+    def profiled(self, run: Running, phase: str, first: bool) -> Iterator[None]:
+        """Profiles over the first window of a phase. ``--py-spy DIR``: ``py-spy record
+        --native`` of a wslb process to DIR/LABEL-PHASE.txt (collapsed stacks, wall clock;
+        ``profile_summary``); py-spy stops the process to sample it, so that window's CPU
+        figures are not clean. ``--perf DIR``: ``perf record`` (on-CPU samples, every proxy,
+        all its processes) to DIR/LABEL-PHASE.perf (``perf_summary``)."""
+        if not first or (self.args.py_spy is None and self.args.perf is None):
+            yield
+            return
+        label = run.proxy.label.replace(" ", "")
+        spies: list[tuple[subprocess.Popen[bytes], Path]] = []
+        if self.args.py_spy is not None and isinstance(run.proxy, Wslb):
+            path = Path(self.args.py_spy) / f"{label}-{phase}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cmd = ["py-spy", "record", "--native", "--rate", "250", "--format", "raw"]
+            cmd += ["-o", str(path), "--pid", str(run.proxy.pid)]
+            spies.append((run.procs.spawn(f"py-spy-{phase}", cmd, term_timeout=30), path))
+        if self.args.perf is not None and run.proxy.pids():
+            path = Path(self.args.perf) / f"{label}-{phase}.perf"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            pids = ",".join(str(p.pid) for pid in run.proxy.pids() for p in tree(pid))
+            cmd = ["perf", "record", "-q", "-F", "999", "-o", str(path), "-p", pids]
+            spies.append((run.procs.spawn(f"perf-{phase}", cmd, term_timeout=30), path))
+        time.sleep(1.0)  # attached
+        try:
+            yield
+        finally:
+            for proc, path in spies:
+                proc.send_signal(signal.SIGINT)  # both write what they have on SIGINT
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(60)
+                run.res.warnings.append(f"profiled over the first {phase} window: {path}")
+
+    def _clients(
+        self, run: Running, tag: str, flag: str, specs: list[dict[str, Any]], timeout: float
+    ) -> tuple[list[ClientProc], float, tuple[float, float]]:
+        """Client processes (``flag``: --hs-spec or --burst-spec), each told ``go`` once all are
+        ready: the handles, and the time and the proxy's CPU (user, system) at the go."""
+        clients = []
+        for c, spec in enumerate(specs):
+            cmd = [sys.executable, str(Path(__file__).resolve()), flag, json.dumps(spec)]
+            proc = run.procs.spawn(f"{tag}-{c}", cmd, pipes=True, term_timeout=0)
+            clients.append(ClientProc(proc, 0))
+        for client in clients:
+            if (line := client.readline(timeout)) != "ready":
+                raise RuntimeError(f"{tag} client said {line!r}")
+        t0, cpu0 = time.monotonic(), cpu_split(run.proxy.pids())
+        for client in clients:
+            client.send("go")
+        return clients, t0, cpu0
+
+    def idle_rate(self, run: Running) -> float:
+        """The proxy's CPU s per s while idle (health checks, scrapes), measured once."""
+        if run.proxy.label not in self._idle:
+            pids = run.proxy.pids()
+            c0, t0 = cpu_seconds(pids), time.monotonic()
+            time.sleep(3.0)
+            self._idle[run.proxy.label] = (cpu_seconds(pids) - c0) / (time.monotonic() - t0)
+        return self._idle[run.proxy.label]
+
+    def handshake_window(self, run: Running, mode: str) -> None:
+        """``--hs-connects`` whole connections from ``--hs-procs`` processes of
+        ``--hs-threads`` threads each (``_handshakes``): the proxy's CPU per connection."""
+        args, proxy = self.args, run.proxy
+        assert proxy.tls is not None
+        port = proxy.plain_port if mode == "plain" else proxy.port
+        n, k = args.hs_connects, args.hs_procs
+        specs = [
+            {
+                "target": ["127.0.0.1", port, "/ws"],
+                "mode": mode,
+                "n": n // k + (1 if c < n % k else 0),
+                "threads": args.hs_threads,
+                "sources": args.sources,
+                "timeout": 15.0,
+                "ca": str(proxy.tls.ca),
+                "prefix": f"{mode}{len(run.res.handshakes)}-{c}",
+            }
+            for c in range(k)
+        ]
+        tag = f"hs-{mode}{len(run.res.handshakes)}"
+        idle = self.idle_rate(run)
+        first = not any(w.mode == mode for w in run.res.handshakes)
+        with self.profiled(run, f"handshake-{mode}", first):
+            clients, t0, (u0, s0) = self._clients(run, tag, "--hs-spec", specs, 30.0)
+            outs = [json.loads(c.readline(60 + n / 20)) for c in clients]
+            t1, (u1, s1) = time.monotonic(), cpu_split(proxy.pids())
+        lat = sorted(x for o in outs for x in o["lat_ms"])
+        outcomes: dict[str, int] = {}
+        for o in outs:
+            for key, v in o["outcomes"].items():
+                outcomes[key] = outcomes.get(key, 0) + v
+        w = HsWindow(
+            mode=mode,
+            connects=n,
+            ok=sum(o["ok"] for o in outs),
+            failed=sum(o["failed"] for o in outs),
+            resumed=sum(o["resumed"] for o in outs),
+            seconds=t1 - t0,
+            proxy_cpu_s=(u1 + s1) - (u0 + s0),
+            proxy_sys_s=s1 - s0,
+            idle_cpu_s=idle * (t1 - t0),
+            lat_p50_ms=lat[len(lat) // 2] if lat else math.nan,
+            lat_p99_ms=lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else math.nan,
+            tls=next((o["tls"] for o in outs if o["tls"]), ""),
+            close_errors=sum(o["close_errors"] for o in outs),
+            outcomes=outcomes,
+            errors=[e for o in outs for e in o["errors"]][:5],
+        )
+        run.res.handshakes.append(w)
+        log(
+            f"    {w.ok}/{n} upgraded ({w.resumed} resumed) in {w.seconds:.1f}s, "
+            f"{w.us_per_connect:.0f} us CPU per connection (kernel {w.sys_us_per_connect:.0f}), "
+            f"connect to 101 p50/p99 {w.lat_p50_ms:.2f}/{w.lat_p99_ms:.2f} ms"
+            + (f"; {w.tls}" if w.tls else "")
+            + (f"; failed {outcomes}: {w.errors[:2]}" if w.failed else "")
+        )
+        for c in clients:
+            c.proc.wait(10)
+
+    def burst(self, run: Running) -> None:
+        """``--burst`` TLS connects at once from ``--burst-procs`` processes (``_burst``)."""
+        args, proxy = self.args, run.proxy
+        assert proxy.tls is not None
+        n, k = args.burst, args.burst_procs
+        specs = [
+            {
+                "target": ["127.0.0.1", proxy.port, "/ws"],
+                "n": n // k + (1 if c < n % k else 0),
+                "sources": args.sources,
+                "timeout": args.burst_timeout,
+                "ca": str(proxy.tls.ca),
+                "prefix": f"{len(run.res.bursts)}-{c}",
+            }
+            for c in range(k)
+        ]
+        tag = f"burst{len(run.res.bursts)}"
+        clients, _, (u0, s0) = self._clients(run, tag, "--burst-spec", specs, 30.0)
+        outs = [json.loads(c.readline(30 + 3 * args.burst_timeout)) for c in clients]
+        u1, s1 = cpu_split(proxy.pids())
+        outcomes: dict[str, int] = {}
+        for o in outs:
+            for key, v in o["outcomes"].items():
+                outcomes[key] = outcomes.get(key, 0) + v
+        lat = sorted(x for o in outs for x in o["lat_ms"])
+        b = Burst(
+            n=n,
+            procs=k,
+            outcomes=outcomes,
+            lat_p50_ms=lat[len(lat) // 2] if lat else math.nan,
+            lat_max_ms=lat[-1] if lat else math.nan,
+            proxy_cpu_s=(u1 + s1) - (u0 + s0),
+            errors=[e for o in outs for e in o["errors"]][:6],
+        )
+        run.res.bursts.append(b)
+        log(
+            f"    {b.summary()}; connect to 101 p50 {b.lat_p50_ms:.0f} ms, max "
+            f"{b.lat_max_ms:.0f} ms" + (f"; {b.errors[:3]}" if b.errors else "")
+        )
+        for c in clients:  # end of input ends the process, and its sessions with it
+            if c.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    c.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(10)
+        time.sleep(1.0)
+
+    def tls_phases(self, runs: list[Running]) -> None:
+        """--tls: the handshake windows (plain, full, resumed; ``--repeat`` rounds each, the
+        order rotated), then ``--repeat`` bursts per proxy, rotated too."""
+        tls_runs = [run for run in runs if run.proxy.tls is not None]
+        if not tls_runs:
+            return
+        modes = ("plain", "full", "resumed") if "handshake" not in self.args.skip else ()
+        for mode in modes:
+            for r in range(self.args.repeat):
+                k = r % len(tls_runs)
+                for run in tls_runs[k:] + tls_runs[:k]:
+                    log(f"[handshake {mode} {r + 1}/{self.args.repeat}] {run.proxy.label}")
+                    self.handshake_window(run, mode)
+        if self.args.burst and "burst" not in self.args.skip:
+            for r in range(self.args.repeat):
+                k = r % len(tls_runs)
+                for run in tls_runs[k:] + tls_runs[:k]:
+                    log(f"[burst {r + 1}/{self.args.repeat}] {run.proxy.label}")
+                    self.burst(run)
 
     def finish(self, runs: list[Running]) -> None:
         for run in runs:
@@ -1290,12 +1860,248 @@ def table(results: dict[str, Result]) -> str:
     head = ["metric (median of windows)", *labels, "wslb/nginx", "wslb/haproxy"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for metric, vals in rows(results):
+        if all(math.isnan(vals.get(k, math.nan)) for k in labels):
+            continue  # a phase not run (--skip)
         fmt = ",.0f" if "frames" in metric else ".1f" if "latency" in metric else ".2f"
         cells = [_f(vals.get(k, math.nan), fmt) for k in labels]
         w = vals.get("wslb", math.nan)
         cells += [_ratio(w, vals.get("nginx", math.nan)), _ratio(w, vals.get("haproxy", math.nan))]
         out.append(f"| {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(out) if len(out) > 2 else ""
+
+
+def _tls_labels(results: dict[str, Result]) -> list[str]:
+    labels = [k for k in ("nginx", "haproxy", "wslb-loop", "wslb") if k in results]
+    return labels + [k for k in results if k not in labels and k != "direct"]
+
+
+def tls_rows(results: dict[str, Result]) -> list[tuple[str, dict[str, float]]]:
+    """(metric, label -> value) for --tls: the stream over TLS, the handshake phase's CPU per
+    connection in its three modes, and what TLS adds to the plain upgrade."""
+
+    def col(fn: Callable[[Result], float]) -> dict[str, float]:
+        return {k: fn(r) for k, r in results.items() if k != "direct"}
+
+    def ph(r: Result, name: str, attr: str) -> float:
+        return r.phases[name].med(attr) if name in r.phases else math.nan
+
+    def whole(r: Result) -> float:
+        p = r.phases.get("stream")
+        return float(p.opened - p.lost) if p is not None else math.nan
+
+    def resumed_share(r: Result) -> float:
+        ws = [w for w in r.handshakes if w.mode == "resumed" and w.ok]
+        return 100 * sum(w.resumed for w in ws) / sum(w.ok for w in ws) if ws else math.nan
+
+    return [
+        ("sessions whole, stream", col(whole)),
+        ("cpu us/frame, stream", col(lambda r: ph(r, "stream", "us_per_frame"))),
+        ("  of which kernel (stime)", col(lambda r: ph(r, "stream", "sys_us_per_frame"))),
+        ("latency p50 us (worker to client)", col(lambda r: ph(r, "stream", "lat_p50_us"))),
+        ("latency p99 us", col(lambda r: ph(r, "stream", "lat_p99_us"))),
+        ("added latency p50 us", col(lambda r: ph(r, "stream", "add_p50_us"))),
+        ("added latency p99 us", col(lambda r: ph(r, "stream", "add_p99_us"))),
+        (
+            "cpu us/connection, plain (upgrade + close)",
+            col(lambda r: r.hs("plain", "us_per_connect")),
+        ),
+        ("cpu us/connection, TLS full handshake", col(lambda r: r.hs("full", "us_per_connect"))),
+        ("  of which kernel (stime)", col(lambda r: r.hs("full", "sys_us_per_connect"))),
+        (
+            "cpu us/connection, TLS resumed (ticket)",
+            col(lambda r: r.hs("resumed", "us_per_connect")),
+        ),
+        (
+            "TLS's share us (full - plain)",
+            col(lambda r: r.hs("full", "us_per_connect") - r.hs("plain", "us_per_connect")),
+        ),
+        ("resumed %, resumed mode", col(resumed_share)),
+        ("connect to 101 ms p50, TLS full", col(lambda r: r.hs("full", "lat_p50_ms"))),
+        ("connect to 101 ms p50, plain", col(lambda r: r.hs("plain", "lat_p50_ms"))),
+        ("cpu us/frame, saturation", col(lambda r: ph(r, "saturate", "us_per_frame"))),
+        ("frames/s, saturation", col(lambda r: ph(r, "saturate", "fps"))),
+        ("idle KB/session", col(lambda r: r.idle_kb)),
+    ]
+
+
+def tls_table(results: dict[str, Result]) -> str:
+    """The --tls table: every proxy against nginx, and each burst's outcome."""
+    labels = _tls_labels(results)
+    others = [k for k in labels if k != "nginx"]
+    head = ["metric (median of windows)", *labels, *(f"{k}/nginx" for k in others)]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for metric, vals in tls_rows(results):
+        if all(math.isnan(vals.get(k, math.nan)) for k in labels):
+            continue  # a phase not run (--skip)
+        fmt = ".0f" if "whole" in metric or "%" in metric else ",.0f" if "frames" in metric else ""
+        fmt = fmt or (
+            ".1f" if "latency" in metric or "us/conn" in metric or "share" in metric else ".2f"
+        )
+        cells = [_f(vals.get(k, math.nan), fmt) for k in labels]
+        if "whole" in metric or "%" in metric:
+            cells += ["-" for _ in others]
+        else:
+            cells += [_ratio(vals.get(k, math.nan), vals.get("nginx", math.nan)) for k in others]
+        out.append(f"| {metric} | " + " | ".join(cells) + " |")
+    n = max((b.n for r in results.values() for b in r.bursts), default=0)
+    if n:
+        cells = []
+        for k in labels:
+            bs = results[k].bursts
+            cells.append(", ".join(b.summary().split(",")[0].split("/")[0] for b in bs) or "-")
+        out.append(
+            f"| burst: sessions upgraded of {n} at once, each burst | "
+            + " | ".join(cells)
+            + " | -" * len(others)
+            + " |"
+        )
+        cells = []
+        for k in labels:
+            bs = results[k].bursts
+            cells.append(
+                ", ".join(
+                    f"{b.outcomes.get('reset', 0)}/{b.outcomes.get('timeout', 0)}" for b in bs
+                )
+                or "-"
+            )
+        out.append(
+            "| burst: reset/timed out, each burst | "
+            + " | ".join(cells)
+            + " | -" * len(others)
+            + " |"
+        )
+        cells = []
+        for k in labels:
+            bs = results[k].bursts
+            med = statistics.median(b.lat_max_ms for b in bs) if bs else math.nan
+            cells.append(_f(med, ",.0f"))
+        out.append(
+            "| burst: last 101 after ms (median) | "
+            + " | ".join(cells)
+            + " | -" * len(others)
+            + " |"
+        )
     return "\n".join(out)
+
+
+def tls_targets(results: dict[str, Result], sessions: int) -> list[str]:
+    """Issue 22's targets for each wslb label: sessions whole, CPU per frame <= 1.1x nginx's,
+    CPU per TLS handshake + upgrade <= 1.5x nginx's."""
+    r = dict(tls_rows(results))
+    out = []
+    for k in (k for k in _tls_labels(results) if k.startswith("wslb")):
+        whole = r["sessions whole, stream"].get(k, math.nan)
+        if math.isnan(whole):
+            out.append(f"{k}: sessions whole: not measured")
+        else:
+            verdict = "MET" if whole == sessions else "MISSED"
+            out.append(f"{k}: sessions whole {whole:.0f}/{sessions}: {verdict}")
+        bursts = results[k].bursts
+        if bursts:
+            ok = all(b.outcomes.get("101", 0) == b.n for b in bursts)
+            worst = min(bursts, key=lambda b: b.outcomes.get("101", 0))
+            out.append(
+                f"{k}: burst all upgraded: {'MET' if ok else 'MISSED'} (worst: {worst.summary()})"
+            )
+        for name, metric, factor in (
+            ("cpu/frame stream <= 1.1x nginx", "cpu us/frame, stream", 1.1),
+            (
+                "cpu TLS handshake + upgrade <= 1.5x nginx",
+                "cpu us/connection, TLS full handshake",
+                1.5,
+            ),
+        ):
+            w, n = r[metric].get(k, math.nan), r[metric].get("nginx", math.nan)
+            if math.isnan(w) or math.isnan(n) or n <= 0:
+                out.append(f"{k}: {name}: not measured")
+                continue
+            verdict = "MET" if w <= factor * n else "MISSED"
+            out.append(
+                f"{k}: {name}: {w:.2f} vs limit {factor * n:.2f} (nginx {n:.2f}): {verdict} "
+                f"({w / n:.2f}x nginx)"
+            )
+    return out
+
+
+_SYSCALLS = {"write", "read", "writev", "readv", "send", "recv", "sendmsg", "recvmsg", "sendto"}
+_SYSCALLS |= {"recvfrom", "connect", "accept4", "close", "shutdown", "setsockopt", "getsockopt"}
+_SYSCALLS |= {"epoll_ctl", "syscall", "socket", "getpid", "getsockname", "getpeername", "ioctl"}
+_ENTRY: tuple[str, ...] = ("<module> (balancer/", "main (balancer/cli.py", "_run (balancer/cli.py")
+_ENTRY += ("run (balancer/aio/app.py", "run_loop (balancer/aio/app.py")
+
+
+def _owner(frame: str) -> str | None:
+    """Which part of the process a py-spy frame belongs to (None: the interpreter, libc's
+    memory functions and the like, counted for the caller that owns them)."""
+    name = frame.split(" (")[0]
+    if name in _SYSCALLS and "(libc" in frame:
+        return "the kernel, in system calls (loopback TCP)"
+    if "(libssl" in frame or "(libcrypto" in frame:
+        return "OpenSSL (libssl, libcrypto)"
+    if "(_ssl.c" in frame or "(ssl.py" in frame:
+        return "Python's ssl module (_ssl.c, ssl.py)"
+    if name.startswith("SSLProtocol_"):
+        return "uvloop's SSLProtocol (sslproto.pyx)"
+    if "(balancer/_" in frame:
+        return "wslb's C (_scan.c)"
+    if "(balancer/" in frame and not frame.startswith(_ENTRY):
+        return "wslb's Python code"
+    if "wsproto/" in frame or "h11/" in frame:
+        return "wsproto, h11 (handshakes)"
+    if "aiohttp/" in frame or "yarl/" in frame or "multidict" in frame:
+        return "aiohttp (health checks, scrapes)"
+    if any(k in frame for k in ("(loop.c", "(core.c", "(stream.c", "(linux.c", "(tcp.c")):
+        return "uvloop, libuv"
+    if ".py:" in frame and "(balancer/" not in frame:
+        return "other Python (stdlib)"
+    return None
+
+
+def profile_summary(path: Path, top: int = 12) -> list[str]:
+    """A py-spy ``--format raw`` file (collapsed stacks, ``frame;frame;... count``), read as:
+    of the samples not idle in ``epoll_pwait``, the share each part of the process spends
+    itself (each sample counted for the part of its innermost frame that has an owner:
+    ``_owner``), the share that passes through uvloop's SSLProtocol, and the top leaves."""
+    stacks: list[tuple[list[str], int]] = []
+    idle = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        if frames[-1].startswith(("epoll_pwait", "epoll_wait")):
+            idle += int(count)
+        else:
+            stacks.append((frames, int(count)))
+    busy = sum(c for _, c in stacks) or 1
+    out = [f"{path.name}: {busy + idle:,} samples, {busy:,} not idle in epoll_pwait (= 100%)"]
+    own: dict[str, int] = {}
+    for frames, c in stacks:
+        who = next((o for f in reversed(frames) if (o := _owner(f))), "other")
+        own[who] = own.get(who, 0) + c
+    for who, c in sorted(own.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {100 * c / busy:5.1f}%  {who}")
+    n = sum(c for frames, c in stacks if any(f.startswith("SSLProtocol_") for f in frames))
+    out.append(f"  ({100 * n / busy:.1f}% with uvloop's SSLProtocol on the stack)")
+    leaves: dict[str, int] = {}
+    for frames, c in stacks:
+        leaf = frames[-1]
+        leaves[leaf[:90]] = leaves.get(leaf[:90], 0) + c
+    for leaf, c in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]:
+        out.append(f"  {100 * c / busy:5.1f}%  leaf {leaf}")
+    return out
+
+
+def perf_summary(path: Path, top: int = 12) -> list[str]:
+    """A ``perf record`` file read as: the share of on-CPU samples per binary (the kernel,
+    OpenSSL's libssl and libcrypto, libpython, uvloop's loop.so, Python's _ssl, nginx...),
+    then the top symbols."""
+    out = [f"{path.name}: on-CPU samples (perf record -F 999)"]
+    for sort, n in (("dso", 10), ("dso,sym", top)):
+        rep = _cmd_out(["perf", "report", "-i", str(path), "--sort", sort, "--stdio", "-q"])
+        lines = [ln.strip() for ln in rep.splitlines() if ln.strip() and "%" in ln]
+        out += [f"  {ln[:110]}" for ln in lines[:n]]
+    return out
 
 
 def targets_report(results: dict[str, Result]) -> list[str]:
@@ -1327,7 +2133,7 @@ def targets_report(results: dict[str, Result]) -> list[str]:
     check("added p99 latency <= nginx", "added latency p99 us", 1.0, ("nginx",))
     check("latency p99 <= nginx", "latency p99 us", 1.0, ("nginx",))
     lat = r["latency p50 us (worker to client)"]
-    if "wslb" in lat and "nginx" in lat:
+    if "wslb" in lat and "nginx" in lat and not math.isnan(lat["wslb"] + lat["nginx"]):
         w, n = lat["wslb"], lat["nginx"]
         verdict = "MET" if w <= n + 50 else "MISSED"
         out.append(f"latency p50 within 50 us of nginx: wslb {w:.1f} vs nginx {n:.1f}: {verdict}")
@@ -1409,9 +2215,25 @@ def print_report(
         f"({args.duration:g}s stream, {args.sat_duration:g}s saturation) after {args.warmup:g}s; "
         f"idle: 3 x {args.idle_step} sessions"
     )
+    if args.tls:
+        print(
+            f"TLS: every proxy terminates TLS on its client listener with the same "
+            f"{'ECDSA P-256' if args.tls_key == 'ecdsa' else 'RSA 2048'} certificate, the workers "
+            f"plain; clients Python ssl {ssl.OPENSSL_VERSION} over uvloop (stream, burst), "
+            f"blocking sockets in threads (handshake: {args.hs_connects} connections per window, "
+            f"{args.hs_procs} processes x {args.hs_threads} threads); burst: {args.burst} at once "
+            f"from {args.burst_procs} processes, {args.burst_timeout:g}s timeouts"
+        )
     print()
-    print(table(results))
-    print()
+    if text := table(results):
+        print(text)
+        print()
+    if args.tls:
+        print(tls_table(results))
+        print()
+        for line in tls_targets(results, args.sessions):
+            print(f"target {line}")
+        print()
     if multi:
         print("saturation frames/s by processes/threads (proxy CPU % in parentheses):")
         for k, v in multi.items():
@@ -1458,6 +2280,21 @@ def print_report(
         if res.idle_steps_kb:
             steps = ", ".join(f"{x:.2f}" for x in res.idle_steps_kb)
             print(f"  {k} idle: KB/session per step of {args.idle_step}: {steps}")
+        for hw in res.handshakes:
+            print(
+                f"  {k} handshake {hw.mode}: {hw.ok}/{hw.connects} upgraded, {hw.resumed} resumed, "
+                f"{hw.connects / hw.seconds:,.0f}/s, {_f(hw.us_per_connect, '.0f')} us CPU each "
+                f"(idle {hw.idle_cpu_s * 1e3:.0f} ms subtracted), connect to 101 p50/p99 "
+                f"{hw.lat_p50_ms:.2f}/{hw.lat_p99_ms:.2f} ms {hw.tls}"
+                + (f"; failed {hw.outcomes}: {hw.errors[:2]}" if hw.failed else "")
+                + (f"; {hw.close_errors} close errors" if hw.close_errors else "")
+            )
+        for b in res.bursts:
+            print(
+                f"  {k} burst: {b.summary()} ({b.procs} processes); connect to 101 p50 "
+                f"{b.lat_p50_ms:.0f} ms, last {b.lat_max_ms:.0f} ms; proxy CPU "
+                f"{b.proxy_cpu_s * 1e3:.0f} ms" + (f"; {b.errors[:3]}" if b.errors else "")
+            )
         for x in res.warnings:
             print(f"  {k}: WARNING: {x}")
 
@@ -1470,7 +2307,9 @@ def _result(d: dict[str, Any]) -> Result:
         k: Phase(**(p | {"windows": [Window(**w) for w in p["windows"]]}))
         for k, p in d["phases"].items()
     }
-    return Result(**(d | {"phases": phases}))
+    hs = [HsWindow(**w) for w in d.get("handshakes", [])]
+    bursts = [Burst(**b) for b in d.get("bursts", [])]
+    return Result(**(d | {"phases": phases, "handshakes": hs, "bursts": bursts}))
 
 
 def replay(path: Path, args: argparse.Namespace) -> int:
@@ -1479,13 +2318,26 @@ def replay(path: Path, args: argparse.Namespace) -> int:
     results = {k: _result(v) for k, v in d["results"].items()}
     print(f"from {path}: {' '.join(d['command'])}")
     print(f"wslb: {d['machine'].get('wslb', '?')}\n")
-    print(table(results))
-    print()
+    if text := table(results):
+        print(text)
+        print()
+    if any(r.handshakes or r.bursts for r in results.values()):
+        print(tls_table(results))
+        print()
+        sessions = next(
+            (r.phases["stream"].sessions for r in results.values() if "stream" in r.phases), 0
+        )
+        for line in tls_targets(results, sessions):
+            print(f"target {line}")
+        print()
     for line in targets_report(results):
         print(f"target {line}")
     if args.plot:
         plot(results, d["multi_fps"], Path(args.plot))
     return 0
+
+
+PHASES = ("idle", "stream", "saturate", "handshake", "burst")  # the last two with --tls only
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1496,7 +2348,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="short smoke run (figures are rough)")
     p.add_argument(
-        "--targets", default="direct,nginx,haproxy,wslb-loop,wslb", help="comma-separated"
+        "--targets",
+        default=None,
+        help="comma-separated (default: direct,nginx,haproxy,wslb-loop,wslb; with --tls "
+        "direct,nginx,haproxy,wslb: the relay thread never takes a TLS session)",
     )
     p.add_argument("--sessions", type=int, default=500, help="stream sessions")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream session")
@@ -1511,6 +2366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold", type=int, default=10000, help="sessions held by one wslb (0: skip)")
     p.add_argument("--hold-rate", type=float, default=1.0, help="tokens/s per held session")
     p.add_argument("--cores", default="1,2", help="N for the multi-core saturation rows")
+    p.add_argument(
+        "--skip",
+        type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+        default=[],
+        help=f"comma-separated phases not to run, of {','.join(PHASES)}",
+    )
     p.add_argument("--sources", type=int, default=50, help="client source addresses 127.0.0.x")
     p.add_argument("--plot", default=None, help="write the PNG here (e.g. docs/benchmarks.png)")
     p.add_argument("--json", default=None, help="write every window as JSON here")
@@ -1523,9 +2384,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(ROOT),
         help="run wslb from this source tree (e.g. a `git worktree` of a commit)",
     )
+    p.add_argument(
+        "--wslb-variant",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run wslb from the source tree PATH, labelled wslb-NAME (e.g. a patched copy)",
+    )
+    tls = p.add_argument_group(
+        "TLS (--tls)",
+        "every proxy terminates TLS on its client listener (the same certificate), the workers "
+        "stay plain; phases: idle, stream and saturation over TLS, then the handshake phase "
+        "(plain, full and resumed connections) and the burst. No multi-core rows, no --hold.",
+    )
+    tls.add_argument("--tls", action="store_true", help="clients speak TLS to every proxy")
+    tls.add_argument("--tls-key", choices=("ecdsa", "rsa"), default="ecdsa", help="P-256 or 2048")
+    tls.add_argument("--hs-connects", type=int, default=2000, help="connections per window")
+    tls.add_argument("--hs-procs", type=int, default=2, help="handshake client processes")
+    tls.add_argument("--hs-threads", type=int, default=8, help="threads per handshake client")
+    tls.add_argument("--burst", type=int, default=500, help="TLS connects at once (0: skip)")
+    tls.add_argument("--burst-procs", type=int, default=5, help="burst client processes")
+    tls.add_argument("--burst-timeout", type=float, default=15.0, help="s for connect, for 101")
+    tls.add_argument("--py-spy", default=None, metavar="DIR", help="profile wslb (py-spy)")
+    tls.add_argument("--perf", default=None, metavar="DIR", help="profile every proxy (perf)")
     p.add_argument("--client-spec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--hs-spec", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--burst-spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def target_names(args: argparse.Namespace) -> tuple[dict[str, type[Proxy]], list[str]]:
+    """The proxies a run measures: ``--targets`` (its default depends on ``--tls``) and each
+    ``--wslb-variant``, by name."""
+    targets = dict(TARGETS)
+    default = "direct,nginx,haproxy,wslb" if args.tls else "direct,nginx,haproxy,wslb-loop,wslb"
+    names = [t.strip() for t in (args.targets or default).split(",") if t.strip()]
+    for spec in args.wslb_variant:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not Path(path, "balancer").is_dir():
+            raise SystemExit(f"--wslb-variant {spec!r}: want NAME=PATH, PATH a wslb source tree")
+        targets[f"wslb-{name}"] = wslb_variant(name, Path(path).resolve())
+        if f"wslb-{name}" not in names:
+            names.append(f"wslb-{name}")
+    if unknown := [n for n in names if n not in targets]:
+        raise SystemExit(f"unknown targets {unknown}; choose from {sorted(targets)}")
+    return targets, names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1534,6 +2438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_uvloop(_client, args.client_spec)
     if args.worker_spec is not None:
         return _run_uvloop(_worker, args.worker_spec)
+    if args.hs_spec is not None:
+        return _handshakes(json.loads(args.hs_spec))
+    if args.burst_spec is not None:
+        return _run_uvloop(_burst, args.burst_spec)
     if args.quick:
         args.sessions, args.duration, args.sat_duration = 200, 3.0, 2.0
         args.warmup, args.idle_step, args.idle_base = 1.0, 300, 50
@@ -1542,10 +2450,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return replay(Path(args.from_json), args)
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     WSLB_SRC[0] = Path(args.wslb_src).resolve()
-    names = [t.strip() for t in args.targets.split(",") if t.strip()]
-    if unknown := [n for n in names if n not in TARGETS]:
-        raise SystemExit(f"unknown targets {unknown}; choose from {sorted(TARGETS)}")
+    targets, names = target_names(args)
+    skip = set(args.skip)
+    if unknown_phases := skip - set(PHASES):
+        raise SystemExit(f"--skip: unknown phases {sorted(unknown_phases)}; choose from {PHASES}")
     cores = [int(c) for c in args.cores.split(",") if c.strip()]
+    if args.tls:
+        cores, args.hold = [1], 0
+        require_modules(["trustme"], "--tls")
+        if args.py_spy and shutil.which("py-spy") is None:
+            raise SystemExit("--py-spy: py-spy is not installed (pip install py-spy)")
+        if args.perf and shutil.which("perf") is None:
+            raise SystemExit("--perf: perf is not installed (apt-get install linux-perf)")
     if args.plot:  # before the run, not after it (pip install -e '.[bench]')
         require_modules(["matplotlib"], "--plot")
     ensure_installed()
@@ -1553,6 +2469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"RLIMIT_NOFILE {nofile}")
     info = machine()
     info["wslb"] = source_state(WSLB_SRC[0])
+    for name in names:
+        cls = targets[name]
+        if issubclass(cls, Wslb) and cls.src is not None:
+            info["wslb"] += f"; {name}: {source_state(cls.src)}"
     results: dict[str, Result] = {}
     multi: dict[str, float] = {}
     multi_cpu: dict[str, float] = {}
@@ -1564,6 +2484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wslb-proxies-")))
         root.mkdir(parents=True, exist_ok=True)
         procs = stack.enter_context(Procs(root))
+        tls = make_tls(root / "tls", args.tls_key) if args.tls else None
         try:
             worker_pids, backends = [], []
             for i in range(args.workers):
@@ -1574,24 +2495,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 wait_port(port, 20.0, proc)
                 worker_pids.append(proc.pid)
                 backends.append(f"ws://127.0.0.1:{port}/ws")
-            bench = Bench(args, backends, worker_pids, root)
+            bench = Bench(args, backends, worker_pids, root, tls)
             with contextlib.ExitStack() as one:
-                runs = [bench.start(one, TARGETS[name]()) for name in names]
+                runs = [bench.start(one, targets[name](tls=tls)) for name in names]
                 for run in runs:
-                    if run.proxy.pids():
+                    if run.proxy.pids() and "idle" not in skip:
                         bench.idle(run)
-                bench.rounds(runs, "stream")
-                bench.rounds(runs, "saturate")
+                for name in ("stream", "saturate"):
+                    if name not in skip:
+                        bench.rounds(runs, name)
+                bench.tls_phases(runs)
                 bench.finish(runs)
             for run in runs:
                 results[run.proxy.label] = run.res
-                if 1 in cores and run.proxy.pids():
+                if 1 in cores and run.proxy.pids() and "saturate" in run.res.phases:
                     sat = run.res.phases["saturate"]
                     multi[run.proxy.label] = sat.med("fps")
                     multi_cpu[run.proxy.label] = 100 * sat.med("proxy_cpu_s") / sat.med("seconds")
-            for n in (c for c in cores if c != 1):
+            for n in (c for c in cores if c != 1 and "saturate" not in skip):
                 with contextlib.ExitStack() as more:
-                    runs = [bench.start(more, TARGETS[x](cores=n)) for x in names if x != "direct"]
+                    runs = [bench.start(more, targets[x](cores=n)) for x in names if x != "direct"]
                     bench.rounds(runs, "saturate")
                     bench.finish(runs)
                 for run in runs:
@@ -1605,6 +2528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("interrupted")
             return 130
     print_report(info, results, extra, multi, multi_cpu, hold, args)
+    if args.py_spy:
+        for f in sorted(Path(args.py_spy).glob("*.txt")):  # raw stacks: py-spy record -f raw
+            print()
+            print("\n".join(profile_summary(f)))
+    if args.perf:
+        for f in sorted(Path(args.perf).glob("*.perf")):
+            print()
+            print("\n".join(perf_summary(f)))
     if args.plot:
         plot(results, multi, Path(args.plot))
         log(f"plot written to {args.plot}")

@@ -2,13 +2,16 @@
 
 The benchmark itself is a script (nginx, HAProxy, minutes of load); this only checks that the
 worker streams paced and unpaced frames, that the client counts them and their latency, and
-that it answers a proxy's ping in the middle of a stream.
+that it answers a proxy's ping in the middle of a stream; and that ``--tls`` makes a certificate
+every proxy's config uses, and a client that streams over it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from bench.proxies import (
@@ -16,12 +19,22 @@ from bench.proxies import (
     FRAME_LEN,
     TS_DIGITS,
     TS_OFF,
+    Burst,
     ClientConn,
     ClientStats,
+    Haproxy,
+    Nginx,
     WorkerConn,
+    Wslb,
+    build_parser,
+    client_context,
     client_frame,
+    dial,
+    make_tls,
     next_frame,
+    outcome,
     server_frame,
+    target_names,
     token_frame,
     upgrade_request,
 )
@@ -87,5 +100,69 @@ async def test_worker_streams_paced_and_unpaced() -> None:
     finally:
         for t in transports:
             t.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_tls_option_and_configs(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["--tls", "--hs-connects", "100"])
+    assert args.tls and args.hs_connects == 100 and args.burst == 500
+    _, names = target_names(args)
+    assert names == ["direct", "nginx", "haproxy", "wslb"]  # no wslb-loop: same as wslb on TLS
+    _, plain_names = target_names(build_parser().parse_args([]))
+    assert "wslb-loop" in plain_names
+    tls = make_tls(tmp_path / "tls")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_cert_chain(tls.combined)  # HAProxy's one-file form
+    backends = ["ws://127.0.0.1:9001/ws"]
+    plain, secure = Nginx(), Nginx(tls=tls)
+    plain.port, secure.port, secure.plain_port = 8000, 8443, 8001
+    text = plain.config(tmp_path, tmp_path, backends)
+    assert "listen 127.0.0.1:8000 backlog=4096;" in text and "ssl" not in text
+    text = secure.config(tmp_path, tmp_path, backends)
+    assert "listen 127.0.0.1:8443 ssl backlog=4096;" in text
+    assert "listen 127.0.0.1:8001 backlog=4096;" in text
+    assert f"ssl_certificate {tls.cert};" in text and "TLSv1.3" in text
+    hp, hps = Haproxy(), Haproxy(tls=tls)
+    hp.port, hps.port, hps.plain_port = 8000, 8443, 8001
+    assert "  bind 127.0.0.1:8000\n" in hp.config(backends) and "ssl" not in hp.config(backends)
+    assert f"bind 127.0.0.1:8443 ssl crt {tls.combined}" in hps.config(backends)
+    assert "listen" not in Wslb().config(backends)
+    listen = Wslb(tls=tls).config(backends)["listen"]
+    assert listen[0]["tls"] == {"cert": str(tls.cert), "key": str(tls.key)}
+    assert "tls" not in listen[1]
+
+
+def test_outcomes() -> None:
+    assert outcome(ConnectionResetError()) == "reset"
+    assert outcome(ConnectionError("lost before upgrade: ConnectionResetError(104)")) == "reset"
+    assert outcome(TimeoutError()) == "timeout"
+    assert outcome(ConnectionError("lost before upgrade: None")) == "closed"
+    assert outcome(ConnectionError("HTTP/1.1 503 Service Unavailable")) == "http"
+    b = Burst(500, 5, {"101": 498, "reset": 1, "http": 1}, 10.0, 20.0, 0.1)
+    assert b.summary() == "498/500 101, 1 reset, 0 timed out / 1 http"
+
+
+async def test_client_streams_over_tls(tmp_path: Path) -> None:
+    tls = make_tls(tmp_path / "tls")
+    sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    sctx.load_cert_chain(tls.cert, tls.key)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(WorkerConn, "127.0.0.1", 0, ssl=sctx)
+    port = server.sockets[0].getsockname()[1]
+    st = ClientStats()
+    try:
+        request = upgrade_request("127.0.0.1", port, "/ws?session=s")
+        factory = lambda: ClientConn(st, request, 200.0)  # noqa: E731
+        conn = await dial(
+            loop, "127.0.0.1", ("127.0.0.1", port), factory, (5, 5), client_context(tls.ca)
+        )
+        assert conn.transport is not None and conn.transport.get_extra_info("ssl_object")
+        conn.go()
+        await asyncio.sleep(0.3)
+        assert st.recv >= 10 and st.bad == 0
+        conn.transport.close()
+    finally:
         server.close()
         await server.wait_closed()
