@@ -81,6 +81,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, separators=(",", ":"), default=str)
 
 
+def _not_closed_tls(record: logging.LogRecord) -> bool:
+    """Drop uvloop's ``SSL connection is closed`` warning: it comes when a session writes to a
+    client whose TLS has just ended (its close is under way, the session learns of it a turn
+    later), which is the client's leaving, not a fault to wake an operator for."""
+    return record.getMessage() != "SSL connection is closed"
+
+
 def setup(level: int, fmt: str = "text", process: str | None = None) -> None:
     """Configure the root logger once the config names the format (``log.format``).
 
@@ -96,6 +103,9 @@ def setup(level: int, fmt: str = "text", process: str | None = None) -> None:
         tag = f"[{process}]" if process is not None else ""
         handler.setFormatter(TextFormatter(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}")))
     root.setLevel(level)
+    asyncio_log = logging.getLogger("asyncio")
+    if _not_closed_tls not in asyncio_log.filters:
+        asyncio_log.addFilter(_not_closed_tls)
     os.environ[FORMAT_ENV] = fmt  # what the workers wslb spawns log in
 
 

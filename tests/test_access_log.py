@@ -12,6 +12,7 @@ from pathlib import Path
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from balancer import logs
 from balancer.logs import JsonFormatter, access_text
 from tests.procs import Worker, Wslb, free_port, pool_config
 
@@ -178,3 +179,24 @@ async def test_one_format_for_wslb_and_the_workers_it_spawns(tmp_path: Path) -> 
     for x in lines:
         stamp = x.split(" ", 1)[0]
         assert datetime.datetime.fromisoformat(stamp).tzinfo is not None, x
+
+
+def test_closed_tls_warning_is_not_logged() -> None:
+    """uvloop warns ``SSL connection is closed`` when a session writes to a client whose TLS
+    just ended (a client leaving): not an operator's concern, so dropped."""
+    logs.setup(logging.INFO)
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    handler = Keep()
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addHandler(handler)
+    try:
+        asyncio_log.warning("SSL connection is closed")
+        asyncio_log.warning("something else")
+    finally:
+        asyncio_log.removeHandler(handler)
+    assert kept == ["something else"]
