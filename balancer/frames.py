@@ -36,7 +36,8 @@ attribute per chunk instead of three.
 ``feed``'s fast loop over whole small data frames runs in C (``balancer/_scan.c``, built at
 install when a compiler is there; ``ACCELERATED`` says whether it was). At saturation a read
 holds hundreds of frames, and the loop in Python cost ~0.1 us per frame, most of wslb's CPU per
-frame there. The Python loop stays as the fallback; ``WSLB_PURE_PYTHON=1`` forces it.
+frame there. The Python loop stays as the fallback; ``WSLB_PURE_PYTHON`` set to anything
+non-empty forces it (and keeps the relay thread off: ``aio/offload.py``).
 """
 
 from __future__ import annotations

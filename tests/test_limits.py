@@ -141,7 +141,8 @@ async def test_worker_that_never_answers_the_handshake_gives_502(tmp_path: Path)
         assert c.status == 502
         assert time.monotonic() - t0 < 3
         assert accepted  # it was reached (the load scraper may have knocked too)
-        assert 'wslb_upstream_connect_failures_total{backend="w"} 1.0' in lb.admin("/metrics")
+        failed = 'wslb_upstream_connect_failures_total{backend="w",pool="chat"} 1.0'
+        assert failed in lb.admin("/metrics")
     finally:
         lb.stop()
         server.close()

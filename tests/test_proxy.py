@@ -410,7 +410,8 @@ async def test_no_worker_gives_503_and_connect_failure_tries_next(tmp_path: Path
     try:
         c = await RawClient.connect(lb.port)
         assert c.status == 502  # the only worker refused the connection
-        assert 'wslb_upstream_connect_failures_total{backend="dead"}' in lb.admin("/metrics")
+        failed = 'wslb_upstream_connect_failures_total{backend="dead",pool="chat"}'
+        assert failed in lb.admin("/metrics")
     finally:
         lb.stop()
     w = Worker("alive").start()

@@ -12,7 +12,11 @@ Safe by default, because loopback is reachable from every web page the operator 
   origin without a CORS preflight cannot carry it, and wslb answers no preflight.
 
 A serving process of ``workers: N`` listens on a Unix socket in a private directory for its
-supervisor only, and has none of these checks. Errors are JSON ``{"error": ...}``: a
+supervisor only, and has none of these checks.
+
+``metrics.listen`` adds a listener that serves ``GET /metrics`` alone, without the token (what
+Prometheus expects of an exporter; the metrics name backends, never a secret), still refusing
+other origins and, on loopback, rebinding names. Errors are JSON ``{"error": ...}``: a
 ``ControlError``'s status and message, 400 for a body that is not a JSON object.
 """
 
@@ -37,7 +41,7 @@ from balancer.aio import ui
 from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
 from balancer.config import Admin as AdminCfg
-from balancer.config import is_loopback
+from balancer.config import Listener, is_loopback
 from balancer.version import STARTED, version
 
 __all__ = ["Admin"]
@@ -88,13 +92,22 @@ def _error(status: int, message: str) -> web.Response:
 class Admin:
     """The admin listener of one balancer process: HTTP in front of its ``Control``."""
 
-    def __init__(self, control: Control, cfg: AdminCfg, unix_socket: str | None = None) -> None:
+    def __init__(
+        self,
+        control: Control,
+        cfg: AdminCfg,
+        unix_socket: str | None = None,
+        metrics: Listener | None = None,
+    ) -> None:
         """``unix_socket``: a serving process of ``workers: N`` (no token, no browser checks).
-        Else ``cfg``'s TCP address; ``admin.token``, ``WSLB_ADMIN_TOKEN``, or one generated."""
+        Else ``cfg``'s TCP address; ``admin.token``, ``WSLB_ADMIN_TOKEN``, or one generated.
+        ``metrics``: the address of the token-less ``GET /metrics`` (``metrics.listen``)."""
         self.control = control
         self.cfg = cfg
         self.unix_socket = unix_socket
+        self.metrics_listen = metrics if unix_socket is None else None
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._streams: set[asyncio.Task[Any]] = set()  # GET /events/stream handlers
         token = cfg.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token and unix_socket is None else None
@@ -150,10 +163,25 @@ class Admin:
                 path,
             )
         await web.SockSite(self._runner, sock).start()
+        if self.metrics_listen is not None:
+            await self._start_metrics(self.metrics_listen)
+
+    async def _start_metrics(self, at: Listener) -> None:
+        """The ``metrics.listen`` listener: ``GET /metrics`` and nothing else."""
+        app = web.Application(middlewares=[self._metrics_guard, self._errors])
+        app.router.add_get("/metrics", self.metrics)
+        self._metrics_runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._metrics_runner.setup()
+        family = socket.AF_INET6 if ":" in at.host else socket.AF_INET
+        sock = socket.create_server((at.host, at.port), family=family, backlog=128)
+        await web.SockSite(self._metrics_runner, sock).start()
 
     async def stop(self) -> None:
         for task in list(self._streams):
             task.cancel()  # a stream never ends by itself
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -176,6 +204,18 @@ class Admin:
             return _error(403, f"cross-origin request from {origin!r} refused")
         if request.method in _BODY_METHODS and request.content_type != "application/json":
             return _error(415, "Content-Type must be application/json")
+        return await handler(request)
+
+    @web.middleware
+    async def _metrics_guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """No token there, so no page of another site may read it (the admin guard's rules)."""
+        host = request.headers.get("Host")
+        at = self.metrics_listen
+        if at is not None and is_loopback(at.host) and not rebinding_safe(host):
+            return _error(403, f"Host {host!r} is not this machine's (DNS rebinding?)")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.lower() != f"http://{host or ''}".lower():
+            return _error(403, f"cross-origin request from {origin!r} refused")
         return await handler(request)
 
     @web.middleware

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from balancer import frames
@@ -305,6 +306,7 @@ def build(
     drainer = Drainer(state)
     state.on_worker_lost = Failover(state).lost
     registry = CollectorRegistry(auto_describe=False)
+    ProcessCollector(registry=registry)  # process_*: CPU, memory, fds, start time (Linux)
     listeners = None if supervising else Listeners(state, config.listen, link is not None)
     local = LocalControl(
         state,
@@ -336,7 +338,12 @@ def build(
             control = ClusterControl(local, cluster)
             if local_monitors is not None:
                 local_monitors.on_scrape = cluster.scraped
-    admin = Admin(control, config.admin, link.admin_socket if link is not None else None)
+    admin = Admin(
+        control,
+        config.admin,
+        link.admin_socket if link is not None else None,
+        config.metrics.listen,
+    )
     background: list[Callable[[], Coroutine[Any, Any, None]]] = [local.watch_states]
     if isinstance(control, FanoutControl):
         background.append(control.follow)

@@ -621,12 +621,13 @@ class _Collector(Collector):
         )
         up.add_metric([], 1 if c.synced else 0)
         yield up
-        age = GaugeMetricFamily(
-            "wslb_cluster_last_sync_seconds", "Seconds since etcd last answered this instance"
+        synced = GaugeMetricFamily(
+            "wslb_cluster_last_sync_timestamp_seconds",
+            "When etcd last answered this instance (Unix time; 0 if never)",
         )
         last = c.last_sync_age()
-        age.add_metric([], float("inf") if last is None else last)
-        yield age
+        synced.add_metric([], 0.0 if last is None else time.time() - last)
+        yield synced
         rev = GaugeMetricFamily("wslb_cluster_revision", "etcd revision applied")
         rev.add_metric([], c.snap.revision)
         yield rev

@@ -24,7 +24,8 @@ everything the relay's rules must see. The rules, from the event loop's side:
   carry what migration and failover log). Counters shown while a session is away are its
   scanner's plus the thread's (``Session.counts``).
 
-``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON=1``; config
+``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON`` is set (to
+anything non-empty, as for the frame scanner: ``balancer/frames.py``); config
 ``relay.thread: false`` turns the thread off too. Every session then runs in Python, as before.
 """
 
@@ -47,7 +48,7 @@ try:
 except ImportError:  # no C compiler at install, or not Linux
     _relay = None
 
-AVAILABLE = _relay is not None and os.environ.get("WSLB_PURE_PYTHON") != "1"
+AVAILABLE = _relay is not None and not os.environ.get("WSLB_PURE_PYTHON")
 # Frames a session streams in Python before it is handed to the thread (again).
 OFFLOAD_AFTER = 4
 
