@@ -329,9 +329,11 @@ class _Builder(_Reader):
     def __init__(self, rejected: set[_Path]) -> None:
         super().__init__(rejected)
         self.backend_paths: list[tuple[BackendCfg, _Path]] = []
+        self.clustered = False
 
     def config(self, data: object, source: str) -> Config:
         root: dict[object, object] = data if isinstance(data, dict) else {}
+        self.clustered = isinstance(root.get("cluster"), dict)
         listen = self.listeners(root)
         admin = self.admin(root, listen)
         metrics = self.metrics(root, listen, admin)
@@ -565,8 +567,12 @@ class _Builder(_Reader):
 
     def placement(self, m: dict[object, object], p: _Path) -> PlacementCfg:
         d = PlacementCfg()
+        # In cluster mode each instance sees only its own load between scrapes, so a choice
+        # among candidates by load would place one key differently on each instance: the ring
+        # alone decides there unless the operator asks otherwise.
+        choices = 1 if self.clustered else d.choices
         return PlacementCfg(
-            choices=self.integer(m, "choices", p, d.choices),
+            choices=self.integer(m, "choices", p, choices),
             slack=self.number(m, "slack", p, d.slack),
             kv_limit=self.number(m, "kv_limit", p, d.kv_limit),
             move_cost=self.number(m, "move_cost", p, d.move_cost),
