@@ -53,9 +53,16 @@ class Stack:
     def index(self, backend: str) -> int:
         return [b.id for b in self.bridges].index(backend)
 
+    def logs(self) -> str:
+        parts = [f"--- wslb\n{self.lb.log_tail(40)}"]
+        parts += [f"--- {b.id}\n{b.output()[-3000:]}" for b in self.bridges]
+        return "\n".join(parts)
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+
+@contextlib.contextmanager
+def bridged_stack(tmp_path: Path, parallel: int) -> Iterator[Stack]:
+    """Two llama-servers (``parallel`` slots each), a bridge before each, and wslb before
+    both with failover on: what a user of the engine bridge runs on one host."""
     try:
         llama_server(), gemma_gguf()  # built and cached once per machine
     except EngineSetupError as e:
@@ -63,7 +70,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     with contextlib.ExitStack() as stop:
         engines: list[LlamaServer] = []
         for i in range(2):
-            engine = LlamaServer(tmp_path / f"llama-{i}.log", parallel=2, threads=1)
+            engine = LlamaServer(tmp_path / f"llama-{i}.log", parallel=parallel, threads=1)
             engines.append(engine.start())
             stop.callback(engine.stop)
         bridges: list[BridgeProc] = []
@@ -86,6 +93,12 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         lb.start(wait_ready=False)
         lb.wait_ready(timeout=20)
         yield Stack(engines, bridges, lb)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with bridged_stack(tmp_path, parallel=2) as s:
+        yield s
 
 
 def kill(stack: Stack, backend: str, what: str) -> None:

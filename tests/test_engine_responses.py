@@ -13,19 +13,16 @@ and the chain (``previous_response_id``) goes on. Each test gets a fresh set of 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.engines import EngineSetupError, LlamaServer, gemma_gguf, llama_server
-from tests.procs import Wslb, pool_config
-from tests.test_bridge import STORY, BridgeProc
+from tests.test_bridge import STORY
+from tests.test_engine_failover import Stack, bridged_stack
 from tests.test_responses import Got, answer, client, whole
 
 pytestmark = pytest.mark.engine  # the real llama-server: -m 'not engine' skips
@@ -34,53 +31,11 @@ MODEL = "gemma-3-270m"
 TIMEOUT = 60.0  # one response from a CPU engine, at most
 
 
-@dataclass
-class Stack:
-    engines: list[LlamaServer]
-    bridges: list[BridgeProc]
-    lb: Wslb
-
-    def index(self, backend: str) -> int:
-        return [b.id for b in self.bridges].index(backend)
-
-    def logs(self) -> str:
-        parts = [f"--- wslb\n{self.lb.log_tail(40)}"]
-        parts += [f"--- {b.id}\n{b.output()[-3000:]}" for b in self.bridges]
-        return "\n".join(parts)
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    try:
-        llama_server(), gemma_gguf()  # built and cached once per machine
-    except EngineSetupError as e:
-        pytest.skip(f"the engine cannot be made here: {e}")
-    with contextlib.ExitStack() as stop:
-        engines: list[LlamaServer] = []
-        for i in range(2):
-            # 4 slots: a drained engine's sessions all fit on the other one.
-            engine = LlamaServer(tmp_path / f"llama-{i}.log", parallel=4, threads=1)
-            engines.append(engine.start())
-            stop.callback(engine.stop)
-        bridges: list[BridgeProc] = []
-        for i, engine in enumerate(engines):
-            bridge = BridgeProc(engine.url, f"llama-{i}", "--temperature", "0")
-            stop.callback(bridge.stop)
-            bridges.append(bridge)
-        for bridge in bridges:
-            bridge.wait_health(200, timeout=30)
-        backends = [{"id": b.id, "url": f"ws://127.0.0.1:{b.port}"} for b in bridges]
-        cfg = pool_config(
-            backends,
-            health={"path": "/healthz", "interval": "0.2s", "timeout": "1s"},
-            failover={"enabled": True},
-        )
-        cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
-        lb = Wslb(cfg, tmp_path, name="wslb")
-        stop.callback(lb.stop)
-        lb.start(wait_ready=False)
-        lb.wait_ready(timeout=20)
-        yield Stack(engines, bridges, lb)
+    # 4 slots: a drained engine's sessions all fit on the other one.
+    with bridged_stack(tmp_path, parallel=4) as s:
+        yield s
 
 
 async def test_a_drain_of_the_busy_bridge_keeps_every_response_whole(stack: Stack) -> None:
