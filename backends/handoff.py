@@ -61,6 +61,7 @@ __all__ = [
     "TRANSCRIPT_VERSION",
     "ProtocolError",
     "StateError",
+    "StateFields",
     "Transcript",
     "TranscriptAnswer",
     "chat_messages",
@@ -85,6 +86,29 @@ _TOKEN = re.compile(r"t\d+\.\d+-[0-9a-f]{8}")
 
 class StateError(ValueError):
     """A handoff state that cannot be installed; the message names the bad field."""
+
+
+class StateFields:
+    """The field checks a protocol's snapshot restore shares (Realtime's, Responses'), each
+    raising that protocol's own ``StateError`` subclass naming the bad field."""
+
+    def __init__(self, error: type[StateError]) -> None:
+        self.error = error
+
+    def mapping(self, value: object, where: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.error(f"{where} must be an object")
+        return value
+
+    def count(self, value: object, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.error(f"{where} must be a non-negative integer")
+        return value
+
+    def string(self, value: object, where: str, *, empty: bool = True) -> str:
+        if not isinstance(value, str) or (not empty and not value):
+            raise self.error(f"{where} must be a {'' if empty else 'non-empty '}string")
+        return value
 
 
 class ProtocolError(Exception):

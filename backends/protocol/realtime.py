@@ -92,7 +92,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
-from backends.handoff import StateError, TranscriptAnswer
+from backends.handoff import StateError, StateFields, TranscriptAnswer
 
 __all__ = [
     "MAX_ITEM_ID_LEN",
@@ -1049,22 +1049,10 @@ def _bad(message: str) -> RealtimeStateError:
     return RealtimeStateError(message)
 
 
-def _s_object(value: object, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(f"{where} must be an object")
-    return value
-
-
-def _s_count(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad(f"{where} must be a non-negative integer")
-    return value
-
-
-def _s_str(value: object, where: str, *, empty: bool = True) -> str:
-    if not isinstance(value, str) or (not empty and not value):
-        raise _bad(f"{where} must be a {'' if empty else 'non-empty '}string")
-    return value
+_FIELDS = StateFields(RealtimeStateError)
+_s_object = _FIELDS.mapping
+_s_count = _FIELDS.count
+_s_str = _FIELDS.string
 
 
 def _s_max_output(value: object, where: str, limit: int) -> MaxOutput:

@@ -97,7 +97,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from backends.handoff import StateError, TranscriptAnswer
+from backends.handoff import StateError, StateFields, TranscriptAnswer
 from backends.protocol.realtime import Send
 
 __all__ = [
@@ -920,22 +920,10 @@ def _bad(message: str) -> ResponsesStateError:
     return ResponsesStateError(message)
 
 
-def _s_object(value: object, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(f"{where} must be an object")
-    return value
-
-
-def _s_count(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _bad(f"{where} must be a non-negative integer")
-    return value
-
-
-def _s_str(value: object, where: str, *, empty: bool = True) -> str:
-    if not isinstance(value, str) or (not empty and not value):
-        raise _bad(f"{where} must be a {'' if empty else 'non-empty '}string")
-    return value
+_FIELDS = StateFields(ResponsesStateError)
+_s_object = _FIELDS.mapping
+_s_count = _FIELDS.count
+_s_str = _FIELDS.string
 
 
 def _s_optional_str(value: object, where: str) -> str | None:
