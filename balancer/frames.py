@@ -46,6 +46,7 @@ import os
 import struct
 from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 __all__ = [
     "ACCELERATED",
@@ -299,6 +300,54 @@ class FrameScanner:
     def drop_next_close(self) -> None:
         """Consume the peer's close instead of forwarding it (the relay sends its own)."""
         self.drop_close = True
+
+    # -- as data (a session's snapshot: hot restart, tests) ---------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """Every field as a JSON value; ``restore`` rebuilds an equal scanner, mid-frame too."""
+        err = self.error
+        return {
+            "masked": self.masked,
+            "limits": [self.max_frame_size, self.max_message_size],
+            "remaining": self._remaining,
+            "fin": self._fin,
+            "held": self._held.hex(),
+            "in_message": self._in_message,
+            "msg_size": self._msg_size,
+            "counts": [self.frames, self.messages, self.bytes, self.out_bytes],
+            "ends": self.ends,
+            "own_ping": None if self.own_ping is None else self.own_ping.hex(),
+            "pong_received": self.pong_received,
+            "close": None if self.close is None else list(self.close),
+            "closed": self.closed,
+            "muted": self.muted,
+            "drop_close": self.drop_close,
+            "error": None if err is None else [err.code, err.reason],
+            "notable": self.notable,
+        }
+
+    @classmethod
+    def restore(cls, data: dict[str, Any]) -> FrameScanner:
+        """The scanner ``snapshot`` described."""
+        mf, mm = data["limits"]
+        sc = cls(masked=bool(data["masked"]), max_frame_size=mf, max_message_size=mm)
+        sc._remaining = data["remaining"]
+        sc._fin = data["fin"]
+        sc._held = bytes.fromhex(data["held"])
+        sc._in_message = data["in_message"]
+        sc._msg_size = data["msg_size"]
+        sc.frames, sc.messages, sc.bytes, sc.out_bytes = data["counts"]
+        sc.ends = None if data["ends"] is None else list(data["ends"])
+        sc.own_ping = None if data["own_ping"] is None else bytes.fromhex(data["own_ping"])
+        sc.pong_received = data["pong_received"]
+        sc.close = None if data["close"] is None else (data["close"][0], data["close"][1])
+        sc.closed = data["closed"]
+        sc.muted = data["muted"]
+        sc.drop_close = data["drop_close"]
+        err = data["error"]
+        sc.error = None if err is None else ProtocolError(err[0], err[1])
+        sc.notable = data["notable"]
+        return sc
 
     def keep_message_ends(self) -> None:
         """Record where each data message ends, for replay after a migration."""

@@ -125,11 +125,21 @@ class EndedSession(Protocol):
     @property
     def totals(self) -> tuple[int, int, int, int]: ...
 
-    close_to_client: int | None
-    close_to_worker: int | None
-    migrations: int
-    failovers: int
-    ended: str | None
+    @property
+    def close_to_client(self) -> int | None: ...
+
+    @property
+    def close_to_worker(self) -> int | None: ...
+
+    @property
+    def migrations(self) -> int: ...
+
+    @property
+    def failovers(self) -> int: ...
+
+    @property
+    def ended(self) -> str | None: ...
+
     timing: tuple[float, float]
     """Seconds the first worker leg took: its TCP (and TLS) connect, then its answer (101)."""
 

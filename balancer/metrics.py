@@ -56,9 +56,6 @@ class LiveSession(Protocol):
     def ws(self) -> _ScannerCounts: ...
 
     since: float  # loop time the client's 101 was sent
-    prior_frames: int
-    prior_messages: int
-    prior_bytes: int
     relay: int | None  # the handle in the relay thread while it relays the session
 
     def counts(self) -> tuple[int, int, int]:
@@ -177,13 +174,14 @@ class Stats:
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
         self.session_duration.observe(s.pool.name, now - s.since)
-        for direction, sc in ((C2W, s.cs), (W2C, s.ws)):
-            self.frames[direction] += sc.frames
-            self.messages[direction] += sc.messages
-            self.bytes[direction] += sc.bytes
-        self.frames[W2C] += s.prior_frames
-        self.messages[W2C] += s.prior_messages
-        self.bytes[W2C] += s.prior_bytes
+        cs = s.cs
+        self.frames[C2W] += cs.frames
+        self.messages[C2W] += cs.messages
+        self.bytes[C2W] += cs.bytes
+        frames, messages, nbytes = s.counts()  # every worker leg's
+        self.frames[W2C] += frames
+        self.messages[W2C] += messages
+        self.bytes[W2C] += nbytes
 
 
 @dataclass

@@ -26,7 +26,7 @@ from websockets.exceptions import InvalidStatus
 
 from backends.model import token_text
 from backends.wire import MAX_SESSION_ID_LEN
-from balancer.aio.migrate import handoff_url
+from balancer.aio.handoff import handoff_url
 from balancer.auth import Authenticator, scoped_key
 from balancer.backend import Backend
 from balancer.config import AuthCfg, BackendCfg, JwtCfg

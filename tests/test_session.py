@@ -17,10 +17,11 @@ from balancer.aio import drain as drain_mod
 from balancer.aio import migrate as migrate_mod
 from balancer.aio import offload as offload_mod
 from balancer.aio.drain import Drainer, DrainProgress
+from balancer.aio.handoff import HandoffClient
 from balancer.aio.session import (
-    VIOLATION_GRACE,
     ClientLeg,
     Leg,
+    Mode,
     Phase,
     Session,
     SessionSettings,
@@ -41,6 +42,7 @@ from balancer.frames import (
 from balancer.handshake import ClientRequest
 from balancer.metrics import Stats
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Pool
+from balancer.session_core import VIOLATION_GRACE
 
 
 class FakeTransport(asyncio.Transport):
@@ -227,7 +229,7 @@ async def test_client_violation_rule_3() -> None:
     host = FakeHost(asyncio.get_running_loop())
     s, ct, wt, _ = make(host)
     s.client_data(text(b"unmasked", mask=False))  # a client must mask
-    assert s.pending_client_close == (CloseCode.PROTOCOL_ERROR, "unmasked frame from client")
+    assert s.core.pending_client_close == (CloseCode.PROTOCOL_ERROR, "unmasked frame from client")
     s.data_received(text(b"in flight", mask=False))  # still relayed
     assert ct.frames(False) == [(OP_TEXT, b"in flight")]
     await asyncio.sleep(VIOLATION_GRACE * 2)
@@ -377,10 +379,10 @@ async def test_migration_steps_fail_back_to_the_old_worker(
         calls.append(step)
         return 404, None
 
-    monkeypatch.setattr(migrate_mod, "handoff_post", post)
-    result = await migrate_mod.migrate(state, s)
+    monkeypatch.setattr(HandoffClient, "post", post)
+    result = await migrate_mod.migrate(HandoffClient(state), s)
     assert (result.ok, result.reason) == (False, "no_api") and calls == ["freeze"]
-    assert not s.holding and not ct.paused and not s.migrating
+    assert s.mode is Mode.RELAYING and not ct.paused
     assert s.phase is Phase.RELAYING and state.stats.migrations["no_api"] == 1
 
 
@@ -396,9 +398,9 @@ async def test_migration_that_cannot_flush_ends_the_session(
     async def post(st: Any, b: Any, sid: str, step: str, body: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"state": {}, "sent": 5, "received": 0}
 
-    monkeypatch.setattr(migrate_mod, "handoff_post", post)
+    monkeypatch.setattr(HandoffClient, "post", post)
     monkeypatch.setattr(migrate_mod, "STEP_TIMEOUT", 0.05)
-    result = await migrate_mod.migrate(state, s)
+    result = await migrate_mod.migrate(HandoffClient(state), s)
     assert (result.ok, result.reason) == (False, "flush_lost")
     assert closes(ct, False) == [1012]
 
@@ -407,7 +409,7 @@ async def test_a_pool_without_migration_refuses_at_once() -> None:
     loop = asyncio.get_running_loop()
     host = FakeHost(loop)
     s, _, _, pool = make(host, migrate=False)
-    result = await migrate_mod.migrate(drain_state(loop, pool), s)
+    result = await migrate_mod.migrate(HandoffClient(drain_state(loop, pool)), s)
     assert (result.ok, result.reason) == (False, "disabled")
 
 
@@ -454,12 +456,18 @@ async def test_a_late_first_message_after_a_move_is_timed(monkeypatch: pytest.Mo
 
 def failing_over(s: Session) -> bool:
     """Read afresh (mypy keeps an attribute narrowed by an earlier assert)."""
-    return s.failing_over
+    return s.mode is Mode.FAILING_OVER
 
 
 def relayed(s: Session) -> bool:
     """The relay thread holds the session (read afresh, as ``failing_over``)."""
     return s.relay is not None
+
+
+def offloaded(s: Session) -> None:
+    """The relay thread takes the session (as ``Session._offload`` would, with its checks)."""
+    s.relay = 1
+    s.core.enter(Mode.OFFLOADED)
 
 
 def reading(t: FakeTransport) -> bool:
@@ -478,8 +486,8 @@ async def test_rule6_a_lost_worker_is_held_for_failover_not_closed() -> None:
     s.data_received(_text('{"type":"token","turn":1,"i":0,"text":"a"}'))
     wt.aborted = True
     s.connection_lost(ConnectionResetError())
-    assert host.lost == [s] and s.failing_over and s.worker is Leg.OPEN
-    assert ct.paused and s.holding  # the client waits, unread
+    assert host.lost == [s] and failing_over(s) and s.worker is Leg.OPEN
+    assert ct.paused and s.core.client_held  # the client waits, unread
     assert not any(op == OP_CLOSE for op, _ in ct.frames(masked=False))
     # What the client sends meanwhile (already read) is journalled, not lost.
     s.client_data(_text('{"type":"prompt","text":"more"}', mask=True))
@@ -512,7 +520,7 @@ async def test_rule6_resume_on_a_new_leg_reads_the_client_again() -> None:
     s, ct, _, pool = make(host, failover=True)
     s.data_received(_text('{"type":"hello"}'))
     s.connection_lost(ConnectionResetError())
-    assert s.failing_over
+    assert failing_over(s)
     s.release()  # a migration's release does not undo the failover's hold
     assert ct.paused
 
@@ -598,7 +606,7 @@ async def test_the_journal_has_the_client_message_before_the_threads_answer_to_i
     s, _, _, _ = make(host, failover=True)
     s.data_received(_text(hello))
     s.wt = AnswersAtOnce(thread, [_text(obj) for obj in answer])
-    s.relay = 1  # the thread relays the worker's frames from here on
+    offloaded(s)  # the thread relays the worker's frames from here on
     s.client_data(_text(prompt, mask=True))
     s.flush_record()
     assert s.journal is not None
@@ -616,7 +624,7 @@ async def test_the_pong_check_leaves_a_session_with_the_relay_thread() -> None:
     host.offload = thread
     timeouts = Timeouts(ping_interval=10, ping_timeout=5, idle=12, backpressure=0)
     s, ct, wt, _ = make(host, timeouts)
-    s.relay = 1
+    offloaded(s)
     s._tick()  # pings both legs
     assert thread.given_back == 1 and not relayed(s)
     assert [op for op, _ in ct.frames(False)] == [OP_PING]
@@ -624,10 +632,10 @@ async def test_the_pong_check_leaves_a_session_with_the_relay_thread() -> None:
     ((_, to_worker),) = wt.frames(True)
     s.client_data(build_frame(OP_PONG, to_client, mask=True))
     s.data_received(build_frame(OP_PONG, to_worker))
-    s.relay = 1  # offered to the thread again at its next data frame
+    offloaded(s)  # offered to the thread again at its next data frame
     thread.forwarded = 3
     s._tick()  # the pongs came: nothing to write, the thread keeps the session
     assert thread.given_back == 1 and relayed(s) and not s.closing
-    assert s._last_msgs == 3  # the thread's frames count as activity
+    assert s.core.last_msgs == 3  # the thread's frames count as activity
     s._tick()  # the next ping
     assert thread.given_back == 2 and not relayed(s)

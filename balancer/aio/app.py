@@ -34,7 +34,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
@@ -46,6 +45,7 @@ from balancer.aio.control import Control, ControlError, LocalControl
 from balancer.aio.drain import Drainer
 from balancer.aio.failover import Failover
 from balancer.aio.fanout import FanoutControl
+from balancer.aio.handoff import HandoffClient
 from balancer.aio.loops import GcPacer
 from balancer.aio.monitors import BoardFollower, LocalMonitors, Monitors
 from balancer.aio.multi import ProcessGroup
@@ -167,11 +167,6 @@ class Runtime:
         """Everything, the admin API last: once it answers, wslb serves."""
         if self.group is not None:
             self.group.check_ports()
-        # Handoff calls get their own pool without a per-host cap: a drain freezes many
-        # sessions on one worker at once, and a queued freeze would stretch its client's pause.
-        self.state.handoff_http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)
-        )
         await self.monitors.start(self.state.pools)
         if self.cluster is not None:  # etcd's backends replace the file's, before listening
             await self.cluster.start()
@@ -228,9 +223,7 @@ class Runtime:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.idle(), t.close + 0.5)
         for s in list(state.sessions):
-            s.reclaim()
-            s.ct.abort()
-            s.wt.abort()
+            s.abort()
         if state.offload is not None:
             state.offload.close()
             state.offload = None
@@ -254,9 +247,7 @@ class Runtime:
         if self.cluster is not None:
             await self.cluster.stop()
         await self.monitors.stop()
-        if self.state.handoff_http is not None:
-            await self.state.handoff_http.close()
-            self.state.handoff_http = None
+        await self.drainer.handoff.close()
 
     async def failed_start(self) -> None:
         """Undo a start that could not complete (a port taken, etcd or a child too slow)."""
@@ -303,8 +294,10 @@ def build(
         monitors = BoardFollower(board, loop)
     else:
         monitors = local_monitors = LocalMonitors(stats, loop)
-    drainer = Drainer(state)
-    state.on_worker_lost = Failover(state).lost
+    # One handoff client (its pools of connections to the workers) for drains, operators'
+    # moves and failovers.
+    drainer = Drainer(state, HandoffClient(state))
+    state.on_worker_lost = Failover(drainer.handoff).lost
     registry = CollectorRegistry(auto_describe=False)
     ProcessCollector(registry=registry)  # process_*: CPU, memory, fds, start time (Linux)
     listeners = None if supervising else Listeners(state, config.listen, link is not None)

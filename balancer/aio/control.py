@@ -400,7 +400,7 @@ class LocalControl:
         session = self.state.find_session(sid)
         if session is None:
             raise ControlError(404, f"no live session {sid!r}")
-        result = await migrate(self.state, session, to)
+        result = await migrate(self.drainer.handoff, session, to)
         out = {
             "session": sid,
             "migrated": result.ok,

@@ -27,15 +27,14 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from balancer.aio.handoff import HandoffClient
 from balancer.aio.migrate import migrate
+from balancer.aio.session import Mode, Session
 from balancer.aio.state import ServerState
 from balancer.frames import CloseCode
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend, Pool
-
-if TYPE_CHECKING:
-    from balancer.aio.session import Session
 
 __all__ = ["DrainProgress", "Drainer"]
 
@@ -70,8 +69,9 @@ class DrainProgress:
 class Drainer:
     """Runs the drains of one balancer process."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, handoff: HandoffClient | None = None) -> None:
         self.state = state
+        self.handoff = handoff or HandoffClient(state)  # the process's, shared with failover
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.progress: dict[str, DrainProgress] = {}
         self._self_drained: set[str] = set()  # drained because the worker said "draining"
@@ -177,7 +177,7 @@ class Drainer:
                 async with gate:
                     if s.backend is not backend or s.closing:
                         return
-                    result = await migrate(self.state, s)
+                    result = await migrate(self.handoff, s)
                 if result.ok:
                     progress.migrated += 1
                     return
@@ -233,7 +233,7 @@ async def close_after_answer(s: Session, backend: Backend, deadline: float) -> b
         await asyncio.sleep(QUIET)
         if s.finished or s.closing or s.backend is not backend:
             return False
-        if s.failing_over:
+        if s.mode is Mode.FAILING_OVER:
             continue  # quiet because its worker is gone: the failover decides
         c, w = s.totals[:2]
         if w != last_w:
@@ -242,7 +242,7 @@ async def close_after_answer(s: Session, backend: Backend, deadline: float) -> b
             awaiting = True  # a prompt went out and nothing came back yet
         quiet = c == last_c and w == last_w
         last_c, last_w = c, w
-        if quiet and not awaiting and s.ws.at_message_boundary and not s.migrating:
+        if quiet and not awaiting and s.ws.at_message_boundary and s.mode is Mode.RELAYING:
             s.close(CloseCode.SERVICE_RESTART, "worker draining")
             return True
     return False

@@ -16,7 +16,9 @@ bounded task per session (at most ``PARALLEL`` of a process at once, so a worker
                 its held messages flow to the new worker
 
 A thaw or resume that fails tries the next worker, ``failover.attempts`` in all. A migration
-running when the worker died finishes first: if it moved the session, there is nothing to do.
+running when the worker died finishes first and starts the failover itself if it did not move
+the session (Rule 6 in ``balancer/session_core.py``). The steps are the handoff client's
+(``handoff.py``), shared with migration.
 Whatever cannot be saved gets Rule 2's 1011, as without failover. The pause is recorded from the
 loss to the resumed leg (``wslb_failover_pause_seconds``); every outcome is counted
 (``wslb_failovers_total{result}``).
@@ -28,14 +30,9 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
-
+from balancer.aio.handoff import HandoffClient, HandoffError
 from balancer.aio.health import HealthChecker
-from balancer.aio.migrate import handoff_post, wait_until
-from balancer.aio.proxy import open_upstream
-from balancer.aio.session import Session
-from balancer.aio.state import ServerState
-from balancer.handshake import UpstreamReject
+from balancer.aio.session import Mode, Session
 from balancer.journal import JournalError
 from balancer.pool import Backend, Pool
 
@@ -47,30 +44,30 @@ log = logging.getLogger("wslb.failover")
 # once only lengthens every pause on a busy CPU (the drain keeps 8 for the same reason).
 PARALLEL = 8
 PROBE_REUSE = 2.0  # seconds a probe's verdict answers for the worker's other sessions
-MIGRATION_WAIT = 10.0  # the longest a failover waits for a migration of the session to end
 
 
 class Failover:
     """The failovers of one balancer process (module docstring)."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, handoff: HandoffClient) -> None:
+        self.handoff = handoff
+        self.state = handoff.state
         self.slots = asyncio.Semaphore(PARALLEL)
         self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
-        self._checker: HealthChecker | None = None
+        self._checkers: dict[str, HealthChecker] = {}
 
     def lost(self, s: Session) -> None:
-        """Rule 6 of ``session.py``: ``s`` is held, its worker leg gone."""
-        self.state.spawn(self._run(s, s.backend, s.wt, self.state.loop.time()))
+        """Rule 6: ``s`` is FAILING_OVER, its worker leg gone."""
+        self.state.spawn(self._run(s, s.backend, self.state.loop.time()))
 
-    async def _run(self, s: Session, dead: Backend, dead_wt: Any, t_lost: float) -> None:
+    async def _run(self, s: Session, dead: Backend, t_lost: float) -> None:
         result = "error"
         try:
-            result = await self._fail_over(s, dead, dead_wt, t_lost)
+            result = await self._fail_over(s, dead, t_lost)
         except Exception:
             log.exception("session %s: failover from %s failed", s.sid, dead.id)
         finally:
-            if s.failing_over:  # not resumed: Rule 2 after all
+            if s.mode is Mode.FAILING_OVER:  # not resumed: Rule 2 after all
                 s.worker_gone()
             self.state.stats.failovers[result] += 1
             self.state.stats.failed_over[dead.id] += 1
@@ -83,15 +80,10 @@ class Failover:
                 pause_ms=round((self.state.loop.time() - t_lost) * 1e3, 2) if resumed else None,
             )
 
-    async def _fail_over(self, s: Session, dead: Backend, dead_wt: Any, t_lost: float) -> str:
+    async def _fail_over(self, s: Session, dead: Backend, t_lost: float) -> str:
         loop = self.state.loop
         await self._confirm(s.pool, dead)
         async with self.slots:
-            await wait_until(lambda: not s.migrating, MIGRATION_WAIT)
-            if s.wt is not dead_wt:  # a migration moved it meanwhile
-                s.failing_over = False
-                s.release()
-                return "migrated"
             if s.closing or s.finished or s.client.gone:
                 return "closed"
             assert s.journal is not None
@@ -135,48 +127,30 @@ class Failover:
 
     async def _resume(self, s: Session, target: Backend, transcript: dict[str, Any]) -> str:
         """THAWED and RESUMED on ``target``: resumed, or why not (the next worker may do)."""
-        state = self.state
-        target.sessions += 1  # reserved: concurrent failovers see it in their bounds
+        handoff = self.handoff
         try:
-            try:
-                status, body = await handoff_post(
-                    state, target, s.sid, "thaw", {"state": transcript}
-                )
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                log.info("session %s: thaw on %s failed: %s", s.sid, target.id, exc)
-                state.worker_failed(s.pool, target)
-                return "thaw"
-            if status == 400:
-                why = body.get("error") if isinstance(body, dict) else None
-                log.warning(
-                    "session %s: %s rejected the transcript: %s", s.sid, target.id, why or status
-                )
-                return "rejected"
-            if status != 200:
-                log.log(
-                    logging.WARNING if status == 401 else logging.INFO,
-                    "session %s: thaw on %s answered %d%s",
-                    s.sid,
-                    target.id,
-                    status,
-                    " (wslb's credential refused: see the pool's worker_auth)"
-                    if status == 401
-                    else "",
-                )
-                return "thaw"
-            try:
-                wt, proto, _, trailing = await open_upstream(
-                    state, target, s.req, s.sid, s.secure, resume=True
-                )
-            except (OSError, TimeoutError, UpstreamReject) as exc:
-                log.info("session %s: resume on %s failed: %s", s.sid, target.id, exc)
-                state.worker_failed(s.pool, target)
-                return "resume"
-        finally:
-            target.sessions -= 1
-        if s.closing or s.finished or s.client.gone:
-            wt.close()
-            return "closed"
+            with handoff.reserve(target):
+                try:
+                    await handoff.thaw(target, s.sid, transcript)
+                except HandoffError as exc:
+                    if exc.reason == "network":
+                        self.state.worker_failed(s.pool, target)
+                        log.info("session %s: %s", s.sid, exc)
+                        return "thaw"
+                    log.log(
+                        logging.WARNING if exc.reason == "rejected" else logging.INFO,
+                        "session %s: %s",
+                        s.sid,
+                        exc,
+                    )
+                    return "rejected" if exc.reason == "rejected" else "thaw"
+                wt, proto, trailing = await handoff.resume(target, s)
+        except HandoffError as exc:
+            if exc.reason == "closed":
+                return "closed"
+            log.info("session %s: resume on %s failed: %s", s.sid, target.id, exc)
+            self.state.worker_failed(s.pool, target)
+            return "resume"
         s.resume_on(target, wt, proto, trailing)
         return "resumed"
 
@@ -194,14 +168,17 @@ class Failover:
         """The pool's own health check, once, now (a TCP connect, or ``GET health.path``: an
         engine bridge whose engine died still accepts connections but answers 503). True if it
         passed; else the worker is marked down at once, and its checks bring it back."""
-        http = self.state.handoff_http
-        if http is None or not pool.cfg.health.enabled:
+        if not pool.cfg.health.enabled:
             return True  # no checks would bring it back: passive ejection deals with it
-        if self._checker is None:
-            self._checker = HealthChecker(http, lambda b, ok, draining: None)
-        result = await self._checker.check(pool, backend)
+        checker = self._checkers.get(backend.id)
+        if checker is None:
+            checker = HealthChecker(self.handoff.http(backend), lambda b, ok, draining: None)
+            self._checkers[backend.id] = checker
+        result = await checker.check(pool, backend)
         if result is None or result.ok or result.draining:
             return True
+        await self.handoff.drop(backend)  # its pooled connections lead nowhere now
+        self._checkers.pop(backend.id, None)
         if backend.healthy:
             backend.probe_oks = 0
             backend.set_health(

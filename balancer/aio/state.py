@@ -22,8 +22,6 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-import aiohttp
-
 from balancer import workerauth
 from balancer.aio.offload import Offload
 from balancer.aio.session import Session, SessionSettings
@@ -74,7 +72,6 @@ class ServerState:
         self.connections = 0
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
-        self.handoff_http: aiohttp.ClientSession | None = None  # set while serving
         self.offload: Offload | None = None  # the relay thread, set while serving (app.py)
         # Longest prefix first; for one prefix, the pools naming a model before the one that
         # names none.

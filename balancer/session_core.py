@@ -1,0 +1,742 @@
+"""A live session as data: the rules of its two legs, its mode and its heartbeat, sans I/O.
+
+The session core owns everything that decides what a proxied WebSocket does: the two frame
+scanners, each leg's close state, the session's phase and its mode, the replay log of client
+messages, the counters of earlier worker legs and the heartbeat's bookkeeping. It has no socket,
+no clock and no event loop: the shell (``balancer/aio/session.py``) feeds it events (bytes
+scanned, a side lost, a timer, an operator's request) and carries out the actions it returns
+(write, close, abort, pause or read a side, schedule the timer, finish, fail over). So every
+rule below is tested without a socket (``tests/test_session_core.py``), and a session can be
+described as a value (``snapshot``) and rebuilt around other sockets (``restore``): what client
+resume and hot restart are made of.
+
+The hot path is not an event: the shell feeds the scanners itself and writes what they return
+(one call per read); it asks the core only when a scanner raises ``notable``.
+
+A leg's close state (``Leg``)::
+
+    OPEN --close sent--> CLOSING --transport lost--> CLOSED
+      \\--transport lost--> LOST --close forwarded--> CLOSED
+
+"close sent" means a close frame went to that leg's peer: forwarded from the other peer or
+wslb's own. The session's phase (``Phase``)::
+
+    RELAYING --any close sent or received--> CLOSING --both legs gone--> FINISHED
+
+Rule 1: a close frame from one peer is forwarded to the other (the other leg is CLOSING), and
+the other's answer is forwarded back. When the client leg is CLOSING and the client's own close
+has been seen, the client leg's TCP is closed by wslb (the server closes first); a CLOSING
+worker leg is closed by wslb once the client is gone and the worker's close has been seen.
+
+Rule 2: a worker leg lost while the client leg is OPEN gives the client 1012 if the worker was
+draining, else 1011 (or the client's own code, completing its handshake, if it was closing). A
+client leg lost while the worker leg is OPEN gives the worker 1001.
+
+Rule 3: a framing violation by the client: the worker gets 1001 after ``VIOLATION_GRACE``
+(what it had in flight is relayed first), then the client gets the violation's code (1002,
+1007, 1009), held in ``pending_client_close`` meanwhile. A framing violation by the worker: the
+worker gets 1002 and the client 1014 (bad gateway).
+
+Rule 4: wslb injects a frame of its own only at a frame boundary of the stream it goes into;
+where that is impossible (a worker died mid-frame), the leg's transport is aborted instead.
+
+Rule 5: from CLOSING, every close waits at most ``timeouts.close`` for the peers; then the
+owed close is sent and the transports still open are aborted. FINISHED comes when both legs
+are gone, exactly once.
+
+Rule 6 (crash failover, pools with a journal): a worker leg lost without a close (reset, EOF,
+kill -9, a ping without a pong) while both legs are OPEN, the session RELAYING and both streams
+between messages is not Rule 2's: the worker leg stays OPEN, the client is not read and the
+mode is FAILING_OVER; the shell's host runs the failover (``aio/failover.py``). It ends in a new
+worker leg (``adopt``) or in Rule 2 after all (``worker_gone``: 1011). A worker lost while a
+migration runs is the migration's to hand on: the mode is FAILING_OVER at once, and the
+migration starts the failover when it ends without having moved the session.
+
+The mode (``Mode``) says who drives the session now; one value, changed only by ``enter``,
+which raises ``IllegalTransition`` on any step the table ``TRANSITIONS`` does not list:
+
+    RELAYING      the event loop relays both directions
+    OFFLOADED     the relay thread relays the worker's data frames (Rule 7, ``aio/offload.py``);
+                  every rule above runs in Python, so each entry point that decides anything
+                  takes the session back first (to RELAYING)
+    MIGRATING     a migration runs (``aio/migrate.py``); the client is still read
+    HELD          the migration holds the client (not read) at a message boundary
+    FAILING_OVER  the worker leg is lost and the client is not read (Rule 6)
+    DETACHED      the client leg is lost and the worker leg is kept for the client's resume
+
+Heartbeat: one timer per session that reschedules itself. Every ``ping_interval`` it pings both
+legs with a random payload that the scanners recognise in the pong, so endpoints' own pings and
+pongs pass through untouched; no pong within ``ping_timeout`` ends the session with 1011 (or,
+with a journal, loses the worker leg: Rule 6). The same timer enforces the idle timeout and the
+backpressure limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+from balancer.frames import OP_CLOSE, OP_PING, CloseCode, FrameScanner, build_frame, close_payload
+
+__all__ = [
+    "PAUSES_KEPT",
+    "TRANSITIONS",
+    "VIOLATION_GRACE",
+    "Action",
+    "IllegalTransition",
+    "Leg",
+    "Mode",
+    "Op",
+    "Phase",
+    "SessionCore",
+    "Side",
+]
+
+log = logging.getLogger("wslb.server")
+
+PAUSES_KEPT = 20  # migration pauses a session remembers (GET /sessions)
+# After a client's framing violation, the worker gets this long to send what it was answering
+# before wslb closes its leg (the client gets its close code after that).
+VIOLATION_GRACE = 0.05
+MESSAGE_ENDS_KEPT = 1024  # client message ends the replay log keeps
+
+
+class Leg(IntEnum):
+    """One leg's close state (the module docstring's first diagram)."""
+
+    OPEN = 0
+    CLOSING = 1  # a close went to this peer; its transport is still open
+    LOST = 2  # the transport is gone and no close went to this peer
+    CLOSED = 3  # a close went to this peer and its transport is gone
+
+    @property
+    def close_sent(self) -> bool:
+        return self is Leg.CLOSING or self is Leg.CLOSED
+
+    @property
+    def gone(self) -> bool:
+        return self >= Leg.LOST
+
+    def sent(self) -> Leg:
+        """The state after a close went to this peer."""
+        return Leg.CLOSED if self.gone else Leg.CLOSING
+
+    def lost(self) -> Leg:
+        """The state after the transport closed."""
+        return Leg.CLOSED if self.close_sent else Leg.LOST
+
+
+class Phase(IntEnum):
+    """The session's phase (the module docstring's second diagram)."""
+
+    RELAYING = 0
+    CLOSING = 1  # the close timer runs
+    FINISHED = 2
+
+
+class Mode(IntEnum):
+    """Who drives the session now (the module docstring's table)."""
+
+    RELAYING = 0
+    OFFLOADED = 1
+    MIGRATING = 2
+    HELD = 3
+    FAILING_OVER = 4
+    DETACHED = 5
+
+
+TRANSITIONS: dict[Mode, frozenset[Mode]] = {
+    Mode.RELAYING: frozenset({Mode.OFFLOADED, Mode.MIGRATING, Mode.FAILING_OVER, Mode.DETACHED}),
+    Mode.OFFLOADED: frozenset({Mode.RELAYING}),
+    Mode.MIGRATING: frozenset({Mode.HELD, Mode.RELAYING, Mode.FAILING_OVER}),
+    Mode.HELD: frozenset({Mode.MIGRATING, Mode.RELAYING, Mode.FAILING_OVER}),
+    # HELD: a migration switched the session to its target after the old worker was lost.
+    Mode.FAILING_OVER: frozenset({Mode.RELAYING, Mode.HELD}),
+    Mode.DETACHED: frozenset({Mode.RELAYING}),
+}
+
+# Modes in which the client is not read.
+_CLIENT_HELD = frozenset({Mode.HELD, Mode.FAILING_OVER})
+
+
+class IllegalTransition(RuntimeError):
+    """A mode change the table does not allow: a bug in the caller, never a peer's doing."""
+
+
+class Side(IntEnum):
+    CLIENT = 0
+    WORKER = 1
+
+
+class Op(IntEnum):
+    """What the shell does for an ``Action`` ``(op, side, arg)``."""
+
+    WRITE = 0  # write ``arg`` (bytes) to ``side`` unless its transport is closing
+    SEND_CLOSE = 1  # Rule 4: ``arg`` is the close frame, or None to abort ``side`` instead
+    CLOSE = 2  # close ``side``'s transport (after what was written)
+    ABORT = 3  # abort ``side``'s transport
+    PAUSE = 4  # stop reading ``side``
+    READ = 5  # read ``side`` again
+    SCHEDULE = 6  # the session's timer in ``arg`` seconds (0: none)
+    LATER = 7  # call ``grace_over`` after ``arg`` seconds (Rule 3)
+    COUNTED = 8  # a close with code ``arg`` went to ``side`` (the close counters)
+    BACKPRESSURE = 9  # the session ends for backpressure (the counter)
+    FINISH = 10  # FINISHED: detach the session from its backend, tell the host
+    FAIL_OVER = 11  # Rule 6: the host's failover takes the session
+
+
+Action = tuple[Op, Side | None, Any]
+
+
+def client_scanner(max_frame_size: int, max_message_size: int) -> FrameScanner:
+    """The client-direction scanner: masked, framing limits enforced."""
+    return FrameScanner(
+        masked=True, max_frame_size=max_frame_size, max_message_size=max_message_size
+    )
+
+
+def worker_scanner(max_frame_size: int, max_message_size: int) -> FrameScanner:
+    """A worker-direction scanner: wslb relays what its workers send, one message at a time
+    within a frame limit, and never limits a message's total (an answer streams for long)."""
+    return FrameScanner(
+        masked=False,
+        max_frame_size=max(max_frame_size, max_message_size),
+        max_message_size=1 << 62,
+    )
+
+
+class SessionCore:
+    """The rules of one session (module docstring). Methods named after events return the
+    actions the shell carries out, in order."""
+
+    __slots__ = (
+        "awaiting_pong",
+        "backend_id",
+        "client",
+        "clog",
+        "clog_base",
+        "close_to_client",
+        "close_to_worker",
+        "cs",
+        "ended",
+        "failovers",
+        "last_active",
+        "last_msgs",
+        "leg_start_msg",
+        "limits",
+        "migrations",
+        "mode",
+        "paused_since",
+        "pauses",
+        "pending_client_close",
+        "phase",
+        "prior_backends",
+        "prior_bytes",
+        "prior_frames",
+        "prior_messages",
+        "rand",
+        "replay_limit",
+        "sid",
+        "worker",
+        "ws",
+    )
+
+    def __init__(
+        self,
+        sid: str,
+        backend_id: str,
+        *,
+        max_frame_size: int,
+        max_message_size: int,
+        replay_limit: int = 0,
+        now: float = 0.0,
+        rand: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.sid = sid
+        self.backend_id = backend_id
+        self.limits = (max_frame_size, max_message_size)
+        self.cs = client_scanner(max_frame_size, max_message_size)
+        self.ws = worker_scanner(max_frame_size, max_message_size)
+        self.client = Leg.OPEN
+        self.worker = Leg.OPEN
+        self.phase = Phase.RELAYING
+        self.mode = Mode.RELAYING
+        self.pending_client_close: tuple[int, str] | None = None
+        # For the access log: the close code each side was sent and why the session ended.
+        self.close_to_client: int | None = None
+        self.close_to_worker: int | None = None
+        self.ended: str | None = None
+        # Migration: a bounded log of the client bytes sent on the current worker leg and where
+        # each client message ends in it, to replay what the old worker had not processed.
+        self.replay_limit = replay_limit
+        self.clog: bytearray | None = bytearray() if replay_limit else None
+        self.clog_base = 0  # absolute client-stream offset of clog[0]
+        self.leg_start_msg = 0  # client message index of the first one sent on this leg
+        if self.clog is not None:
+            self.cs.keep_message_ends()
+        # Counts of earlier worker legs (each leg has its own scanner), and the legs.
+        self.prior_frames = 0
+        self.prior_messages = 0
+        self.prior_bytes = 0
+        self.prior_backends: tuple[str, ...] = ()
+        self.migrations = 0
+        self.failovers = 0
+        self.pauses: tuple[float, ...] = ()  # seconds, one per migration, the last PAUSES_KEPT
+        # Heartbeat and idle bookkeeping.
+        self.awaiting_pong = False
+        self.paused_since = 0.0  # when backpressure paused a leg; 0 when flowing
+        self.last_msgs = 0
+        self.last_active = now
+        self.rand = rand
+
+    # -- the mode ----------------------------------------------------------------------------
+
+    def enter(self, mode: Mode) -> None:
+        """Change the mode (the table ``TRANSITIONS``); an illegal step raises."""
+        if mode not in TRANSITIONS[self.mode]:
+            raise IllegalTransition(f"session {self.sid}: {self.mode.name} -> {mode.name}")
+        self.mode = mode
+
+    @property
+    def client_held(self) -> bool:
+        """The client is not read in this mode."""
+        return self.mode in _CLIENT_HELD
+
+    @property
+    def closing(self) -> bool:
+        return self.phase is not Phase.RELAYING
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def may_offload(self) -> bool:
+        """Rule 7: the steady state in which the relay thread may take the session (what the
+        transports must also satisfy is the shell's to check)."""
+        ws = self.ws
+        return (
+            self.mode is Mode.RELAYING
+            and self.phase is Phase.RELAYING
+            and self.client is Leg.OPEN
+            and self.worker is Leg.OPEN
+            and not self.paused_since
+            and self.pending_client_close is None
+            and ws.at_rest
+            and not ws.closed
+            and not ws.drop_close
+            and min(ws.max_frame_size, ws.max_message_size) >= 125
+        )
+
+    # -- the replay log ----------------------------------------------------------------------
+
+    def log_client(self, out: bytes) -> None:
+        """Client bytes relayed (or owed to a lost worker leg) go into the replay log."""
+        clog = self.clog
+        assert clog is not None
+        clog += out
+        excess = len(clog) - self.replay_limit
+        if excess > 0:
+            del clog[:excess]
+            self.clog_base += excess
+            ends = self.cs.ends
+            if ends is not None and len(ends) > MESSAGE_ENDS_KEPT:
+                del ends[:-MESSAGE_ENDS_KEPT]
+
+    def replay_from(self, msg_index: int) -> bytes | None:
+        """Client bytes after the first ``msg_index`` messages of the session, or None when
+        they are no longer in the bounded log."""
+        ends = self.cs.ends
+        if ends is None or self.clog is None:
+            return None
+        start = 0
+        if msg_index > 0:
+            back = self.cs.messages - msg_index  # ``ends`` holds the last ends: from the end
+            if back < 0 or back >= len(ends):
+                return None
+            start = ends[len(ends) - 1 - back]
+        if start < self.clog_base:
+            return None
+        return bytes(self.clog[start - self.clog_base :])
+
+    def new_leg(self, backend_id: str, leg_start_msg: int, *, moved: bool) -> None:
+        """A new worker leg on ``backend_id`` (a migration's or a failover's): the old leg's
+        counts are kept, the new one gets its own scanner."""
+        ws = self.ws
+        self.prior_frames += ws.frames
+        self.prior_messages += ws.messages
+        self.prior_bytes += ws.bytes
+        self.ws = worker_scanner(*self.limits)
+        self.leg_start_msg = leg_start_msg
+        self.prior_backends += (self.backend_id,)
+        self.backend_id = backend_id
+        if moved:
+            self.migrations += 1
+        else:
+            self.failovers += 1
+        if self.mode is Mode.FAILING_OVER:
+            # The worker leg is back: a failover's session relays, a migration's (the old
+            # worker was lost during it) is held until the migration releases it.
+            self.enter(Mode.HELD if moved else Mode.RELAYING)
+
+    def counts(self, thread_frames: int = 0, thread_bytes: int = 0) -> tuple[int, int, int]:
+        """Frames, data messages and bytes worker->client over all legs, with what the relay
+        thread forwarded (whole one-frame messages) added."""
+        ws = self.ws
+        return (
+            self.prior_frames + ws.frames + thread_frames,
+            self.prior_messages + ws.messages + thread_frames,
+            self.prior_bytes + ws.bytes + thread_bytes,
+        )
+
+    # -- events (the rules of the module docstring) ------------------------------------------
+
+    def client_event(self) -> list[Action]:
+        """The client's scanner raised ``notable``."""
+        out: list[Action] = []
+        cs = self.cs
+        if cs.error is not None:
+            self._client_violation(cs.error.code, cs.error.reason, out)
+        elif cs.close is not None and not self.worker.close_sent:
+            # Rule 1: the client's close was forwarded to the worker.
+            self.worker = self.worker.sent()
+            self.close_to_worker = cs.close[0]
+            self.end("client closed")
+            out.append((Op.COUNTED, Side.WORKER, cs.close[0]))
+            self._begin_closing(out)
+        self._maybe_finish(out)
+        return out
+
+    def worker_event(self) -> list[Action]:
+        """The worker's scanner raised ``notable``."""
+        out: list[Action] = []
+        ws = self.ws
+        if ws.error is not None:  # Rule 3
+            log.warning(
+                "session %s: worker %s broke framing: %s", self.sid, self.backend_id, ws.error
+            )
+            self.end(f"worker broke framing: {ws.error.reason}")
+            self._send_worker_close(CloseCode.PROTOCOL_ERROR, ws.error.reason, out)
+            self._send_client_close(CloseCode.BAD_GATEWAY, "bad frame from worker", out)
+        elif ws.close is not None:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+                self._send_client_close(code, reason, out)
+            elif not self.client.close_sent:
+                # Rule 1: the worker's close went through to the client.
+                self.client = self.client.sent()
+                self.close_to_client = ws.close[0]
+                self.end("worker closed")
+                out.append((Op.COUNTED, Side.CLIENT, ws.close[0]))
+            self._begin_closing(out)
+        self._maybe_finish(out)
+        return out
+
+    def _client_violation(self, code: int, reason: str, out: list[Action]) -> None:
+        """Rule 3, the client's side."""
+        self.end(f"client broke the protocol: {reason}")
+        if self.worker is not Leg.OPEN:
+            self._send_client_close(code, reason, out)
+            return
+        # Let the worker's in-flight messages through first (answers to what the client sent
+        # before the bad frame), then give the client its code.
+        self.pending_client_close = (code, reason)
+        self.ws.drop_next_close()
+        self._begin_closing(out)
+        out.append((Op.LATER, None, VIOLATION_GRACE))
+
+    def grace_over(self) -> list[Action]:
+        """Rule 3: the worker had its grace after the client's violation."""
+        out: list[Action] = []
+        self._send_worker_close(CloseCode.GOING_AWAY, "client protocol error", out)
+        return out
+
+    def may_fail_over(self, journal: bool) -> bool:
+        """Rule 6: lost without a close, while both sides were relaying, between messages."""
+        return (
+            journal
+            and self.mode is not Mode.FAILING_OVER
+            and self.mode is not Mode.DETACHED
+            and self.phase is Phase.RELAYING
+            and self.client is Leg.OPEN
+            and self.worker is Leg.OPEN
+            and self.pending_client_close is None
+            and self.ws.close is None
+            and self.ws.error is None
+            and self.cs.close is None
+            and self.cs.at_message_boundary
+        )
+
+    def worker_lost(self, *, journal: bool, draining: bool) -> list[Action]:
+        """The worker leg's transport closed: Rule 6 where it applies, else Rule 2."""
+        if self.may_fail_over(journal):
+            migrating = self.mode is Mode.MIGRATING or self.mode is Mode.HELD
+            self.enter(Mode.FAILING_OVER)
+            out: list[Action] = [(Op.PAUSE, Side.CLIENT, None)]
+            if not migrating:  # else the migration hands it on when it ends
+                out.append((Op.FAIL_OVER, None, None))
+            return out
+        return self.worker_gone(draining=draining)
+
+    def worker_gone(self, *, draining: bool) -> list[Action]:
+        """Rule 2 for a worker leg that is gone (also when a failover could not save it)."""
+        out: list[Action] = []
+        if self.mode is Mode.FAILING_OVER:
+            self.enter(Mode.RELAYING)
+            out.append((Op.READ, Side.CLIENT, None))  # the client's answer to our close
+        self.worker = self.worker.lost()
+        if self.client is Leg.OPEN:
+            if self.pending_client_close is not None:
+                code, reason = self.pending_client_close
+            elif self.cs.close is not None:
+                # The client was closing anyway: complete its handshake with its own code.
+                code, reason = self.cs.close
+                code = CloseCode.NORMAL if code == CloseCode.NO_STATUS else code
+            elif draining:
+                code, reason = CloseCode.SERVICE_RESTART, "worker restarting"
+            else:
+                code, reason = CloseCode.INTERNAL_ERROR, "worker lost"
+            lost = code in (CloseCode.INTERNAL_ERROR, CloseCode.SERVICE_RESTART)
+            self.end(reason if lost else "worker closed")
+            self._send_client_close(code, reason, out)
+        self._maybe_finish(out)
+        return out
+
+    def client_lost(self) -> list[Action]:
+        """The client leg's transport closed (Rule 2)."""
+        out: list[Action] = []
+        self.client = self.client.lost()
+        if self.worker is Leg.OPEN:
+            self.end("client went away")
+            self._send_worker_close(CloseCode.GOING_AWAY, "client went away", out)
+        self._maybe_finish(out)
+        return out
+
+    def close(self, code: int, reason: str) -> list[Action]:
+        """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``
+        (the worker 1001 where the client gets 1012: it is the one going away)."""
+        out: list[Action] = []
+        self.end(reason)
+        self._send_client_close(code, reason, out)
+        worker_code = CloseCode.GOING_AWAY if code == CloseCode.SERVICE_RESTART else code
+        self._send_worker_close(worker_code, reason, out)
+        self._maybe_finish(out)
+        return out
+
+    def end(self, why: str) -> None:
+        """Record why the session ends, for the access log: the first cause wins."""
+        if self.ended is None:
+            self.ended = why
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def _send_client_close(self, code: int, reason: str, out: list[Action]) -> None:
+        self.pending_client_close = None
+        if self.client is not Leg.OPEN:
+            return
+        self.client = Leg.CLOSING
+        self.close_to_client = code
+        self.ws.stop()  # nothing more goes to the client after our close
+        out.append((Op.COUNTED, Side.CLIENT, code))
+        # Failing the connection (RFC 6455 7.1.7) after a client's violation: close TCP at
+        # once, without waiting for an answer.
+        self._close_frame(Side.CLIENT, self.ws, code, reason, False, out)
+        if self.cs.error is not None:
+            out.append((Op.CLOSE, Side.CLIENT, None))
+        self._begin_closing(out)
+
+    def _send_worker_close(self, code: int, reason: str, out: list[Action]) -> None:
+        if self.worker is not Leg.OPEN:
+            return
+        self.worker = Leg.CLOSING
+        self.close_to_worker = code
+        self.cs.stop()
+        out.append((Op.COUNTED, Side.WORKER, code))
+        self._close_frame(Side.WORKER, self.cs, code, reason, True, out)
+        self._begin_closing(out)
+
+    @staticmethod
+    def _close_frame(
+        side: Side, into: FrameScanner, code: int, reason: str, mask: bool, out: list[Action]
+    ) -> None:
+        """wslb's own close frame into a stream, at a frame boundary only (Rule 4)."""
+        frame = (
+            build_frame(OP_CLOSE, close_payload(code, reason), mask=mask)
+            if into.at_frame_boundary
+            else None
+        )
+        out.append((Op.SEND_CLOSE, side, frame))
+
+    def _begin_closing(self, out: list[Action]) -> None:
+        if self.phase is not Phase.RELAYING:
+            return
+        self.phase = Phase.CLOSING
+        out.append((Op.SCHEDULE, None, None))  # the close timer (the shell knows its length)
+
+    def _maybe_finish(self, out: list[Action]) -> None:
+        """Rule 1's TCP closes, and Rule 5's single FINISHED."""
+        # A close wslb sent on the worker's behalf waits for the client's answer (or the timer).
+        if self.client is Leg.CLOSING and self.cs.close is not None:
+            out.append((Op.CLOSE, Side.CLIENT, None))
+        if self.worker is Leg.CLOSING and self.client.gone and self.ws.close is not None:
+            out.append((Op.CLOSE, Side.WORKER, None))
+        if self.client.gone and self.worker.gone and self.phase is not Phase.FINISHED:
+            self.phase = Phase.FINISHED
+            out.append((Op.FINISH, None, None))
+
+    def close_timeout(self) -> list[Action]:
+        """Rule 5: the peers had ``timeouts.close`` to finish their close handshakes."""
+        out: list[Action] = []
+        if self.pending_client_close is not None:
+            code, reason = self.pending_client_close
+            self._send_client_close(code, reason, out)
+        if not self.client.gone:
+            out.append((Op.ABORT, Side.CLIENT, None))
+        if not self.worker.gone:
+            out.append((Op.ABORT, Side.WORKER, None))
+        return out
+
+    # -- heartbeat and idle timer ------------------------------------------------------------
+
+    def tick(
+        self,
+        now: float,
+        relayed: int,
+        *,
+        ping_interval: float,
+        ping_timeout: float,
+        idle: float,
+        backpressure: float,
+        first_tick: float,
+        journal: bool,
+    ) -> list[Action]:
+        """The session's timer fired at ``now``; ``relayed`` is the data messages relayed both
+        ways so far (the relay thread's included). The actions end with the next SCHEDULE."""
+        out: list[Action] = []
+        if self.phase is Phase.FINISHED:
+            return out
+        if self.phase is Phase.CLOSING:
+            return self.close_timeout()
+        if self.mode is Mode.FAILING_OVER:  # no worker leg to ping; the failover is bounded
+            out.append((Op.SCHEDULE, None, first_tick))
+            return out
+        if relayed != self.last_msgs:
+            self.last_msgs = relayed
+            self.last_active = now
+        elif idle > 0 and now - self.last_active >= idle:
+            return self.close(CloseCode.GOING_AWAY, "idle timeout")
+        if self.paused_since and backpressure > 0 and now - self.paused_since >= backpressure:
+            log.info("session %s: paused by backpressure for %.0fs", self.sid, backpressure)
+            out.append((Op.BACKPRESSURE, None, None))
+            out += self.close(CloseCode.POLICY, "peer not reading")
+            return out
+        if ping_interval <= 0:
+            out.append((Op.SCHEDULE, None, first_tick))
+            return out
+        if self.awaiting_pong:
+            self.awaiting_pong = False
+            if self.cs.own_ping is not None:
+                log.info("session %s: client ping timeout", self.sid)
+                self.end("client ping timeout")
+                self._send_client_close(CloseCode.INTERNAL_ERROR, "ping timeout", out)
+                self._send_worker_close(CloseCode.GOING_AWAY, "client ping timeout", out)
+                self._maybe_finish(out)
+                return out
+            if self.ws.own_ping is not None:
+                log.info("session %s: worker %s ping timeout", self.sid, self.backend_id)
+                if not journal:
+                    self.end("worker ping timeout")
+                    self._send_client_close(CloseCode.INTERNAL_ERROR, "worker ping timeout", out)
+                out.append((Op.ABORT, Side.WORKER, None))  # with a journal: Rule 6's loss
+                return out
+            out.append((Op.SCHEDULE, None, max(0.0, ping_interval - ping_timeout) or 0.001))
+            return out
+        # Ping each leg whose outgoing stream is at a frame boundary (else skip it this round).
+        self._ping(self.ws, self.cs, Side.CLIENT, False, out)
+        self._ping(self.cs, self.ws, Side.WORKER, True, out)
+        self.awaiting_pong = True
+        out.append((Op.SCHEDULE, None, ping_timeout))
+        return out
+
+    def _ping(
+        self, into: FrameScanner, answers: FrameScanner, side: Side, mask: bool, out: list[Action]
+    ) -> None:
+        """A ping to ``side`` if the stream into it (``into``) is between frames; the pong
+        comes back through ``answers``, which consumes it."""
+        if into.at_frame_boundary and answers.own_ping is None:
+            payload = self.rand(8)
+            answers.expect_pong(payload)
+            out.append((Op.WRITE, side, build_frame(OP_PING, payload, mask=mask)))
+
+    # -- as data -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The core as a JSON value (``restore`` rebuilds it). Taken where the shell has no
+        bytes of its own in flight (the relay thread's counts credited, its carry scanned)."""
+        return {
+            "sid": self.sid,
+            "backend": self.backend_id,
+            "limits": list(self.limits),
+            "cs": self.cs.snapshot(),
+            "ws": self.ws.snapshot(),
+            "client": int(self.client),
+            "worker": int(self.worker),
+            "phase": int(self.phase),
+            "mode": self.mode.name,
+            "pending_client_close": (
+                None if self.pending_client_close is None else list(self.pending_client_close)
+            ),
+            "close_to_client": self.close_to_client,
+            "close_to_worker": self.close_to_worker,
+            "ended": self.ended,
+            "replay_limit": self.replay_limit,
+            "clog": None if self.clog is None else base64.b64encode(self.clog).decode(),
+            "clog_base": self.clog_base,
+            "leg_start_msg": self.leg_start_msg,
+            "prior": [self.prior_frames, self.prior_messages, self.prior_bytes],
+            "prior_backends": list(self.prior_backends),
+            "migrations": self.migrations,
+            "failovers": self.failovers,
+            "pauses": list(self.pauses),
+            "awaiting_pong": self.awaiting_pong,
+            "paused_since": self.paused_since,
+            "last_msgs": self.last_msgs,
+            "last_active": self.last_active,
+        }
+
+    @classmethod
+    def restore(cls, data: dict[str, Any], *, now_offset: float = 0.0) -> SessionCore:
+        """The core ``snapshot`` described. ``now_offset`` moves its clock readings into the
+        clock of the process that restores it (loop time differs across processes)."""
+        mf, mm = data["limits"]
+        core = cls(data["sid"], data["backend"], max_frame_size=mf, max_message_size=mm)
+        core.cs = FrameScanner.restore(data["cs"])
+        core.ws = FrameScanner.restore(data["ws"])
+        core.client = Leg(data["client"])
+        core.worker = Leg(data["worker"])
+        core.phase = Phase(data["phase"])
+        core.mode = Mode[data["mode"]]
+        pcc = data["pending_client_close"]
+        core.pending_client_close = None if pcc is None else (int(pcc[0]), str(pcc[1]))
+        core.close_to_client = data["close_to_client"]
+        core.close_to_worker = data["close_to_worker"]
+        core.ended = data["ended"]
+        core.replay_limit = data["replay_limit"]
+        clog = data["clog"]
+        core.clog = None if clog is None else bytearray(base64.b64decode(clog))
+        core.clog_base = data["clog_base"]
+        core.leg_start_msg = data["leg_start_msg"]
+        core.prior_frames, core.prior_messages, core.prior_bytes = data["prior"]
+        core.prior_backends = tuple(data["prior_backends"])
+        core.migrations = data["migrations"]
+        core.failovers = data["failovers"]
+        core.pauses = tuple(data["pauses"])
+        core.awaiting_pong = data["awaiting_pong"]
+        ps = data["paused_since"]
+        core.paused_since = ps + now_offset if ps else 0.0
+        core.last_msgs = data["last_msgs"]
+        core.last_active = data["last_active"] + now_offset
+        return core
