@@ -37,8 +37,6 @@ import asyncio
 import datetime as dt
 import itertools
 import json
-import os
-import platform
 import re
 import secrets
 import signal
@@ -58,9 +56,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import pct, sigterm_as_interrupt  # noqa: E402
+from bench.lib.launch import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
+from bench.lib.machine import machine_line  # noqa: E402
+from bench.lib.script import sigterm_as_interrupt  # noqa: E402
+from bench.lib.stats import summary  # noqa: E402
 from tests.engines import LlamaServer  # noqa: E402
-from tests.procs import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to fly. Make it at least ten sentences."
 TIMEOUT = 120.0  # seconds for one message from a CPU engine, at most
@@ -251,10 +251,6 @@ async def freeze_probe(bridge: Worker, n: int, max_tokens: int, after: int) -> l
     return out
 
 
-def summary(values: Sequence[float]) -> dict[str, float]:
-    return {"n": len(values), "p50": pct(values, 50), "p99": pct(values, 99)}
-
-
 async def run(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     parallel = max(4, args.sessions)
     engines = [
@@ -289,19 +285,18 @@ async def run(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     mig, wslb_pauses, prefill = await migration(
         lb, engines[1], args.sessions, args.answer, args.after
     )
-    pause = summary(mig["pause_ms"])
-    fz, pf = summary(freeze), summary(prefill)
+    pause = summary(mig["pause_ms"], peak=False)
+    fz, pf = summary(freeze, peak=False), summary(prefill, peak=False)
     rest = {q: pause[q] - fz[q] - pf[q] for q in ("p50", "p99")}
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
-        "llama-server threads=1",
+        "machine": f"{machine_line()}; llama-server threads=1",
         "args": vars(args),
         "overhead": over,
         "migration": {
             **mig,
             "pause": pause,
-            "wslb_pause": summary(wslb_pauses),
+            "wslb_pause": summary(wslb_pauses, peak=False),
             "freeze": fz,
             "re_prefill": pf,
             "first_chunk_derived": rest,

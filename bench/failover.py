@@ -2,7 +2,7 @@
 """Crash-failover benchmark: the pause a killed worker's sessions see, what the journal costs in
 CPU per frame, and how big it grows.
 
-Three parts, all on 127.0.0.1, every process through ``tests.procs`` (``--parts`` picks them):
+Three parts, all on 127.0.0.1, every process through ``bench.lib.launch`` (``--parts`` picks them):
 
 - **pause** (for each N of ``--sessions``, fresh processes each): wslb (failover on) starts with
   one worker, the victim, so all N chat sessions land on it without depending on the hash; then
@@ -20,7 +20,7 @@ Three parts, all on 127.0.0.1, every process through ``tests.procs`` (``--parts`
   to be seen and the failover.
 - **cpu**: wslb's CPU microseconds per forwarded frame at a steady token-stream load, failover
   off and on, in the same run: two wslb processes (one per setting) in front of the same workers;
-  the load (``--cpu-sessions`` at ``--rate``, bench/token_stream.py's load-generator processes)
+  the load (``--cpu-sessions`` at ``--rate``, ``bench.lib.load``'s load-generator processes)
   goes to one, then the other, alternating off/on ``--cpu-windows`` times each; each window
   measures wslb's user+sys CPU (psutil) over ``wslb_frames_total``. The alternation is so that
   other jobs on the machine hit both settings alike; the ratio of medians, and the median of the
@@ -65,34 +65,29 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import (  # noqa: E402
-    cpu_sample,
-    cpu_window,
-    log_problems,
-    parse_sizes,
-    pct,
-    prom_by_label,
-    prom_histogram,
-    sigterm_as_interrupt,
-)
-from bench.migration import (  # noqa: E402
-    Admin,
-    LagMonitor,
-    Stream,
-    log_time,
-    tree_state,
-    wait_active,
-)
-from bench.token_stream import (  # noqa: E402
+from bench.lib.chat import LagMonitor, Stream  # noqa: E402
+from bench.lib.cpu import cpu_sample, cpu_window  # noqa: E402
+from bench.lib.launch import Procs, Worker, Wslb  # noqa: E402
+from bench.lib.load import (  # noqa: E402
     ClientProc,
     Window,
     WslbTarget,
     make_window,
+    spawn_client,
     start_workers,
     take_sample,
 )
-from bench.token_stream import machine as machine_info  # noqa: E402
-from tests.procs import Procs, Worker, Wslb  # noqa: E402
+from bench.lib.machine import machine, machine_line, tree_state  # noqa: E402
+from bench.lib.script import parse_sizes, sigterm_as_interrupt  # noqa: E402
+from bench.lib.stats import pct, summary  # noqa: E402
+from bench.lib.wslb import (  # noqa: E402
+    Admin,
+    log_problems,
+    log_time,
+    prom_by_label,
+    prom_histogram,
+    wait_active,
+)
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 RESUMED_RE = re.compile(
@@ -108,21 +103,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def dist(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50": pct(values, 50),
-        "p99": pct(values, 99),
-        "max": max(values) if values else math.nan,
-    }
-
-
 def f1(x: float) -> str:
     return "-" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x:.1f}")
 
 
-def ppm(d: dict[str, float]) -> str:
-    """p50/p99/max of a ``dist``."""
+def ppm(values: Sequence[float]) -> str:
+    """p50/p99/max of ``values``."""
+    d = summary(values)
     return f"{f1(d['p50'])}/{f1(d['p99'])}/{f1(d['max'])}"
 
 
@@ -149,7 +136,7 @@ def start_wslb(
 
 
 class OneAnswer(Stream):
-    """A ``bench.migration.Stream`` that asks once: the answer the kill cuts, then nothing until
+    """A ``bench.lib.chat.Stream`` that asks once: the answer the kill cuts, then nothing until
     the end (a close meanwhile counts)."""
 
     async def prompt(self) -> None:
@@ -383,8 +370,8 @@ def pause_report(rs: list[PauseResult], args: argparse.Namespace) -> list[str]:
         token_errors = sum(v for k, v in r.errors.items() if k != "closes")
         w(
             f"| {r.sessions} | {r.failovers.get('resumed', 0)}/{r.on_victim} | "
-            f"{ppm(dist(r.gaps_ms))} | {ppm(dist(r.since_kill_ms))} | {ppm(dist(r.model_ms))} | "
-            f"{ppm(dist(over))} | {ppm(dist(r.wslb_pauses_ms))} | {f1(h['mean_ms'])}, "
+            f"{ppm(r.gaps_ms)} | {ppm(r.since_kill_ms)} | {ppm(r.model_ms)} | "
+            f"{ppm(over)} | {ppm(r.wslb_pauses_ms)} | {f1(h['mean_ms'])}, "
             f"{f1(h['p50_le_ms'])}, {f1(h['p99_le_ms'])} (n={int(h['count'])}) | "
             f"{r.all_resumed_s:.2f} | {token_errors} | {r.errors['closes']} |"
         )
@@ -458,7 +445,7 @@ class CpuWindow:
 def spawn_clients(
     procs: Procs, url: str, sessions: int, n: int, max_tokens: int, ramp: float, prefix: str
 ) -> list[ClientProc]:
-    """bench/token_stream.py's load generators (each session re-prompts, one prompt queued)."""
+    """``bench.lib.load``'s load generators (each session re-prompts, one prompt queued)."""
     clients = []
     for c in range(n):
         share = sessions // n + (1 if c < sessions % n else 0)
@@ -470,9 +457,7 @@ def spawn_clients(
             "jitter": False,
             "ramp_s": ramp,
         }
-        cmd = [sys.executable, str(ROOT / "bench" / "token_stream.py"), "--client-spec"]
-        proc = procs.spawn(f"{prefix}-c{c}", [*cmd, json.dumps(spec)], pipes=True, term_timeout=0)
-        clients.append(ClientProc(proc, share))
+        clients.append(spawn_client(procs, f"{prefix}-c{c}", spec))
     return clients
 
 
@@ -757,9 +742,7 @@ def info_lines(info: dict[str, Any]) -> list[str]:
     la = info["loadavg"]
     return [
         f"command: {info['command']}",
-        f"machine: {info['nproc']} x {info['cpu']}, Linux {info['kernel']}, Python "
-        f"{info['python']}, uvloop {info['uvloop']}, aiohttp {info['aiohttp']}; loadavg before "
-        f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}",
+        f"machine: {machine_line(info)}; loadavg before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}",
         f"wslb tree: {info['tree']}",
         "wslb, the workers and the clients share the machine (and whatever else runs on it: "
         "see 'other jobs')",
@@ -812,7 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parse_size(args.journal_limit)
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     info = {
-        **machine_info(),
+        **machine(),
         "loadavg": os.getloadavg(),
         "tree": tree_state(),
         "command": " ".join(["python", "bench/failover.py", *map(shlex.quote, sys.argv[1:])]),

@@ -33,27 +33,23 @@ Not a test: pytest collects only ``tests/``. Run ``python bench/migration.py --h
 from __future__ import annotations
 
 import argparse
-import array
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import math
 import os
-import platform
 import re
 import secrets
 import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,215 +59,22 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from backends.model import token_text  # noqa: E402
-from bench.common import (  # noqa: E402
-    cpu_model,
-    cpu_sample,
-    cpu_window,
-    dist_version,
-    parse_sizes,
-    pct,
-    sigterm_as_interrupt,
-)
-from tests.procs import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
+from bench.lib.chat import LagMonitor, Stream  # noqa: E402
+from bench.lib.cpu import cpu_sample, cpu_window  # noqa: E402
+from bench.lib.launch import WORKER_AUTH, Procs, Worker, Wslb  # noqa: E402
+from bench.lib.machine import machine, machine_line, tree_state  # noqa: E402
+from bench.lib.script import parse_sizes, sigterm_as_interrupt  # noqa: E402
+from bench.lib.stats import pct, summary  # noqa: E402
+from bench.lib.wslb import Admin, log_time, wait_active  # noqa: E402
 
 CONNECT_PARALLEL = 32  # WebSocket handshakes in flight while opening the sessions
 CONNECT_TIMEOUT = 30.0  # seconds to open every session
 DRAIN_POLL = 0.02  # seconds between admin polls while waiting for "drained"
 STALL_SLACK = 0.3  # seconds after "drained" still searched for the migration gap
-LAG_TICK = 0.005  # the client's event-loop lag probe interval
 HASH_BALANCE_FACTOR = 1.5
-
-# -- statistics ------------------------------------------------------------------------------
-
-
-def summary(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "n": len(values),
-        "p50": pct(values, 50),
-        "p90": pct(values, 90),
-        "p99": pct(values, 99),
-        "max": max(values) if values else math.nan,
-    }
-
-
-# -- the client ------------------------------------------------------------------------------
-
-
-@dataclass
-class Stream:
-    """One chat session through wslb, checked token by token."""
-
-    sid: str
-    answer: int
-    first_worker: str = ""
-    workers: list[str] = field(default_factory=list)  # the worker of each ``done``
-    turn: int = 0
-    expect: int = 0  # next token index of the current turn
-    missing: set[int] = field(default_factory=set)
-    prompt_words: int = 0  # words of every prompt sent so far (they are context tokens)
-    times: array.array[float] = field(default_factory=lambda: array.array("d"))
-    tokens: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    out_of_order: int = 0
-    bad_text: int = 0
-    unexpected: int = 0
-    closes: int = 0  # closes the client did not ask for
-    close_info: str = ""
-    connected: bool = False
-    stopping: bool = False
-    ws: aiohttp.ClientWebSocketResponse | None = None
-
-    def in_answer(self) -> bool:
-        return 0 < self.expect < self.answer
-
-    async def prompt(self) -> None:
-        assert self.ws is not None
-        self.turn += 1
-        self.expect = 0
-        self.missing.clear()
-        text = f"turn {self.turn} of {self.sid}: please keep talking"
-        self.prompt_words += len(text.split())
-        await self.ws.send_str(
-            json.dumps({"type": "prompt", "text": text, "max_tokens": self.answer})
-        )
-
-    def on_token(self, msg: dict[str, Any]) -> None:
-        turn, i = msg.get("turn"), msg.get("i")
-        if turn != self.turn or not isinstance(i, int):
-            self.unexpected += 1
-            return
-        self.tokens += 1
-        if msg.get("text") != token_text(self.sid, turn, i):
-            self.bad_text += 1
-        if i == self.expect:
-            self.expect += 1
-        elif i > self.expect:
-            self.missing.update(range(self.expect, i))
-            self.expect = i + 1
-        elif i in self.missing:
-            self.missing.discard(i)
-            self.out_of_order += 1
-        else:
-            self.duplicated += 1
-
-    def finish(self) -> None:
-        """The client stopped: tokens skipped in the unfinished answer count as lost too."""
-        self.lost += len(self.missing)
-        self.missing.clear()
-
-    def context_at(self, sent: int) -> int:
-        """Context tokens the worker held when it had sent ``sent`` messages on the session:
-        the prompts plus every token (messages less the hello and the ``done`` of each earlier
-        turn; exact while the session is in its first answer, the default)."""
-        return self.prompt_words + max(0, sent - 1 - len(self.workers))
-
-    def on_done(self, msg: dict[str, Any]) -> None:
-        if msg.get("turn") != self.turn or msg.get("tokens") != self.answer:
-            self.unexpected += 1
-        if self.expect < self.answer:
-            self.missing.update(range(self.expect, self.answer))
-        self.lost += len(self.missing)
-        self.missing.clear()
-        self.workers.append(str(msg.get("worker")))
-
-    async def run(self, http: aiohttp.ClientSession, url: str, gate: asyncio.Semaphore) -> None:
-        async with gate:
-            self.ws = await http.ws_connect(
-                f"{url}/ws?session={self.sid}", autoping=True, max_msg_size=0
-            )
-            hello = await self.ws.receive_json(timeout=10)
-            if hello.get("type") != "hello" or hello.get("session") != self.sid:
-                raise RuntimeError(f"{self.sid}: expected hello, got {hello!r}")
-            self.first_worker = str(hello["worker"])
-            self.connected = True
-        await self.prompt()
-        ws, times, now = self.ws, self.times, time.monotonic
-        while True:
-            msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
-                if not self.stopping:
-                    self.closes += 1
-                    self.close_info = f"{msg.type.name} {ws.close_code} {msg.extra!r}"
-                return
-            times.append(now())
-            obj = json.loads(msg.data)
-            kind = obj.get("type")
-            if kind == "token":
-                self.on_token(obj)
-            elif kind == "done":
-                self.on_done(obj)
-                if not self.stopping:
-                    await self.prompt()
-            else:
-                self.unexpected += 1
-
-    def stall(self, t0: float, t1: float) -> tuple[float, float] | None:
-        """(largest gap ending in [t0, t1], median gap) in seconds; None if too few messages."""
-        t = self.times
-        if len(t) < 5:
-            return None
-        gaps = [t[k] - t[k - 1] for k in range(1, len(t))]
-        window = [t[k] - t[k - 1] for k in range(1, len(t)) if t0 <= t[k] <= t1]
-        if not window:
-            return None
-        return max(window), statistics.median(gaps)
-
-
-class LagMonitor:
-    """How late this process's event loop wakes up (it timestamps the tokens)."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            t = time.monotonic()
-            await asyncio.sleep(LAG_TICK)
-            now = time.monotonic()
-            self.samples.append((now, now - t - LAG_TICK))
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-    def window(self, t0: float, t1: float) -> list[float]:
-        return [lag for at, lag in self.samples if t0 <= at <= t1]
 
 
 # -- wslb's admin API, logs and metrics -------------------------------------------------------
-
-
-class Admin:
-    """``wslb``'s admin API, every request with its bearer token."""
-
-    def __init__(self, http: aiohttp.ClientSession, wslb: Wslb) -> None:
-        self.http = http
-        self.base = f"http://127.0.0.1:{wslb.admin_port}"
-        self.headers = wslb.auth
-
-    async def get(self, path: str) -> Any:
-        async with self.http.get(
-            self.base + path, headers=self.headers, timeout=aiohttp.ClientTimeout(10)
-        ) as r:
-            r.raise_for_status()
-            if path == "/metrics":
-                return await r.text()
-            return await r.json()
-
-    async def post(self, path: str, body: Any) -> tuple[int, Any]:
-        # json= sends Content-Type: application/json, which the admin API requires (else 415).
-        async with self.http.post(
-            self.base + path, json=body, headers=self.headers, timeout=aiohttp.ClientTimeout(10)
-        ) as r:
-            return r.status, await r.json(content_type=None)
 
 
 def prom_samples(text: str) -> dict[str, float]:
@@ -292,12 +95,6 @@ MOVED_RE = re.compile(_TS + r" INFO \S+: session (\S+) moved (\S+) -> (\S+) in (
 FAILED_RE = re.compile(_TS + r" (?:INFO|WARNING) wslb\.migrate: session (\S+): (.*)")
 FROZE_RE = re.compile(_TS + r" INFO \S+: froze session (\S+): sent=(\d+) received=(\d+)")
 THAWED_RE = re.compile(_TS + r" INFO \S+: thawed session (\S+) \(kv (\w+), ([\d.]+) ms\)")
-
-
-def log_time(stamp: str) -> float:
-    """A log line's time as a Unix time: ISO 8601 with its zone (wslb's and its workers'), or
-    an older ``logging`` asctime (local time, ``,`` before the ms)."""
-    return dt.datetime.fromisoformat(stamp.replace(",", ".")).timestamp()
 
 
 @dataclass
@@ -508,16 +305,6 @@ def start_system(procs: Procs, args: argparse.Namespace) -> tuple[list[Worker], 
     return workers, wslb.start(wait_ready=False, timeout=20.0)
 
 
-async def wait_active(admin: Admin, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        backends = await admin.get("/backends")
-        if all(b["state"] == "active" and b.get("healthy", True) for b in backends):
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"backends not active after {timeout:g}s: {backends}")
-
-
 def wait_idle(limit: float, busy_max: float = 15.0) -> float:
     """Wait up to ``limit`` seconds for a 2 s window with the machine under ``busy_max`` % busy
     (other jobs sharing it); returns the last window's busy %."""
@@ -714,40 +501,6 @@ async def _measure(
 # -- report ----------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": cpu_model(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "uvloop": dist_version("uvloop"),
-        "aiohttp": dist_version("aiohttp"),
-        "loadavg_before": os.getloadavg(),
-        "tree": tree_state(),
-        "command": " ".join(["python", "bench/migration.py", *map(shlex.quote, sys.argv[1:])]),
-    }
-
-
-def tree_state() -> str:
-    """The commit under test, and whether balancer/ or backends/ differ from it."""
-
-    def git(*cmd: str) -> str:
-        try:
-            out = subprocess.run(
-                ["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
-            )
-        except (OSError, subprocess.SubprocessError):
-            return ""
-        return out.stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "balancer", "backends").splitlines()
-    if not dirty:
-        return f"{head} (balancer/ and backends/ clean)"
-    names = ", ".join(line[3:] for line in dirty[:6]) + (" ..." if len(dirty) > 6 else "")
-    return f"{head} + uncommitted changes in {names}"
-
-
 def f1(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.1f}"
 
@@ -755,7 +508,7 @@ def f1(x: float) -> str:
 def table_row(label: str, rs: Sequence[RunResult]) -> str:
     pauses = [p for r in rs for p in r.pauses_ms]
     stalls = [p for r in rs for p in r.stalls_ms]
-    ps, ss = summary(pauses), summary(stalls)
+    ps, ss = summary(pauses, (50, 90, 99)), summary(stalls, (50, 90, 99))
     errors = sum(v for r in rs for v in r.errors.values())
     drain = "/".join(f"{r.drain_s:.2f}" for r in rs)
     drain_c = "/".join(f"{r.drain_client_s:.2f}" for r in rs)
@@ -771,11 +524,7 @@ def report(info: dict[str, Any], results: list[RunResult], args: argparse.Namesp
     out: list[str] = []
     w = out.append
     la = info["loadavg_before"]
-    w(
-        f"machine: {info['nproc']} x {info['cpu']}, Linux {info['kernel']}, Python "
-        f"{info['python']}, uvloop {info['uvloop']}, aiohttp {info['aiohttp']}; "
-        f"loadavg before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}"
-    )
+    w(f"machine: {machine_line(info)}; loadavg before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
     w(f"wslb tree: {info['tree']}")
     w(f"command: {info['command']}")
     w(
@@ -831,7 +580,7 @@ def report(info: dict[str, Any], results: list[RunResult], args: argparse.Namesp
     w("")
     for r in results:
         cs, cd = r.cpu_steady, r.cpu_drain
-        ctl = summary(r.control_stalls_ms)
+        ctl = summary(r.control_stalls_ms, (50, 90, 99))
         w(
             f"- N={r.sessions} rep {r.repeat + 1}: drained {r.drained} ({r.moved} sessions, "
             f"{r.mid_answer_at_drain} mid-answer); CPU % of one core, steady / during drain: "
@@ -924,7 +673,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every session must still be in its first answer when the drain and the after-window end.
         args.answer = math.ceil(args.rate * (args.warmup + args.after + 20.0))
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
-    info = machine()
+    info = machine() | {
+        "loadavg_before": os.getloadavg(),
+        "tree": tree_state(),
+        "command": " ".join(["python", "bench/migration.py", *map(shlex.quote, sys.argv[1:])]),
+    }
     results: list[RunResult] = []
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     with contextlib.suppress(ImportError):

@@ -92,14 +92,14 @@ from websockets.asyncio.client import ClientConnection, connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import tests.procs as procs_module  # noqa: E402
 from balancer.config import PlacementCfg, PoolCfg  # noqa: E402
 from balancer.pool import HOLD_S  # noqa: E402
 from balancer.ring import Ring, load_bound  # noqa: E402
 from balancer.selection import overloaded as selection_overloaded  # noqa: E402
 from balancer.weights import Coefficients  # noqa: E402
-from bench.common import machine_line, pct  # noqa: E402
-from tests.procs import Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
+from bench.lib.launch import WORKER_TOKEN, Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
+from bench.lib.machine import machine_line  # noqa: E402
+from bench.lib.stats import pct  # noqa: E402
 
 ANALYSIS_MARK = "<!-- analysis -->"
 DEFAULT_OVERLOAD_RATIO = PoolCfg("").overload_ratio
@@ -408,7 +408,7 @@ class Fleet:
         consistent``, ``hash-balance-factor`` = c x 100 (its bounded load, counting active
         connections), an HTTP health check. It shows the workers the credential wslb would."""
         port = free_port()
-        token = getattr(procs_module, "WORKER_TOKEN", None)
+        token = WORKER_TOKEN
         header = f"  http-request set-header X-WSLB-Worker-Token {token}\n" if token else ""
         servers = "".join(
             f"  server {w.id} 127.0.0.1:{w.port} check inter 2s\n" for w in self.workers

@@ -87,26 +87,25 @@ from typing import Any, cast  # noqa: E402
 
 import psutil  # noqa: E402
 
-from bench.common import log_problems, prom_by_label, sigterm_as_interrupt  # noqa: E402
-from bench.proxies import (  # noqa: E402
+from bench.lib.cpu import cpu_split, tree  # noqa: E402
+from bench.lib.launch import Procs, free_port  # noqa: E402
+from bench.lib.launch import Wslb as WslbProcess  # noqa: E402
+from bench.lib.machine import loadavg, lscpu, machine, machine_line, source_state  # noqa: E402
+from bench.lib.rawws import (  # noqa: E402
     FRAME_HEAD,
     ClientConn,
     ClientStats,
     WorkerConn,
-    _run_uvloop,
-    machine,
     next_frame,
     open_session,
-    percentile,
-    raise_nofile,
+    run_uvloop,
     serve_parent,
-    source_state,
     upgrade_request,
     ws_probe,
 )
-from bench.token_stream import cpu_split, log, tree  # noqa: E402
-from tests.procs import Procs, free_port  # noqa: E402
-from tests.procs import Wslb as WslbProcess  # noqa: E402
+from bench.lib.script import log, raise_nofile, sigterm_as_interrupt  # noqa: E402
+from bench.lib.stats import hist_pct, summary  # noqa: E402
+from bench.lib.wslb import log_problems, prom_by_label  # noqa: E402
 
 WSLB_HOST = "127.0.0.1"
 WORKER_NET = "127.0.1."  # raw workers on 127.0.1.1, .2, ...
@@ -739,13 +738,8 @@ def window(a: Sample, b: Sample) -> dict[str, float]:
 
 
 def latency(hist: dict[int, int]) -> dict[str, float]:
-    return {
-        "n": sum(hist.values()),
-        "p50_us": percentile(hist, 0.50),
-        "p99_us": percentile(hist, 0.99),
-        "p999_us": percentile(hist, 0.999),
-        "max_us": max(hist) + 0.5 if hist else math.nan,
-    }
+    """A latency histogram (1 us bins) summarised: n, p50_us, p99_us, p999_us, max_us."""
+    return summary(hist, (50, 99, 99.9), unit="_us")
 
 
 def merge(hists: Sequence[dict[int, int]]) -> dict[int, int]:
@@ -946,8 +940,7 @@ def execute(args: argparse.Namespace, plan: Plan, root: Path) -> dict[str, Any]:
             w |= {f"direct_{k}": v for k, v in latency(hc).items()}
             # Per client process: a slow client would show here, not in wslb.
             w["lat_p50_us_by_client"] = [
-                percentile({int(k): v for k, v in snap[0]["lat"].items()}, 0.5)
-                for snap in cur.snaps
+                hist_pct({int(k): v for k, v in snap[0]["lat"].items()}, 50) for snap in cur.snaps
             ]
             windows.append(w)
             log(
@@ -986,7 +979,12 @@ def execute(args: argparse.Namespace, plan: Plan, root: Path) -> dict[str, Any]:
         report = {
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
-            "machine": machine() | {"wslb": source_state(Path(args.wslb_src).resolve())},
+            "machine": machine()
+            | {
+                "lscpu": lscpu(),
+                "loadavg": loadavg(),
+                "wslb": source_state(Path(args.wslb_src).resolve()),
+            },
             "plan": {
                 "sessions": plan.sessions,
                 "streaming": plan.streaming,
@@ -1089,10 +1087,7 @@ def print_report(r: dict[str, Any]) -> None:
     )
     m = r["machine"]
     print(f"date: {r['date']}; command: {r['command']}")
-    print(
-        f"machine: {m['lscpu']}; {m['kernel']}, {m['memory']}, Python {m['python']}, "
-        f"uvloop {m['uvloop']}; load average at end {m['loadavg']}"
-    )
+    print(f"machine: {machine_line(m)}; {m['lscpu']}; load average at end {m['loadavg']}")
     print(f"wslb: {m['wslb']}")
     print(
         f"setup: wslb workers: {p['wslb_processes']} (+ supervisor), {p['raw_workers']} raw "
@@ -1221,9 +1216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.client_spec is not None:
-        return _run_uvloop(_client, args.client_spec)
+        return run_uvloop(_client, args.client_spec)
     if args.worker_spec is not None:
-        return _run_uvloop(_worker, args.worker_spec)
+        return run_uvloop(_worker, args.worker_spec)
     if args.quick:
         given = {a for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
         quick = {
@@ -1239,7 +1234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if f"--{k.replace('_', '-')}" not in given:
                 setattr(args, k, v)
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
-    nofile = raise_nofile(1 << 20)
+    nofile = raise_nofile(1 << 20)[0]
     plan = make_plan(args)
     problems, notes = check_system(plan)
     log(f"[check] RLIMIT_NOFILE {nofile}")

@@ -43,230 +43,41 @@ import json
 import math
 import os
 import random
-import resource
-import secrets
 import signal
-import socket
 import sys
 import tempfile
 import time
-import urllib.error
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    cpu_seconds,
+from bench.lib.cpu import process_cpu_seconds  # noqa: E402
+from bench.lib.launch import Procs, Wslb, die_with_parent  # noqa: E402
+from bench.lib.machine import machine_line  # noqa: E402
+from bench.lib.script import raise_nofile, sigterm_as_interrupt  # noqa: E402
+from bench.lib.stats import pct, summary  # noqa: E402
+from bench.lib.wslb import (  # noqa: E402
+    HTTP_POOL_PER_WORKER,
+    ProcStats,
+    fd_diff,
+    fd_table,
+    fds_settled,
     log_problems,
-    machine_line,
-    pct,
-    sigterm_as_interrupt,
+    metric,
+    port_names,
+    proc_stats,
+    spawning_wslb,
+    start_ready,
 )
-from tests.procs import Procs, Wslb, die_with_parent, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 HANDSHAKE_IO_TIMEOUT = 10.0
-# wslb's aiohttp client for scrapes and health checks keeps up to this many keep-alive
-# connections per worker (balancer/aio/app.py: limit_per_host=4).
-HTTP_POOL_PER_WORKER = 4  # a normal client's handshake that takes longer counts as failed
-
-# -- processes -------------------------------------------------------------------------------
-
-
-def raise_nofile() -> tuple[int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; children inherit it. Returns (soft, hard)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-    if want > soft:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)
-
-
-def spawning_wslb(
-    procs: Procs,
-    workers: int,
-    handshake_timeout: float,
-    tokens_per_s: float,
-    per_client: int | None = None,
-    command: Sequence[str] | None = None,
-) -> Wslb:
-    """wslb with ``spawn: reference`` workers, its config and log in ``procs.logdir``, not yet
-    started; ``command`` replaces ``python -m balancer`` (the soak's --tracemalloc wrapper)."""
-    backends = [
-        {
-            "id": f"w{i + 1}",
-            "url": f"ws://{HOST}:{free_port()}/ws",
-            "spawn": "reference",
-            "args": ["--tokens-per-s", f"{tokens_per_s:g}"],
-        }
-        for i in range(workers)
-    ]
-    config: dict[str, Any] = {
-        "pools": [
-            {
-                "name": "chat",
-                "balance": "consistent",
-                # The HTTP probe, not the default TCP connect: a worker that got SIGTERM
-                # (soak's --kill-signal TERM) says "draining" there and wslb moves its
-                # sessions away; HTTP_POOL_PER_WORKER counts these checks' connections.
-                "health": {"path": "/healthz"},
-                "backends": backends,
-            }
-        ],
-        "timeouts": {
-            "handshake": f"{handshake_timeout:g}s",
-            "ping_interval": "20s",
-            "idle": "1h",
-        },
-        "limits": {"max_connections": 10000},
-    }
-    if per_client is not None:
-        config["limits"]["max_connections_per_client"] = per_client
-    token = secrets.token_urlsafe(32)
-    return Wslb(config, procs.logdir, procs=procs, name="wslb", token=token, command=command)
-
-
-def workers_up(backends: list[dict[str, Any]]) -> bool:
-    return bool(backends) and all(b["state"] == "active" and b["healthy"] for b in backends)
-
-
-def start_ready(wslb: Wslb, timeout: float = 30.0) -> None:
-    """Start wslb; until its backends are active and healthy (its workers up), ``timeout`` s in
-    all at most. Raises with its log's tail."""
-    deadline = time.monotonic() + timeout
-    try:
-        wslb.start(wait_ready=False, timeout=timeout)
-        wslb.wait_ready(max(0.1, deadline - time.monotonic()), until=workers_up)
-    except (RuntimeError, TimeoutError) as exc:
-        raise type(exc)(f"{exc}:\n{wslb.log_tail()}") from None
-    wslb.children()  # its workers: stop() kills any left behind, even after wslb is gone
-
-
-def port_names(wslb: Wslb) -> dict[int, str]:
-    """Port -> role (listener, admin, worker id), to name wslb's sockets."""
-    names = {wslb.port: "listener", wslb.admin_port: "admin"}
-    for b in wslb.config["pools"][0]["backends"]:
-        names[int(b["url"].rsplit(":", 1)[1].split("/", 1)[0])] = f"worker {b['id']}"
-    return names
-
-
-# -- measuring wslb from outside -------------------------------------------------------------
-
-
-@dataclass
-class ProcStats:
-    """wslb's own figures at one moment."""
-
-    rss_mb: float
-    fds: int
-    tasks: int | None  # asyncio tasks (GET /debug/stats), None when the hook is missing
-    threads: int
-    connections: int | None  # live client connections per wslb
-
-
-def proc_stats(wslb: Wslb) -> ProcStats:
-    p = psutil.Process(wslb.pid)
-    rss = p.memory_info().rss / 2**20
-    fds = p.num_fds()
-    threads = p.num_threads()
-    tasks: int | None = None
-    conns: int | None = None
-    try:
-        dbg = wslb.admin("/debug/stats")
-        tasks, conns = int(dbg["tasks"]), int(dbg["connections"])
-    except (OSError, ValueError, KeyError, urllib.error.HTTPError):
-        pass
-    if conns is None:
-        conns = metric(wslb, "wslb_connections_active")
-    return ProcStats(round(rss, 1), fds, tasks, threads, conns)
-
-
-def fd_table(pid: int, names: dict[int, str]) -> Counter[str]:
-    """wslb's open FDs by kind: sockets by state and peer (``names``: port -> role, so
-    ephemeral ports fold together), other files by their /proc/PID/fd target."""
-    out: Counter[str] = Counter()
-    try:
-        proc = psutil.Process(pid)
-        conns = proc.net_connections(kind="all")
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except (psutil.Error, OSError):
-        return out
-    sockets = 0
-    for c in conns:
-        if c.fd < 0:
-            continue
-        sockets += 1
-        if c.type == socket.SOCK_STREAM and c.laddr:
-            lport = c.laddr[1]
-            if c.status == psutil.CONN_LISTEN:
-                out[f"tcp LISTEN {names.get(lport, lport)}"] += 1
-                continue
-            rport = c.raddr[1] if c.raddr else None
-            if lport in names:
-                out[f"tcp {c.status} on {names[lport]} from a client"] += 1
-            elif rport in names:
-                out[f"tcp {c.status} to {names[rport]}"] += 1
-            else:
-                out[f"tcp {c.status} other"] += 1
-        else:
-            out[f"socket {c.family.name} {c.type.name}"] += 1
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:"):
-                continue
-            kind = target.split(":", 1)[0] if ":" in target else target
-            out[kind] += 1
-    unmatched = sum(1 for fd in fds if _is_socket(pid, fd)) - sockets
-    if unmatched > 0:
-        out["socket (unix or unlisted)"] += unmatched
-    return out
-
-
-def _is_socket(pid: int, fd: str) -> bool:
-    with contextlib.suppress(OSError):
-        return os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    return False
-
-
-def fds_settled(before: Counter[str], after: Counter[str], workers: int) -> bool:
-    """FDs back to the baseline, except wslb's pooled HTTP connections to the workers (scrapes
-    and health checks, keep-alive), which may differ within their bound."""
-    pooled = "tcp ESTABLISHED to worker"
-    rest_ok = all(after[k] <= before[k] for k in after if not k.startswith(pooled))
-    return rest_ok and sum(after[k] for k in after if k.startswith(pooled)) <= (
-        HTTP_POOL_PER_WORKER * workers
-    )
-
-
-def fd_diff(before: Counter[str], after: Counter[str]) -> str:
-    keys = sorted(set(before) | set(after))
-    parts = [f"{k}: {before[k]} -> {after[k]}" for k in keys if before[k] != after[k]]
-    return "; ".join(parts) or "none"
-
-
-def metric(wslb: Wslb, name: str, labels: str = "") -> int | None:
-    """A sample of wslb's Prometheus metrics, e.g. ``wslb_handshake_rejections_total``,
-    ``{status="408"}``; None when absent."""
-    try:
-        text = wslb.admin("/metrics")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            if key == name + labels or (not labels and key == name):
-                return int(float(value))
-    return None
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -283,14 +94,7 @@ class Latency:
     wslb_cpu_pct: float = 0.0
 
     def figures(self) -> dict[str, float]:
-        s = self.samples_ms
-        return {
-            "n": len(s),
-            "p50": pct(s, 50),
-            "p90": pct(s, 90),
-            "p99": pct(s, 99),
-            "max": max(s) if s else math.nan,
-        }
+        return summary(self.samples_ms, (50, 90, 99))
 
     def line(self) -> str:
         f = self.figures()
@@ -388,7 +192,7 @@ async def measure(name: str, wslb: Wslb, rate: float, seconds: float, concurrenc
                 out.samples_ms.append(latency * 1e3)
 
     n = max(1, round(rate * seconds))
-    cpu0, t0 = cpu_seconds(wslb.pid), loop.time()
+    cpu0, t0 = process_cpu_seconds(wslb.pid), loop.time()
     tasks: list[asyncio.Task[None]] = []
     for i in range(n):
         delay = t0 + i / rate - loop.time()
@@ -397,7 +201,7 @@ async def measure(name: str, wslb: Wslb, rate: float, seconds: float, concurrenc
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
     out.seconds = loop.time() - t0
-    out.wslb_cpu_pct = 100.0 * (cpu_seconds(wslb.pid) - cpu0) / max(out.seconds, 1e-9)
+    out.wslb_cpu_pct = 100.0 * (process_cpu_seconds(wslb.pid) - cpu0) / max(out.seconds, 1e-9)
     return out
 
 

@@ -80,25 +80,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends.model import token_text  # noqa: E402
-from bench.common import (  # noqa: E402
-    log_problems,
-    machine_line,
-    prom_by_label,
-    prom_histogram,
-    sigterm_as_interrupt,
-)
-from bench.slowloris import (  # noqa: E402
+from bench.lib.launch import Procs, Wslb  # noqa: E402
+from bench.lib.machine import machine_line  # noqa: E402
+from bench.lib.script import raise_nofile, sigterm_as_interrupt  # noqa: E402
+from bench.lib.wslb import (  # noqa: E402
     HTTP_POOL_PER_WORKER,
     fd_diff,
     fd_table,
     fds_settled,
+    log_problems,
     port_names,
     proc_stats,
-    raise_nofile,
+    prom_by_label,
+    prom_histogram,
     spawning_wslb,
     start_ready,
 )
-from tests.procs import Procs, Wslb  # noqa: E402
 
 SESSION_TIMEOUT = 120.0  # a session that takes longer than this counts as hung
 MIN_TOKENS, MAX_TOKENS = 20, 80

@@ -1,4 +1,5 @@
-"""Smoke test of bench/proxies.py's raw worker and client: the benchmark's figures rest on them.
+"""Smoke test of the raw worker and client of bench/proxies.py (bench/lib/rawws.py): the
+benchmark's figures rest on them.
 
 The benchmark itself is a script (nginx, HAProxy, minutes of load); this only checks that the
 worker streams paced and unpaced frames, that the client counts them and their latency, and
@@ -14,30 +15,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-from bench.proxies import (
+from bench.lib.rawws import (
     BLOCK,
     FRAME_LEN,
     TS_DIGITS,
     TS_OFF,
-    Burst,
     ClientConn,
     ClientStats,
-    Haproxy,
-    Nginx,
     WorkerConn,
-    Wslb,
-    build_parser,
     client_context,
     client_frame,
     dial,
     make_tls,
     next_frame,
-    outcome,
     server_frame,
-    target_names,
     token_frame,
     upgrade_request,
 )
+from bench.proxies import Burst, Haproxy, Nginx, Wslb, build_parser, outcome, target_names
 
 
 def test_frames_round_trip() -> None:
