@@ -30,12 +30,55 @@
  *   the caller receives the carry (unread by the scanner, from a frame boundary), the unsent
  *   backlog (to write to the client first), the recorded bytes, the counts and why it returned.
  * - With ``record`` set (a pool with crash failover), every forwarded byte is also appended to a
- *   record, taken by ``take_record``; a RECORD event says it passed ``REC_NOTIFY`` bytes.
+ *   record, taken by ``take_record``; a RECORD event says it passed ``REC_NOTIFY`` bytes. A byte
+ *   is recorded before it is sent: the journal never misses a byte the client got.
+ * - Out of memory (NOMEM) loses no byte: an allocation is only ever needed to keep bytes the
+ *   thread already holds (the carry, the backlog, the record, its read buffer), and when it fails
+ *   they stay the session's - the read buffer itself becomes the session's carry and backlog if
+ *   nothing else can hold them, and the thread gets a new one before its next read - and the
+ *   session is RETURNED with reason NOMEM, its bytes intact, for the event loop to go on with. A
+ *   read whose bytes could not be recorded is not forwarded: they come back as carry. Queueing an
+ *   event allocates nothing (each session is linked into the queue at most once, with the kinds
+ *   it has pending), so no session is ever stranded in the thread for want of memory; an
+ *   ``events()`` that cannot build its list raises MemoryError and queues the events again.
  *
- * Python objects are touched only by the calling thread, with the GIL; the relay thread takes
- * only the module's mutex and never the GIL, so neither can wait on the other in a cycle. Removed
- * sessions are freed by the relay thread after the batch of epoll events that may still name
- * them.
+ * Locking. One mutex ``mu`` guards the shared structures: the slots (handles), the event queue,
+ * each session's published fields (``frames``, ``bytes``, the record, ``busy``, the queue links,
+ * ``state`` once RELEASED) and the graveyard. The thread never holds it across a recv, a send or
+ * an epoll_ctl, and the event loop never across building its Python results:
+ *
+ * 1. The thread waits in epoll_wait without it. It then takes ``mu`` once to *collect* the ready
+ *    sessions (``busy`` COLLECTED), and takes the graveyard: the sessions released since its
+ *    last collection, freed after ``mu``. No epoll event can name one of them any more: each
+ *    left the epoll set, under ``mu``, before it entered the graveyard, and the events of the
+ *    epoll_wait that may have seen it are the ones just collected.
+ * 2. For each collected session in turn it takes ``mu`` briefly to publish the one before (3)
+ *    and to mark this one SERVING (one released meanwhile is skipped), then does its I/O
+ *    *without* ``mu``. A SERVING session's private fields (its carry and backlog, its watches,
+ *    its ``state`` while ACTIVE or RETURNED, the counts not yet published) are the thread's
+ *    alone: the event loop reads them only in ``remove``, which waits on the condition ``idle``
+ *    while the session is SERVING - one session's recv and send at most, with the GIL held (the
+ *    thread never takes the GIL, so the wait cannot close a cycle). A session only COLLECTED is
+ *    released by ``remove`` at once. The only lock taken during the I/O is a brief one to
+ *    append to the record (before the send), as ``take_record`` may take the record at any time.
+ * 3. Publishing (with ``mu``): the counts, a RETURNED event, ``busy`` back to IDLE and ``idle``
+ *    signalled when someone waits. The eventfd that wakes the event loop is written after ``mu``
+ *    is released, and only when the queue went from empty to not.
+ *
+ * The event loop side: ``add`` and ``remove`` change the slots and the epoll set under ``mu``
+ * (one epoll_ctl each); ``remove`` closes the thread's dup()s and builds its bytes after
+ * releasing it. ``counts`` and ``take_record`` read published fields (counts lag by the read in
+ * flight). ``events`` copies the queue into an array sized with the slots (one entry per session
+ * at most) and builds the list after releasing ``mu``. A session ``remove`` released is unlinked
+ * from the queue and marked RELEASED, so the thread never serves it again; it is freed at the
+ * thread's next collection, or by ``close`` after the thread has stopped. ``close`` stops and
+ * joins the thread before it lets go of the sessions, so no descriptor is closed under a recv.
+ *
+ * Python objects are touched only by the calling thread, with the GIL; the relay thread never
+ * takes the GIL.
+ *
+ * Test-only: ``_fail_next(kind, n)`` makes the next n allocations of the thread ("alloc") or the
+ * next n ``events()`` lists ("events") fail (tests/test_relay_faults.py); inert unless set.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,9 +98,11 @@
 #define REC_NOTIFY 8192
 #define MAX_EVENTS 256
 
-enum { S_ACTIVE = 0, S_RETURNED = 1 };
+enum { S_ACTIVE = 0, S_RETURNED = 1, S_RELEASED = 2 };
 enum { R_NONE = 0, R_FRAME = 1, R_EOF = 2, R_READ_ERROR = 3, R_WRITE_ERROR = 4, R_NOMEM = 5 };
 enum { EV_RETURNED = 1, EV_RECORD = 2 };
+enum { READY_READ = 1, READY_WRITE = 2 };
+enum { BUSY_IDLE = 0, BUSY_COLLECTED = 1, BUSY_SERVING = 2 };
 
 typedef struct sess sess_t;
 
@@ -69,34 +114,40 @@ typedef struct {
 struct sess {
     uint64_t handle;
     int wfd, cfd;
-    int state, reason, err;
     long limit;
-    int record, rec_notified;
-    int w_in_epoll, c_in_epoll;
+    int record;
+    /* The thread's while it serves the session (busy SERVING); remove's otherwise. */
+    int state, reason, err, told;
+    int w_in_epoll, c_in_epoll, ready;
     watch_t ww, cw;
-    unsigned char *carry;
-    size_t carry_len;
-    unsigned char *out;
-    size_t out_len, out_off;
+    /* What the session holds: keep[out_off:out_end] is the backlog (scanned, not yet sent to the
+     * client), keep[out_end:keep_len] the carry (read, not yet scanned; from a frame boundary). */
+    unsigned char *keep;
+    size_t keep_cap, keep_len, out_off, out_end;
+    unsigned long long d_frames, d_bytes; /* counted, not yet published */
+    /* Under mu. */
+    int busy, pending, rec_notified;
+    unsigned long long frames, bytes;
     unsigned char *rec;
     size_t rec_len, rec_cap;
-    unsigned long long frames, bytes;
-    sess_t *next_dead;
+    sess_t *ev_prev, *ev_next, *next_dead;
 };
 
 typedef struct {
     uint64_t handle;
-    int kind;
+    int kinds;
 } event_t;
 
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
+    pthread_cond_t idle;
     pthread_t thread;
     int started, stopping, closed;
     int epfd, wakefd, notifyfd;
     pid_t pid;
-    unsigned char *buf;
+    unsigned char *buf; /* the thread's */
+    /* Under mu. */
     sess_t **slots;
     uint32_t nslots;
     uint32_t *free_slots;
@@ -104,36 +155,97 @@ typedef struct {
     uint32_t generation;
     uint32_t live;
     sess_t *graveyard;
-    event_t *events;
-    size_t nevents, cap_events;
-    int notified;
+    sess_t *ev_head, *ev_tail; /* the sessions with events pending, in order */
+    int notified, waiters;
+    /* The event loop's (events()): room for every slot. */
+    event_t *evout;
 } Relay;
 
-/* -- helpers (all called with mu held) ----------------------------------------------------- */
+/* -- test-only failure injection (_fail_next; inert unless a test sets it) ----------------- */
+
+static int fail_alloc, fail_events;
 
 static int
-push_event(Relay *r, sess_t *s, int kind)
+take_fail(int *n)
 {
-    if (r->nevents == r->cap_events) {
-        size_t cap = r->cap_events ? r->cap_events * 2 : 64;
-        event_t *e = realloc(r->events, cap * sizeof(event_t));
-        if (e == NULL) {
-            return -1;
+    int v = __atomic_load_n(n, __ATOMIC_RELAXED);
+    while (v > 0) {
+        if (__atomic_compare_exchange_n(n, &v, v - 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            return 1;
         }
-        r->events = e;
-        r->cap_events = cap;
-    }
-    r->events[r->nevents].handle = s->handle;
-    r->events[r->nevents].kind = kind;
-    r->nevents++;
-    if (!r->notified) {
-        uint64_t one = 1;
-        ssize_t w = write(r->notifyfd, &one, sizeof one);
-        (void)w;
-        r->notified = 1;
     }
     return 0;
 }
+
+/* Every allocation of the relay thread. */
+static void *
+t_malloc(size_t n)
+{
+    return take_fail(&fail_alloc) ? NULL : malloc(n);
+}
+
+static void *
+t_realloc(void *p, size_t n)
+{
+    return take_fail(&fail_alloc) ? NULL : realloc(p, n);
+}
+
+/* -- the event queue (mu held; allocates nothing) ------------------------------------------ */
+
+/* Queue an event of s; 1 when the caller must write notifyfd (after releasing mu). */
+static int
+push_event(Relay *r, sess_t *s, int kind)
+{
+    if (s->pending == 0) {
+        s->ev_next = NULL;
+        s->ev_prev = r->ev_tail;
+        if (r->ev_tail != NULL) {
+            r->ev_tail->ev_next = s;
+        }
+        else {
+            r->ev_head = s;
+        }
+        r->ev_tail = s;
+    }
+    s->pending |= kind;
+    if (!r->notified) {
+        r->notified = 1;
+        return 1;
+    }
+    return 0;
+}
+
+static void
+unqueue(Relay *r, sess_t *s)
+{
+    if (s->pending == 0) {
+        return;
+    }
+    if (s->ev_prev != NULL) {
+        s->ev_prev->ev_next = s->ev_next;
+    }
+    else {
+        r->ev_head = s->ev_next;
+    }
+    if (s->ev_next != NULL) {
+        s->ev_next->ev_prev = s->ev_prev;
+    }
+    else {
+        r->ev_tail = s->ev_prev;
+    }
+    s->ev_prev = s->ev_next = NULL;
+    s->pending = 0;
+}
+
+static void
+notify(Relay *r)
+{
+    uint64_t one = 1;
+    ssize_t w = write(r->notifyfd, &one, sizeof one);
+    (void)w;
+}
+
+/* -- a served session's I/O (the thread, without mu) --------------------------------------- */
 
 static void
 watch(Relay *r, sess_t *s, int which, int on)
@@ -155,6 +267,7 @@ watch(Relay *r, sess_t *s, int which, int on)
     }
 }
 
+/* Stop touching the session's sockets; its RETURNED event is queued when it is published. */
 static void
 give_back(Relay *r, sess_t *s, int reason, int err)
 {
@@ -166,34 +279,63 @@ give_back(Relay *r, sess_t *s, int reason, int err)
     s->err = err;
     watch(r, s, 0, 0);
     watch(r, s, 1, 0);
-    push_event(r, s, EV_RETURNED);
 }
 
-/* Keep n bytes at p as the carry (they start at a frame boundary). */
-static int
-keep_carry(sess_t *s, const unsigned char *p, size_t n)
+static void
+drop_keep(sess_t *s)
 {
+    free(s->keep);
+    s->keep = NULL;
+    s->keep_cap = s->keep_len = s->out_off = s->out_end = 0;
+}
+
+/* Keep b[from:to] of the read buffer b, b[from:mid] as the backlog and b[mid:to] as the carry.
+ * 0, or -1 when no memory could hold them: then the read buffer itself is the session's (the
+ * thread allocates another before its next read) and nothing is lost. */
+static int
+keep_bytes(Relay *r, sess_t *s, unsigned char *b, size_t from, size_t mid, size_t to)
+{
+    size_t n = to - from;
+    int rc = 0;
     if (n == 0) {
+        drop_keep(s);
         return 0;
     }
-    s->carry = malloc(n);
-    if (s->carry == NULL) {
-        return -1;
+    if (n > s->keep_cap) {
+        unsigned char *q = t_malloc(n);
+        if (q == NULL) {
+            free(s->keep);
+            memmove(b, b + from, n);
+            s->keep = b;
+            s->keep_cap = BUF_SIZE;
+            r->buf = NULL;
+            rc = -1;
+        }
+        else {
+            free(s->keep);
+            s->keep = q;
+            s->keep_cap = n;
+        }
     }
-    memcpy(s->carry, p, n);
-    s->carry_len = n;
-    return 0;
+    if (rc == 0) {
+        memcpy(s->keep, b + from, n);
+    }
+    s->keep_len = n;
+    s->out_off = 0;
+    s->out_end = mid - from;
+    return rc;
 }
 
+/* With mu held: append to the record; -1 when it cannot grow (the caller forwards nothing). */
 static int
-append_record(Relay *r, sess_t *s, const unsigned char *p, size_t n)
+append_record(Relay *r, sess_t *s, const unsigned char *p, size_t n, int *wake)
 {
     if (s->rec_len + n > s->rec_cap) {
         size_t cap = s->rec_cap ? s->rec_cap : 4096;
         while (cap < s->rec_len + n) {
             cap *= 2;
         }
-        unsigned char *q = realloc(s->rec, cap);
+        unsigned char *q = t_realloc(s->rec, cap);
         if (q == NULL) {
             return -1;
         }
@@ -204,7 +346,7 @@ append_record(Relay *r, sess_t *s, const unsigned char *p, size_t n)
     s->rec_len += n;
     if (s->rec_len >= REC_NOTIFY && !s->rec_notified) {
         s->rec_notified = 1;
-        push_event(r, s, EV_RECORD);
+        *wake |= push_event(r, s, EV_RECORD);
     }
     return 0;
 }
@@ -252,26 +394,27 @@ walk(const unsigned char *p, size_t n, long limit, unsigned long long *count, in
 }
 
 static void
-on_readable(Relay *r, sess_t *s)
+on_readable(Relay *r, sess_t *s, int *wake)
 {
+    if (s->out_off < s->out_end) {
+        return; /* a backlog first (the worker's watch is off meanwhile) */
+    }
+    if (r->buf == NULL) {
+        r->buf = t_malloc(BUF_SIZE);
+        if (r->buf == NULL) {
+            give_back(r, s, R_NOMEM, ENOMEM); /* its carry stays where it is */
+            return;
+        }
+    }
     unsigned char *b = r->buf;
-    size_t have = 0;
-    if (s->carry_len) {
-        memcpy(b, s->carry, s->carry_len);
-        have = s->carry_len;
-        free(s->carry);
-        s->carry = NULL;
-        s->carry_len = 0;
+    size_t have = s->keep_len - s->out_end;
+    if (have) {
+        memcpy(b, s->keep + s->out_end, have); /* still kept until the read says otherwise */
     }
     ssize_t n = recv(s->wfd, b + have, BUF_SIZE - have, MSG_DONTWAIT);
     if (n <= 0) {
         int e = n < 0 ? errno : 0;
         if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
-            keep_carry(s, b, have);
-            return;
-        }
-        if (keep_carry(s, b, have) < 0) {
-            give_back(r, s, R_NOMEM, ENOMEM);
             return;
         }
         give_back(r, s, n == 0 ? R_EOF : R_READ_ERROR, e);
@@ -281,65 +424,59 @@ on_readable(Relay *r, sess_t *s)
     unsigned long long count = 0;
     int stop = 0;
     size_t pos = walk(b, total, s->limit, &count, &stop);
-    if (keep_carry(s, b + pos, total - pos) < 0) {
-        /* Out of memory: the stream cannot go on intact; the event loop ends the session. */
+    if (pos > 0 && s->record) {
+        pthread_mutex_lock(&r->mu);
+        int rc = append_record(r, s, b, pos, wake);
+        pthread_mutex_unlock(&r->mu);
+        if (rc < 0) { /* the journal would miss them: nothing is forwarded, all is carried */
+            keep_bytes(r, s, b, 0, 0, total);
+            give_back(r, s, R_NOMEM, ENOMEM);
+            return;
+        }
+    }
+    if (pos == 0) {
+        if (keep_bytes(r, s, b, 0, 0, total) < 0) {
+            give_back(r, s, R_NOMEM, ENOMEM);
+        }
+        else if (stop) {
+            give_back(r, s, R_FRAME, 0);
+        }
+        return;
+    }
+    s->d_frames += count;
+    s->d_bytes += pos;
+    ssize_t w = send(s->cfd, b, pos, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (w < 0) {
+        int e = errno;
+        if (e != EAGAIN && e != EWOULDBLOCK && e != EINTR) {
+            keep_bytes(r, s, b, 0, pos, total);
+            give_back(r, s, R_WRITE_ERROR, e);
+            return;
+        }
+        w = 0;
+    }
+    if (keep_bytes(r, s, b, (size_t)w, pos, total) < 0) {
         give_back(r, s, R_NOMEM, ENOMEM);
         return;
     }
-    if (pos > 0) {
-        s->frames += count;
-        s->bytes += pos;
-        if (s->record && append_record(r, s, b, pos) < 0) {
-            give_back(r, s, R_NOMEM, ENOMEM); /* the journal would miss bytes */
-            return;
-        }
-        ssize_t w = send(s->cfd, b, pos, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-                w = 0;
-            }
-            else {
-                int e = errno;
-                s->out = malloc(pos);
-                if (s->out != NULL) {
-                    memcpy(s->out, b, pos);
-                    s->out_len = pos;
-                    s->out_off = 0;
-                }
-                give_back(r, s, R_WRITE_ERROR, e);
-                return;
-            }
-        }
-        if ((size_t)w < pos) {
-            size_t rest = pos - (size_t)w;
-            s->out = malloc(rest);
-            if (s->out == NULL) {
-                give_back(r, s, R_WRITE_ERROR, ENOMEM);
-                return;
-            }
-            memcpy(s->out, b + w, rest);
-            s->out_len = rest;
-            s->out_off = 0;
-            if (!stop) {
-                watch(r, s, 0, 0); /* stop reading the worker until the client takes it */
-                watch(r, s, 1, 1);
-            }
-        }
-    }
     if (stop) {
         give_back(r, s, R_FRAME, 0);
+    }
+    else if ((size_t)w < pos) {
+        watch(r, s, 0, 0); /* stop reading the worker until the client takes it */
+        watch(r, s, 1, 1);
     }
 }
 
 static void
 on_writable(Relay *r, sess_t *s)
 {
-    if (s->out == NULL) {
+    if (s->out_off == s->out_end) {
         watch(r, s, 1, 0);
         return;
     }
-    size_t left = s->out_len - s->out_off;
-    ssize_t w = send(s->cfd, s->out + s->out_off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
+    size_t left = s->out_end - s->out_off;
+    ssize_t w = send(s->cfd, s->keep + s->out_off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (w < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
             return;
@@ -348,10 +485,10 @@ on_writable(Relay *r, sess_t *s)
         return;
     }
     s->out_off += (size_t)w;
-    if (s->out_off == s->out_len) {
-        free(s->out);
-        s->out = NULL;
-        s->out_len = s->out_off = 0;
+    if (s->out_off == s->out_end) {
+        if (s->keep_len == s->out_end) {
+            drop_keep(s);
+        }
         watch(r, s, 1, 0);
         watch(r, s, 0, 1);
     }
@@ -360,10 +497,28 @@ on_writable(Relay *r, sess_t *s)
 static void
 free_sess(sess_t *s)
 {
-    free(s->carry);
-    free(s->out);
+    free(s->keep);
     free(s->rec);
     free(s);
+}
+
+/* With mu held: what a served session's I/O changed becomes visible; 1 to write notifyfd. */
+static int
+publish(Relay *r, sess_t *s)
+{
+    int wake = 0;
+    s->frames += s->d_frames;
+    s->bytes += s->d_bytes;
+    s->d_frames = s->d_bytes = 0;
+    if (s->state == S_RETURNED && !s->told) {
+        s->told = 1;
+        wake = push_event(r, s, EV_RETURNED);
+    }
+    s->busy = BUSY_IDLE;
+    if (r->waiters) {
+        pthread_cond_broadcast(&r->idle);
+    }
+    return wake;
 }
 
 static void *
@@ -371,8 +526,11 @@ run(void *arg)
 {
     Relay *r = (Relay *)arg;
     struct epoll_event evs[MAX_EVENTS];
+    sess_t *batch[MAX_EVENTS];
     for (;;) {
         int n = epoll_wait(r->epfd, evs, MAX_EVENTS, 1000);
+        int woken = 0, nb = 0;
+        /* 1. Collect. */
         pthread_mutex_lock(&r->mu);
         if (r->stopping) {
             pthread_mutex_unlock(&r->mu);
@@ -381,28 +539,70 @@ run(void *arg)
         for (int i = 0; i < n; i++) {
             watch_t *w = (watch_t *)evs[i].data.ptr;
             if (w == NULL) {
-                uint64_t v;
-                ssize_t got = read(r->wakefd, &v, sizeof v);
-                (void)got;
+                woken = 1;
                 continue;
             }
             sess_t *s = w->s;
             if (s->state != S_ACTIVE) {
-                continue;
+                continue; /* returned, or released since epoll_wait */
             }
-            if (w->which == 0) {
-                on_readable(r, s);
-            }
-            else {
-                on_writable(r, s);
+            s->ready |= w->which ? READY_WRITE : READY_READ;
+            if (s->busy == BUSY_IDLE) {
+                s->busy = BUSY_COLLECTED;
+                batch[nb++] = s;
             }
         }
-        while (r->graveyard != NULL) {
-            sess_t *s = r->graveyard;
-            r->graveyard = s->next_dead;
+        sess_t *dead = r->graveyard;
+        r->graveyard = NULL;
+        pthread_mutex_unlock(&r->mu);
+        if (woken) {
+            uint64_t v;
+            ssize_t got = read(r->wakefd, &v, sizeof v);
+            (void)got;
+        }
+        while (dead != NULL) {
+            sess_t *s = dead;
+            dead = s->next_dead;
             free_sess(s);
         }
-        pthread_mutex_unlock(&r->mu);
+        /* 2. The I/O of each, then 3. publish it: one lock round per session, that publishes
+         * the one before and starts this one (one removed meanwhile is skipped). */
+        sess_t *prev = NULL;
+        for (int i = 0; nb > 0 && i <= nb; i++) {
+            sess_t *s = i < nb ? batch[i] : NULL;
+            int wake = 0;
+            pthread_mutex_lock(&r->mu);
+            if (prev != NULL) {
+                wake = publish(r, prev);
+            }
+            if (s != NULL) {
+                if (s->state == S_RELEASED) {
+                    s = NULL;
+                }
+                else {
+                    s->busy = BUSY_SERVING;
+                }
+            }
+            pthread_mutex_unlock(&r->mu);
+            if (wake) {
+                notify(r);
+            }
+            prev = s;
+            if (s == NULL) {
+                continue;
+            }
+            wake = 0;
+            if (s->ready & READY_WRITE) {
+                on_writable(r, s);
+            }
+            if ((s->ready & READY_READ) && s->state == S_ACTIVE && s->w_in_epoll) {
+                on_readable(r, s, &wake);
+            }
+            s->ready = 0;
+            if (wake) {
+                notify(r);
+            }
+        }
     }
     return NULL;
 }
@@ -447,6 +647,7 @@ Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     r->epfd = r->wakefd = r->notifyfd = -1;
     pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->idle, NULL);
     r->pid = getpid();
     r->buf = malloc(BUF_SIZE);
     r->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -469,19 +670,19 @@ Relay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)r;
 }
 
+/* With mu held and s not being served: the thread lets go of s (it never serves it again; it is freed at
+ * the thread's next collection). Its two descriptors are the caller's to close, after mu. */
 static void
 release_sess(Relay *r, sess_t *s)
 {
-    /* With mu held: the thread lets go of s; it is freed after the current epoll batch. */
     watch(r, s, 0, 0);
     watch(r, s, 1, 0);
-    close(s->wfd);
-    close(s->cfd);
+    unqueue(r, s);
     uint32_t slot = (uint32_t)(s->handle & 0xffffffffu);
     r->slots[slot] = NULL;
     r->free_slots[r->nfree++] = slot;
     r->live--;
-    s->state = S_RETURNED;
+    s->state = S_RELEASED;
     s->next_dead = r->graveyard;
     r->graveyard = s;
 }
@@ -498,11 +699,6 @@ Relay_close(Relay *r, PyObject *Py_UNUSED(ignored))
     }
     pthread_mutex_lock(&r->mu);
     r->stopping = 1;
-    for (uint32_t i = 0; i < r->nslots; i++) {
-        if (r->slots[i] != NULL) {
-            release_sess(r, r->slots[i]);
-        }
-    }
     pthread_mutex_unlock(&r->mu);
     if (r->started) {
         uint64_t one = 1;
@@ -513,9 +709,22 @@ Relay_close(Relay *r, PyObject *Py_UNUSED(ignored))
         Py_END_ALLOW_THREADS
         r->started = 0;
     }
-    while (r->graveyard != NULL) {
-        sess_t *s = r->graveyard;
-        r->graveyard = s->next_dead;
+    /* The thread is gone: nothing is busy. */
+    pthread_mutex_lock(&r->mu);
+    for (uint32_t i = 0; i < r->nslots; i++) {
+        sess_t *s = r->slots[i];
+        if (s != NULL) {
+            release_sess(r, s);
+            close(s->wfd);
+            close(s->cfd);
+        }
+    }
+    sess_t *dead = r->graveyard;
+    r->graveyard = NULL;
+    pthread_mutex_unlock(&r->mu);
+    while (dead != NULL) {
+        sess_t *s = dead;
+        dead = s->next_dead;
         free_sess(s);
     }
     close(r->epfd);
@@ -536,7 +745,8 @@ Relay_dealloc(Relay *r)
     free(r->buf);
     free(r->slots);
     free(r->free_slots);
-    free(r->events);
+    free(r->evout);
+    pthread_cond_destroy(&r->idle);
     pthread_mutex_destroy(&r->mu);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
@@ -545,6 +755,35 @@ static PyObject *
 Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored))
 {
     return PyLong_FromLong(r->notifyfd);
+}
+
+/* With mu held: room for ``grow`` more sessions (slots, free list, events() array). */
+static int
+grow_slots(Relay *r)
+{
+    uint32_t grow = r->nslots ? r->nslots : 256;
+    uint32_t n = r->nslots + grow;
+    sess_t **slots = realloc(r->slots, n * sizeof(sess_t *));
+    if (slots == NULL) {
+        return -1;
+    }
+    r->slots = slots;
+    uint32_t *fr = realloc(r->free_slots, n * sizeof(uint32_t));
+    if (fr == NULL) {
+        return -1;
+    }
+    r->free_slots = fr;
+    event_t *evout = realloc(r->evout, n * sizeof(event_t));
+    if (evout == NULL) {
+        return -1;
+    }
+    r->evout = evout;
+    for (uint32_t i = 0; i < grow; i++) {
+        r->slots[r->nslots + i] = NULL;
+        r->free_slots[r->nfree++] = n - 1 - i;
+    }
+    r->nslots = n;
+    return 0;
 }
 
 static PyObject *
@@ -592,26 +831,12 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
     s->cw.s = s;
     s->cw.which = 1;
     pthread_mutex_lock(&r->mu);
-    if (r->nfree == 0) {
-        uint32_t grow = r->nslots ? r->nslots : 256;
-        sess_t **slots = realloc(r->slots, (r->nslots + grow) * sizeof(sess_t *));
-        uint32_t *fr = slots ? realloc(r->free_slots, (r->nslots + grow) * sizeof(uint32_t)) : NULL;
-        if (slots) {
-            r->slots = slots;
-        }
-        if (fr == NULL) {
-            pthread_mutex_unlock(&r->mu);
-            close(s->wfd);
-            close(s->cfd);
-            free(s);
-            return PyErr_NoMemory();
-        }
-        r->free_slots = fr;
-        for (uint32_t i = 0; i < grow; i++) {
-            r->slots[r->nslots + i] = NULL;
-            r->free_slots[r->nfree++] = r->nslots + grow - 1 - i;
-        }
-        r->nslots += grow;
+    if (r->nfree == 0 && grow_slots(r) < 0) {
+        pthread_mutex_unlock(&r->mu);
+        close(s->wfd);
+        close(s->cfd);
+        free(s);
+        return PyErr_NoMemory();
     }
     uint32_t slot = r->free_slots[--r->nfree];
     r->generation++;
@@ -626,6 +851,8 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
     }
     pthread_mutex_unlock(&r->mu);
     if (!ok) {
+        close(s->wfd);
+        close(s->cfd);
         errno = e;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -635,6 +862,8 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
             pthread_mutex_lock(&r->mu);
             release_sess(r, s);
             pthread_mutex_unlock(&r->mu);
+            close(s->wfd);
+            close(s->cfd);
             return NULL;
         }
         r->started = 1;
@@ -665,18 +894,38 @@ Relay_remove(Relay *r, PyObject *arg)
         PyErr_SetString(PyExc_KeyError, "no such relayed session");
         return NULL;
     }
+    /* The thread is doing this session's I/O: at most one recv and one send, then it
+     * publishes and signals (it never takes the GIL, which this thread holds meanwhile). One
+     * only collected is released at once: the thread skips it. */
+    while (s->busy == BUSY_SERVING) {
+        r->waiters++;
+        pthread_cond_wait(&r->idle, &r->mu);
+        r->waiters--;
+    }
+    /* Not served: its fields are this thread's now. Take its buffers; build after mu. */
     int reason = s->state == S_ACTIVE ? R_NONE : s->reason;
-    PyObject *res = Py_BuildValue(
-        "(NNNKKii)",
-        bytes_of(s->carry, s->carry_len),
-        bytes_of(s->out ? s->out + s->out_off : NULL, s->out ? s->out_len - s->out_off : 0),
-        bytes_of(s->rec, s->rec_len),
-        s->frames,
-        s->bytes,
-        reason,
-        s->err);
+    int err = s->err;
+    unsigned long long frames = s->frames, nbytes = s->bytes;
+    unsigned char *keep = s->keep, *rec = s->rec;
+    size_t out_off = s->out_off, out_end = s->out_end, keep_len = s->keep_len;
+    size_t rec_len = s->rec_len;
+    s->keep = s->rec = NULL;
+    int wfd = s->wfd, cfd = s->cfd;
     release_sess(r, s);
     pthread_mutex_unlock(&r->mu);
+    close(wfd);
+    close(cfd);
+    PyObject *res = Py_BuildValue(
+        "(NNNKKii)",
+        bytes_of(keep ? keep + out_end : NULL, keep ? keep_len - out_end : 0),
+        bytes_of(keep ? keep + out_off : NULL, keep ? out_end - out_off : 0),
+        bytes_of(rec, rec_len),
+        frames,
+        nbytes,
+        reason,
+        err);
+    free(keep);
+    free(rec);
     return res;
 }
 
@@ -709,15 +958,38 @@ Relay_take_record(Relay *r, PyObject *arg)
     sess_t *s = lookup(r, handle);
     PyObject *res = NULL;
     if (s != NULL) {
+        /* One copy under mu (no Python code runs in it); the buffer stays the thread's, so a
+         * MemoryError here leaves the record as it was. */
         res = bytes_of(s->rec, s->rec_len);
-        s->rec_len = 0;
-        s->rec_notified = 0;
+        if (res != NULL) {
+            s->rec_len = 0;
+            s->rec_notified = 0;
+        }
     }
     pthread_mutex_unlock(&r->mu);
     if (s == NULL) {
         PyErr_SetString(PyExc_KeyError, "no such relayed session");
     }
     return res;
+}
+
+/* With mu held: queue again what events() took and could not hand over. */
+static int
+requeue(Relay *r, size_t n)
+{
+    int wake = 0;
+    for (size_t i = 0; i < n; i++) {
+        sess_t *s = lookup(r, r->evout[i].handle);
+        if (s != NULL) {
+            if (r->evout[i].kinds & EV_RECORD) {
+                wake |= push_event(r, s, EV_RECORD);
+            }
+            if (r->evout[i].kinds & EV_RETURNED) {
+                wake |= push_event(r, s, EV_RETURNED);
+            }
+        }
+    }
+    return wake;
 }
 
 static PyObject *
@@ -729,28 +1001,42 @@ Relay_events(Relay *r, PyObject *Py_UNUSED(ignored))
     uint64_t v;
     ssize_t got = read(r->notifyfd, &v, sizeof v);
     (void)got;
+    size_t n = 0, items = 0;
     pthread_mutex_lock(&r->mu);
-    size_t n = r->nevents;
-    event_t *evs = r->events;
-    r->events = NULL;
-    r->nevents = r->cap_events = 0;
+    for (sess_t *s = r->ev_head; s != NULL; s = s->ev_next) {
+        r->evout[n].handle = s->handle; /* at most one entry per slot: evout has room */
+        r->evout[n].kinds = s->pending;
+        items += (s->pending & EV_RECORD ? 1 : 0) + (s->pending & EV_RETURNED ? 1 : 0);
+        n++;
+    }
+    while (r->ev_head != NULL) {
+        unqueue(r, r->ev_head);
+    }
     r->notified = 0;
     pthread_mutex_unlock(&r->mu);
-    PyObject *list = PyList_New((Py_ssize_t)n);
-    if (list == NULL) {
-        free(evs);
-        return NULL;
-    }
-    for (size_t i = 0; i < n; i++) {
-        PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)evs[i].handle, evs[i].kind);
-        if (t == NULL) {
-            Py_DECREF(list);
-            free(evs);
-            return NULL;
+    PyObject *list = take_fail(&fail_events) ? PyErr_NoMemory() : PyList_New((Py_ssize_t)items);
+    Py_ssize_t k = 0;
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        for (int kind = EV_RECORD; kind >= EV_RETURNED; kind--) {
+            if (!(r->evout[i].kinds & kind)) {
+                continue;
+            }
+            PyObject *t = Py_BuildValue("(Ki)", (unsigned long long)r->evout[i].handle, kind);
+            if (t == NULL) {
+                Py_CLEAR(list);
+                break;
+            }
+            PyList_SET_ITEM(list, k++, t);
         }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
     }
-    free(evs);
+    if (list == NULL) {
+        pthread_mutex_lock(&r->mu);
+        int wake = requeue(r, n);
+        pthread_mutex_unlock(&r->mu);
+        if (wake) {
+            notify(r);
+        }
+    }
     return list;
 }
 
@@ -794,8 +1080,41 @@ static PyTypeObject RelayType = {
     .tp_new = Relay_new,
 };
 
+static PyObject *
+fail_next(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    const char *kind;
+    int n;
+    if (!PyArg_ParseTuple(args, "si:_fail_next", &kind, &n)) {
+        return NULL;
+    }
+    int *counter;
+    if (strcmp(kind, "alloc") == 0) {
+        counter = &fail_alloc;
+    }
+    else if (strcmp(kind, "events") == 0) {
+        counter = &fail_events;
+    }
+    else {
+        PyErr_SetString(PyExc_ValueError, "_fail_next: the kind is 'alloc' or 'events'");
+        return NULL;
+    }
+    if (n < 0) { /* only tell */
+        return PyLong_FromLong(__atomic_load_n(counter, __ATOMIC_RELAXED));
+    }
+    return PyLong_FromLong(__atomic_exchange_n(counter, n, __ATOMIC_RELAXED));
+}
+
+static PyMethodDef module_methods[] = {
+    {"_fail_next", fail_next, METH_VARARGS,
+     "_fail_next(kind, n) -> what was left of the last: test-only, the next n allocations of the "
+     "relay thread ('alloc') or events() lists ('events') fail (n < 0: only tell what is left)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef relay_module = {
-    PyModuleDef_HEAD_INIT, "_relay", "The relay thread (see balancer/_relay.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_relay", "The relay thread (see balancer/_relay.c).", -1, module_methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
@@ -812,12 +1131,14 @@ PyInit__relay(void)
     if (PyModule_AddObject(m, "Relay", (PyObject *)&RelayType) < 0 ||
         PyModule_AddIntConstant(m, "RETURNED", EV_RETURNED) < 0 ||
         PyModule_AddIntConstant(m, "RECORD", EV_RECORD) < 0 ||
+        PyModule_AddIntConstant(m, "TAKEN_BACK", R_NONE) < 0 ||
         PyModule_AddIntConstant(m, "FRAME", R_FRAME) < 0 ||
         PyModule_AddIntConstant(m, "EOF", R_EOF) < 0 ||
         PyModule_AddIntConstant(m, "READ_ERROR", R_READ_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "WRITE_ERROR", R_WRITE_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "NOMEM", R_NOMEM) < 0 ||
-        PyModule_AddIntConstant(m, "BUF_SIZE", BUF_SIZE) < 0) {
+        PyModule_AddIntConstant(m, "BUF_SIZE", BUF_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "REC_NOTIFY", REC_NOTIFY) < 0) {
         Py_DECREF(m);
         return NULL;
     }

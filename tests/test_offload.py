@@ -387,3 +387,12 @@ async def test_stock_echo_server_through_the_thread(
     finally:
         lb.stop()
     assert "Traceback" not in lb.log.read_text()
+
+
+def test_offload_reads_the_module_constants() -> None:
+    """``offload.py`` numbers reasons and events as the C module does (not copies of them)."""
+    if _relay is None:
+        pytest.skip("balancer._relay is not built")
+    reasons = ("TAKEN_BACK", "FRAME", "EOF", "READ_ERROR", "WRITE_ERROR", "NOMEM")
+    assert set(offload.REASONS) == {getattr(_relay, name) for name in reasons}
+    assert (offload.NOMEM, offload.RETURNED) == (_relay.NOMEM, _relay.RETURNED)

@@ -52,10 +52,20 @@ AVAILABLE = _relay is not None and not os.environ.get("WSLB_PURE_PYTHON")
 # Frames a session streams in Python before it is handed to the thread (again).
 OFFLOAD_AFTER = 4
 
-# Why the thread returned a session (``Returned.reason``), as the C module numbers them.
-REASONS = {0: "taken back", 1: "frame", 2: "eof", 3: "read error", 4: "write error", 5: "no memory"}
-NOMEM = 5
-RETURNED = 1  # the event kinds of Relay.events(); RECORD = 2
+# Why the thread returned a session (``Returned.reason``) and the event kinds of
+# ``Relay.events()``: the C module's own numbers (without it no session goes to the thread).
+REASONS: dict[int, str] = {}
+NOMEM = RETURNED = -1
+if _relay is not None:
+    REASONS = {
+        _relay.TAKEN_BACK: "taken back",
+        _relay.FRAME: "frame",
+        _relay.EOF: "eof",
+        _relay.READ_ERROR: "read error",
+        _relay.WRITE_ERROR: "write error",
+        _relay.NOMEM: "no memory",
+    }
+    NOMEM, RETURNED = _relay.NOMEM, _relay.RETURNED
 
 
 class Offloadable(Protocol):
