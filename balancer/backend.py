@@ -1,25 +1,45 @@
-"""A worker as the balancer sees it: where it is, its operator and probe state, its load.
+"""A worker as the balancer sees it: what it is, its health and state, its load.
 
 Its own module so that the pool (membership, holds, affinity) and the balance algorithms
 (``balancer.selection``) share one definition of a backend without importing each other, and so
 that the admin states are defined once (``AdminState``), for the pool, the drains and cluster
 mode's etcd records alike.
 
-Operator state (``admin_state``: active, draining, drained) is kept apart from probe state
-(``healthy``), as pingora does with ``enabled`` and health: a backend receives new sessions only
-when it is both active and healthy (and not ejected, ``balancer.pool``'s outlier detection).
+A ``Backend`` has three parts, as pingora keeps discovery, health and selection apart:
+
+- **What it is**, ``spec``: a frozen ``BackendSpec`` (id, URL, parsed upstream, configured weight,
+  its ``BackendCfg``). A new weight swaps in a new one (``configure``); nothing edits it.
+- **Its health and state**, owned here and written nowhere else (``tests/test_backend.py`` reads
+  every module to check): the probe state (``healthy``, the streaks, why it is down and since
+  when), the operator's ``admin_state`` (active, draining, drained), kept apart from health as
+  pingora does with ``enabled``, and the passive ejection (``ejected_until``). Every source goes
+  through a method: ``probe`` (active checks), ``set_health`` (a spawned process came or went,
+  the ``workers: N`` board, failover's verdict on a lost worker), ``set_admin`` (drains),
+  ``eject``/``readmit`` (``balancer.pool``'s outlier detection). Each recomputes ``state``
+  (one word: active, draining, drained, down, ejected) and ``ready`` (may receive new sessions:
+  active, healthy and not ejected), and calls the listeners once when the word or the health
+  changed, and not otherwise: that is what the event feed's ``state`` events are made of, with
+  no polling.
+- **Its load**: sessions, held places, signals, weights and estimates, which ``balancer.pool``
+  and the shell count as sessions come and go.
+
+``id``, ``ready`` and ``state`` are plain slots rather than properties, because every selection
+reads them of every backend (a slot read costs a sixth of a property's on CPython 3.11); they
+are written only by this module like the rest of the state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeAlias
 from urllib.parse import urlsplit
 
 from balancer.config import BackendCfg
 from balancer.weights import Signals
 
-__all__ = ["AdminState", "Backend", "Upstream"]
+__all__ = ["AdminState", "Backend", "BackendSpec", "Change", "Listener", "Upstream"]
 
 
 class AdminState(StrEnum):
@@ -68,67 +88,103 @@ class Upstream:
         return f"{host}:{self.port}"
 
 
-class Backend:
-    """A worker as the balancer sees it: address, weights, state and live load."""
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """What a backend is, from its config: immutable, so that a change of weight is one new
+    value swapped in (``Backend.configure``), never an edit a reader could see half done."""
 
+    id: str
+    url: str
+    upstream: Upstream
+    weight: float  # the configured (static) weight; the effective one is load state
+    cfg: BackendCfg
+
+    @classmethod
+    def of(cls, cfg: BackendCfg) -> BackendSpec:
+        return cls(cfg.id, cfg.url, Upstream.parse(cfg.url), cfg.weight, cfg)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What a listener hears: the state word before and after, and whether health flipped
+    (a draining backend that goes down keeps its word, but its health changed)."""
+
+    before: str
+    after: str
+    flipped: bool
+
+
+Listener: TypeAlias = Callable[["Backend", Change], None]
+"""Called after a backend's state word or health changed (``Backend.listen``)."""
+
+
+class Backend:
+    """A worker as the balancer sees it: its spec, its health and state (written only by the
+    methods below), and its live load (module docstring)."""
+
+    # The spec (``spec``, ``id``); the health and state (``_*``, ``ready``, ``state``: written
+    # only by the methods of this class); the load (the rest).
     __slots__ = (
-        "admin_state",
-        "cfg",
+        "_admin",
+        "_ejected_until",
+        "_ejections",
+        "_fails",
+        "_healthy",
+        "_kind",
+        "_last_check",
+        "_listeners",
+        "_oks",
+        "_reason",
+        "_returned_at",
+        "_since",
         "connect_failures",
         "consecutive_failures",
         "context_counted",
         "effective_weight",
-        "ejected_until",
-        "ejections",
         "factor",
         "factor_at",
         "headroom",
-        "health_kind",
-        "health_reason",
-        "health_since",
-        "healthy",
         "held",
         "id",
         "kv_capacity",
         "kv_demand",
-        "last_check",
         "moved",
         "pending",
         "prefill_s",
-        "probe_fails",
-        "probe_oks",
+        "ready",
         "refused",
         "remote_sessions",
-        "returned_at",
         "sessions",
         "sessions_total",
         "signals",
+        "spec",
         "stale",
+        "state",
         "turns_counted",
-        "upstream",
-        "url",
         "wait_at",
         "wait_s",
-        "weight",
     )
 
     def __init__(self, cfg: BackendCfg) -> None:
-        self.cfg = cfg
-        self.id = cfg.id
-        self.url = cfg.url
-        self.upstream = Upstream.parse(cfg.url)
-        self.weight = cfg.weight
-        self.effective_weight = cfg.weight
-        self.admin_state: AdminState = _ACTIVE
-        self.healthy = True
+        self.spec = BackendSpec.of(cfg)
+        self.id = cfg.id  # the spec's, as a slot: read for every backend at every selection
+        self._admin: AdminState = _ACTIVE
+        self._healthy = True
         # Why it is down, for operators: the last failed check's reason and its kind (a metric
         # label: refused, timeout, reset, http_status, error, process), None while up.
-        self.health_reason: str | None = None
-        self.health_kind: str | None = None
-        self.health_since: float | None = None  # wall clock of the last flip
-        self.last_check: float | None = None  # wall clock of the last conclusive check
-        self.probe_oks = 0
-        self.probe_fails = 0
+        self._reason: str | None = None
+        self._kind: str | None = None
+        self._since: float | None = None  # wall clock of the last flip
+        self._last_check: float | None = None  # wall clock of the last conclusive check
+        self._oks = 0  # consecutive passed checks
+        self._fails = 0  # consecutive failed checks
+        self._ejected_until = 0.0  # loop time; 0 when not ejected
+        self._ejections = 0  # multiplier of the next ejection time
+        self._returned_at = 0.0  # loop time the last ejection ended
+        self._listeners: tuple[Listener, ...] = ()
+        self.state = "active"
+        self.ready = True
+        self.effective_weight = cfg.weight
         self.sessions = 0  # live sessions this process placed on the backend
         # Sessions that other balancer processes or instances hold on it (``workers: N``'s
         # shared board, or cluster mode's scraped counts); bounds and least_conn see both.
@@ -140,9 +196,6 @@ class Backend:
         self.sessions_total = 0
         self.connect_failures = 0  # total, for metrics
         self.consecutive_failures = 0  # connect/handshake failures since the last success
-        self.ejected_until = 0.0  # loop time; 0 when not ejected
-        self.ejections = 0  # multiplier of the next ejection time
-        self.returned_at = 0.0
         self.signals: Signals | None = None
         self.stale = True
         self.headroom = 1.0  # smoothed load signals' factor, at factor_at
@@ -165,9 +218,204 @@ class Backend:
         self.refused: dict[str, int] = {}
         self.moved: dict[str, int] = {}
 
+    # -- what it is (the spec) ---------------------------------------------------------------
+
+    @property
+    def cfg(self) -> BackendCfg:
+        return self.spec.cfg
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def upstream(self) -> Upstream:
+        return self.spec.upstream
+
+    @property
+    def weight(self) -> float:
+        """The configured weight (``effective_weight`` is the one selection uses)."""
+        return self.spec.weight
+
+    def configure(self, cfg: BackendCfg) -> bool:
+        """Swap in the spec of a new config of the same backend (its weight or metrics URL
+        changed; a new URL is a new backend). True when the weight changed (the pool's ring
+        is rebuilt)."""
+        if (cfg.id, cfg.url) != (self.id, self.spec.url):
+            raise ValueError(f"backend {self.id!r}: a new id or URL is a new backend")
+        old = self.spec.weight
+        self.spec = BackendSpec.of(cfg)
+        return cfg.weight != old
+
+    # -- its health and state: read ----------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        """What the health checks (or the process supervisor, or the board) last concluded."""
+        return self._healthy
+
+    @property
+    def admin_state(self) -> AdminState:
+        return self._admin
+
+    @property
+    def health_reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def health_kind(self) -> str | None:
+        return self._kind
+
+    @property
+    def health_since(self) -> float | None:
+        return self._since
+
+    @property
+    def last_check(self) -> float | None:
+        return self._last_check
+
+    @property
+    def probe_oks(self) -> int:
+        return self._oks
+
+    @property
+    def probe_fails(self) -> int:
+        return self._fails
+
+    @property
+    def ejected_until(self) -> float:
+        return self._ejected_until
+
     @property
     def ejected(self) -> bool:
-        return self.ejected_until > 0.0
+        return self._ejected_until > 0.0
+
+    @property
+    def ejections(self) -> int:
+        return self._ejections
+
+    @property
+    def returned_at(self) -> float:
+        return self._returned_at
+
+    # -- its health and state: the only writers ----------------------------------------------
+
+    def listen(self, listener: Listener) -> None:
+        """Call ``listener(backend, change)`` after each change of the state word or health."""
+        self._listeners = (*self._listeners, listener)
+
+    def unlisten(self, listener: Listener) -> None:
+        self._listeners = tuple(f for f in self._listeners if f != listener)
+
+    def _settle(self, before: str, was_healthy: bool) -> None:
+        """Recompute ``state`` and ``ready`` after a write; tell the listeners of a change."""
+        healthy = self._healthy
+        if self._admin is not _ACTIVE:
+            state = self._admin.value
+        elif not healthy:
+            state = "down"
+        else:
+            state = "ejected" if self._ejected_until > 0.0 else "active"
+        self.state = state
+        self.ready = state == "active"
+        if (state != before or healthy != was_healthy) and self._listeners:
+            change = Change(before, state, healthy != was_healthy)
+            for listener in self._listeners:
+                listener(self, change)
+
+    def set_health(
+        self, healthy: bool, reason: str | None = None, kind: str | None = None, at: float = 0.0
+    ) -> bool:
+        """Set the health directly, not by counting checks: a spawned worker's process came or
+        went, the supervisor's board says so, or failover found a lost worker's check failing.
+        True when it flipped. ``reason``/``kind`` say why it is down; ``at`` is the wall clock.
+        A flip down also ends the run of passed checks: the checks must pass ``rise`` times in
+        a row from now on to bring it back."""
+        before, was = self.state, self._healthy
+        flipped = healthy != was
+        self._healthy = healthy
+        if flipped:
+            self._since = at or None
+            if not healthy:
+                self._oks = 0
+        if healthy:
+            self._reason = self._kind = None
+        elif reason is not None:
+            self._reason, self._kind = reason, kind
+        self._settle(before, was)
+        return flipped
+
+    def probe(
+        self,
+        ok: bool,
+        rise: int,
+        fall: int,
+        reason: str | None = None,
+        kind: str | None = None,
+        at: float = 0.0,
+    ) -> bool:
+        """Record an active health check; return True when ``healthy`` flipped.
+
+        Health flips only after ``rise`` consecutive successes or ``fall`` consecutive failures,
+        so one lost probe does not move sessions. A failed check's ``reason`` (and ``kind``) is
+        kept while the backend is down; ``at`` is the wall clock of the check.
+        """
+        if at:
+            self._last_check = at
+        before, was = self.state, self._healthy
+        if not ok and (not was or self._fails + 1 >= fall):
+            self._reason, self._kind = reason, kind
+        if ok:
+            self._oks += 1
+            self._fails = 0
+            flipped = not was and self._oks >= rise
+        else:
+            self._fails += 1
+            self._oks = 0
+            flipped = was and self._fails >= fall
+        if not flipped:
+            return False
+        self._healthy = not was
+        self._since = at or None
+        if self._healthy:
+            self._reason = self._kind = None
+        self._settle(before, was)
+        return True
+
+    def set_admin(self, admin: AdminState | str) -> bool:
+        """The operator's (or a drain's) state; True when it changed."""
+        admin = AdminState(admin)
+        if admin is self._admin:
+            return False
+        before = self.state
+        self._admin = admin
+        self._settle(before, self._healthy)
+        return True
+
+    def eject(self, now: float, base: float, longest: float) -> float:
+        """Passive outlier detection ejected it (``balancer.pool`` decides when): for ``base``
+        times the number of ejections in a row, at most ``longest``; the count starts over
+        once it has stayed in for ``longest``. Returns the loop time the ejection ends."""
+        if self._returned_at and now - self._returned_at > longest:
+            self._ejections = 0
+        self._ejections += 1
+        before = self.state
+        self._ejected_until = now + min(base * self._ejections, longest)
+        self._settle(before, self._healthy)
+        return self._ejected_until
+
+    def readmit(self, now: float) -> bool:
+        """End an ejection that is over at loop time ``now``; True if one ended."""
+        until = self._ejected_until
+        if not until or now < until:
+            return False
+        before = self.state
+        self._ejected_until = 0.0
+        self._returned_at = now
+        self._settle(before, self._healthy)
+        return True
+
+    # -- its load ----------------------------------------------------------------------------
 
     @property
     def load(self) -> int:
@@ -188,73 +436,3 @@ class Backend:
         if self.kv_capacity <= 0:
             return None
         return 1.0 - self.kv_demand / self.kv_capacity
-
-    @property
-    def ready(self) -> bool:
-        """May receive new sessions."""
-        return self.healthy and self.admin_state == _ACTIVE and self.ejected_until == 0.0
-
-    @property
-    def state(self) -> str:
-        """One word for operators: active, draining, drained, down or ejected (a plain ``str``)."""
-        if self.admin_state != _ACTIVE:
-            return str(self.admin_state)
-        if not self.healthy:
-            return "down"
-        return "ejected" if self.ejected else "active"
-
-    def set_health(
-        self, healthy: bool, reason: str | None = None, kind: str | None = None, at: float = 0.0
-    ) -> bool:
-        """Set the probe state directly (a spawned worker's process came or went); True when it
-        flipped. ``reason``/``kind`` say why it is down; ``at`` is the wall clock."""
-        flipped = healthy != self.healthy
-        self.healthy = healthy
-        if flipped:
-            self.health_since = at or None
-        if healthy:
-            self.health_reason = self.health_kind = None
-        elif reason is not None:
-            self.health_reason, self.health_kind = reason, kind
-        return flipped
-
-    def probe(
-        self,
-        ok: bool,
-        rise: int,
-        fall: int,
-        reason: str | None = None,
-        kind: str | None = None,
-        at: float = 0.0,
-    ) -> bool:
-        """Record an active health check; return True when ``healthy`` flipped.
-
-        Health flips only after ``rise`` consecutive successes or ``fall`` consecutive failures,
-        so one lost probe does not move sessions. A failed check's ``reason`` (and ``kind``) is
-        kept while the backend is down; ``at`` is the wall clock of the check.
-        """
-        if at:
-            self.last_check = at
-        if not ok and (not self.healthy or self.probe_fails + 1 >= fall):
-            self.health_reason, self.health_kind = reason, kind
-        flipped = self._count_probe(ok, rise, fall)
-        if flipped:
-            self.health_since = at or None
-            if self.healthy:
-                self.health_reason = self.health_kind = None
-        return flipped
-
-    def _count_probe(self, ok: bool, rise: int, fall: int) -> bool:
-        if ok:
-            self.probe_oks += 1
-            self.probe_fails = 0
-            if not self.healthy and self.probe_oks >= rise:
-                self.healthy = True
-                return True
-        else:
-            self.probe_fails += 1
-            self.probe_oks = 0
-            if self.healthy and self.probe_fails >= fall:
-                self.healthy = False
-                return True
-        return False

@@ -3,7 +3,12 @@
 ``Pool`` keeps the state the balance algorithms read and hands them what they need
 (``balancer.selection``); the backends themselves and their admin states are in
 ``balancer.backend`` (re-exported here). The ring is built off the hot path when membership
-changes and swapped in as one reference.
+changes and swapped in as one reference. A pool passes on its backends' changes of state
+(``Pool.listen``: the event feed's ``state`` events) while they are its members.
+
+Ejection (``failed``) ends at ``ejected_until``: the shell sets a timer there
+(``ServerState.worker_failed`` calls ``readmit``), so the backend's return is an event on time;
+``refresh`` also readmits what is due, for callers with no timer.
 
 Held places: when a session ends, its key keeps its place on the backend for ``hold_s`` seconds
 (the pool's ``affinity_hold``, 30 s by default): the worker still holds the conversation's KV
@@ -61,12 +66,12 @@ import dataclasses
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from balancer import selection
-from balancer.backend import AdminState, Backend, Upstream
+from balancer.backend import AdminState, Backend, Change, Upstream
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
 from balancer.weights import denoise, effective_weight, median, speed
@@ -77,6 +82,7 @@ __all__ = [
     "DRAINING",
     "AdminState",
     "Backend",
+    "Change",
     "Conversation",
     "Pool",
     "Relayed",
@@ -156,6 +162,10 @@ class SharedLoad(Protocol):
         ...
 
 
+PoolListener: TypeAlias = "Callable[[Pool, Backend, Change], None]"
+"""Called after a member's state word or health changed (``Pool.listen``)."""
+
+
 class Pool:
     """The backends of one pool, the state selection reads, and ``select`` (which dispatches
     on ``balance`` to ``balancer.selection``)."""
@@ -207,8 +217,11 @@ class Pool:
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
         self.shared: SharedLoad | None = None
-        for b in cfg.backends:
-            self.backends[b.id] = Backend(b)
+        self._listeners: list[PoolListener] = []
+        self._readmit_at = math.inf  # the earliest end of an ejection (``readmit``)
+        for bc in cfg.backends:
+            self.backends[bc.id] = b = Backend(bc)
+            b.listen(self._heard)
         self._rebuild()
 
     # -- membership ------------------------------------------------------------------------
@@ -221,23 +234,31 @@ class Pool:
         if cfg.id in self.backends:
             raise ValueError(f"backend {cfg.id!r} exists")
         b = self.backends[cfg.id] = Backend(cfg)
+        b.listen(self._heard)
         self._rebuild()
         return b
 
     def update(self, backend_id: str, cfg: BackendCfg) -> None:
         """Apply a new weight (or metrics URL) to a backend; a weight change rebuilds the ring."""
-        b = self.backends[backend_id]
-        b.cfg = cfg
-        if b.weight != cfg.weight:
-            b.weight = cfg.weight
+        if self.backends[backend_id].configure(cfg):
             self._rebuild()
 
     def remove(self, backend_id: str) -> Backend:
         """Remove a backend; its live sessions are the caller's business."""
         b = self.backends.pop(backend_id)
+        b.unlisten(self._heard)
         self._rr.forget(backend_id)
         self._rebuild()
         return b
+
+    def listen(self, listener: PoolListener) -> None:
+        """Call ``listener(pool, backend, change)`` after each change of a member's state word
+        or health (``balancer.backend``), whatever its source."""
+        self._listeners.append(listener)
+
+    def _heard(self, b: Backend, change: Change) -> None:
+        for listener in self._listeners:
+            listener(self, b, change)
 
     # -- refresh and selection -------------------------------------------------------------
 
@@ -274,12 +295,11 @@ class Pool:
             if w.coefficients.tpot > 0  # else speed() ignores it: skip the walk
             else None
         )
+        if now >= self._readmit_at:
+            self.readmit(now)
         for b in self.backends.values():
             if shared is not None:
                 b.remote_sessions = shared.remote(b.id)
-            if b.ejected_until and now >= b.ejected_until:
-                b.ejected_until = 0.0
-                b.returned_at = now
             was_stale = b.stale
             raw, b.stale = effective_weight(1.0, b.signals, now, w.stale_after, w.coefficients)
             if b.stale or was_stale or w.smoothing <= 0:  # no history to smooth against
@@ -294,13 +314,13 @@ class Pool:
             if not b.stale and b.signals is not None:  # tpot is a decayed mean already
                 slower = speed(b.signals.tpot, mid_tpot, w.coefficients)
                 b.factor = max(w.coefficients.min_factor, b.headroom * slower)
-            b.effective_weight = b.weight * b.factor
+            b.effective_weight = b.spec.weight * b.factor
         # Shares among the ready backends with fresh signals, without the scrape noise.
         fresh = {b.id: b.factor for b in self.backends.values() if b.ready and not b.stale}
         denoised = denoise(fresh, w.coefficients.noise_band)
         for bid, f in denoised.items():
             b = self.backends[bid]
-            b.effective_weight = b.weight * f
+            b.effective_weight = b.spec.weight * f
         self.overloaded = selection.overloaded(denoised, self.overloaded, self.overload_ratio)
         if self.balance == "consistent":
             self._outlook(now)
@@ -459,6 +479,19 @@ class Pool:
         self._count(conv, backend)
         self._prune(now)
 
+    def attach_request(self, backend: Backend) -> None:
+        """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
+        load for the bounds and drains, but no conversation and no held place (nothing says
+        the key will come back)."""
+        backend.sessions += 1
+        backend.consecutive_failures = 0
+        self._publish(backend)
+
+    def detach_request(self, backend: Backend) -> None:
+        """The request ``attach_request`` counted is over."""
+        backend.sessions -= 1
+        self._publish(backend)
+
     # -- conversations (module docstring) --------------------------------------------------
 
     def _count(self, conv: Conversation, b: Backend) -> None:
@@ -539,14 +572,19 @@ class Pool:
         # As Envoy does, one backend may always be ejected, whatever the percentage.
         if ejected and (ejected + 1) * 100 > o.max_ejection_percent * len(self.backends):
             return False
-        if backend.returned_at and now - backend.returned_at > o.max_ejection_time:
-            backend.ejections = 0
-        backend.ejections += 1
-        backend.ejected_until = now + min(
-            o.base_ejection_time * backend.ejections, o.max_ejection_time
-        )
+        until = backend.eject(now, o.base_ejection_time, o.max_ejection_time)
+        self._readmit_at = min(self._readmit_at, until)
         backend.consecutive_failures = 0
         return True
+
+    def readmit(self, now: float) -> None:
+        """End the ejections that are over at loop time ``now`` (the shell's timer at their
+        end, or ``refresh``)."""
+        nxt = math.inf
+        for b in self.backends.values():
+            if b.ejected and not b.readmit(now):
+                nxt = min(nxt, b.ejected_until)
+        self._readmit_at = nxt
 
     def succeeded(self, backend: Backend) -> None:
         """A connect and handshake worked: the failure streak ends."""

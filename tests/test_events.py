@@ -2,13 +2,15 @@
 
 End to end with reference workers and aiohttp as the reader: a drain's start, each migration
 with its pause, the backend's state changes and the drain's end arrive on the stream as they
-happen, in ``workers: N`` too (the supervisor's merged feed).
+happen, in ``workers: N`` too (the supervisor's merged feed). A worker killed and started again
+is one ``state`` event each way, emitted at the health flip itself (no polling).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +128,7 @@ async def test_a_drain_on_the_stream(tmp_path: Path, processes: int) -> None:
         assert kinds.index("migration") > events.index(started)
         if processes > 1:
             assert all("process" in m for m in moves)
-        # The state change follows within the watcher's period: a long poll waits for it.
+        # The state change is on the feed too: a long poll finds it (or waits for it).
         base = f"http://127.0.0.1:{lb.admin_port}/events"
         auth = {"Authorization": f"Bearer {TOKEN}"}
         seen: list[dict[str, Any]] = []
@@ -149,6 +151,60 @@ async def test_a_drain_on_the_stream(tmp_path: Path, processes: int) -> None:
             while json.loads(await asyncio.wait_for(ws.recv(), 20))["type"] != "done":
                 pass
             await ws.close()
+    finally:
+        lb.stop()
+        for w in workers:
+            w.stop()
+
+
+def victim_states(events: list[dict[str, Any]], bid: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "state" and e["backend"] == bid]
+
+
+async def test_a_killed_worker_is_one_state_event_and_its_return_another(tmp_path: Path) -> None:
+    workers = [Worker(f"k{i}").start() for i in range(2)]
+    interval = 0.2
+    cfg = pool_config(
+        [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers],
+        health={"interval": f"{interval}s", "fall": 1, "rise": 1},
+    )
+    lb = Wslb(cfg, tmp_path, token=TOKEN).start()
+    victim = workers[0]
+    try:
+        lb.wait_ready()
+        base = f"http://127.0.0.1:{lb.admin_port}/events"
+        stream = asyncio.ensure_future(
+            read_stream(f"{base}/stream", TOKEN, lambda evs: len(victim_states(evs, "k0")) >= 2)
+        )
+        await asyncio.sleep(0.3)  # the reader is connected: what follows comes live
+        killed = time.time()
+        victim.kill()
+        for _ in range(100):  # its down event, then it comes back
+            await asyncio.sleep(0.05)
+            if lb.admin("/backends/k0")["state"] == "down":
+                break
+        down_since = lb.admin("/backends/k0")["health"]["since"]
+        victim.start()
+        events = await stream
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if lb.admin("/backends/k0")["state"] == "active":
+                break
+        up_since = lb.admin("/backends/k0")["health"]["since"]
+        await asyncio.sleep(4 * interval)  # more probes: no more events
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession() as http, http.get(f"{base}?since=0", headers=auth) as r:
+            everything = (await r.json())["events"]
+        down, up = victim_states(events, "k0")
+        assert victim_states(everything, "k0") == [down, up]
+        assert victim_states(everything, "k1") == []
+        assert (down["from"], down["to"], down["reason"]) == ("active", "down", "connect refused")
+        assert (up["from"], up["to"], up["reason"]) == ("down", "active", None)
+        assert down["pool"] == up["pool"] == "chat"
+        # Emitted at the flip itself (event times are in ms), not at a watcher's next look (it
+        # looked every 0.25 s); the flip at the first probe after the kill.
+        assert abs(down["time"] - down_since) < 0.02 and abs(up["time"] - up_since) < 0.02
+        assert down["time"] - killed < interval + 0.25, down["time"] - killed
     finally:
         lb.stop()
         for w in workers:

@@ -114,15 +114,15 @@ def test_not_ready_backends_are_skipped_and_keys_come_back() -> None:
     pool = make_pool()
     keys = [f"s{i}" for i in range(300)]
     before = {k: pool.ring.owner(k) for k in keys}
-    pool.backends["w1"].healthy = False
+    pool.backends["w1"].set_health(False)
     for k in keys:
         b = peek(pool, k)
         assert b != "w1"
         if before[k] != "w1":
             assert b == before[k]
-    pool.backends["w1"].healthy = True
+    pool.backends["w1"].set_health(True)
     assert all(peek(pool, k) == before[k] for k in keys)
-    pool.backends["w2"].admin_state = DRAINING
+    pool.backends["w2"].set_admin(DRAINING)
     assert all(peek(pool, k) != "w2" for k in keys)
 
 
@@ -161,7 +161,7 @@ def test_least_conn_round_robin_random() -> None:
 def test_no_ready_backend_gives_none() -> None:
     pool = make_pool(n=2)
     for b in pool.backends.values():
-        b.healthy = False
+        b.set_health(False)
     assert pool.select("k") is None
 
 

@@ -39,14 +39,12 @@ from balancer.config import BackendCfg, ConfigError, parse_backend, parse_durati
 from balancer.config import load as load_config
 from balancer.events import EventLog
 from balancer.metrics import BackendView
-from balancer.pool import ACTIVE, DRAINED, Backend, Pool
+from balancer.pool import ACTIVE, DRAINED, Backend, Change, Pool
 from balancer.selection import MOVED, REFUSED
 
 __all__ = ["Control", "ControlError", "LocalControl", "Reply"]
 
 log = logging.getLogger("wslb")
-
-STATE_WATCH = 0.25  # seconds between looks at the backends' states (the feed's ``state`` events)
 
 
 class ControlError(Exception):
@@ -300,25 +298,24 @@ class LocalControl:
             "health_check_failures": st.probe_failures[backend_id],
         }
 
-    async def watch_states(self, every: float = STATE_WATCH) -> None:
-        """Emit a ``state`` event whenever a backend's state changes (a health flip, an
-        ejection, a drain's progress), whatever changed it: the flips have many sources (probes,
-        spawned processes, failover's probe, the board), their outcome one place to look."""
-        seen: dict[str, str] = {}
-        while True:
-            for pool, b in self.state.backends():
-                state = b.state
-                before = seen.get(b.id)
-                if before is not None and before != state:
-                    self.state.emit(
-                        "state",
-                        backend=b.id,
-                        pool=pool.name,
-                        **{"from": before, "to": state},
-                        reason=b.health_reason,
-                    )
-                seen[b.id] = state
-            await asyncio.sleep(every)
+    def watch_states(self) -> None:
+        """From now on (the composition root calls it once serving starts), emit a ``state``
+        event whenever a backend's state word changes (a health flip, an ejection or its end, a
+        drain's progress), as it happens: the sources are many (probes, spawned processes,
+        failover's probe, the board, drains, ejections), their one writer ``Backend`` tells
+        its pool's listeners (``balancer.backend``)."""
+        for pool in self.state.pools:
+            pool.listen(self._state_changed)
+
+    def _state_changed(self, pool: Pool, b: Backend, change: Change) -> None:
+        if change.before != change.after:
+            self.state.emit(
+                "state",
+                backend=b.id,
+                pool=pool.name,
+                **{"from": change.before, "to": change.after},
+                reason=b.health_reason,
+            )
 
     async def ready(self) -> Reply:
         if self.state.closing:

@@ -162,7 +162,7 @@ class BoardFollower:
                     if info is None or seen.get(b.id) == info.seq:
                         continue
                     seen[b.id] = info.seq
-                    b.healthy = info.healthy
+                    b.set_health(info.healthy, at=time.time())
                     b.signals = (
                         None
                         if info.scraped_at is None
