@@ -34,16 +34,16 @@ rebuilt from the messages' words plus the unfinished answer's ``token_text``s; n
 KV cache travels (``kv_cached`` 0: the new worker prefills again). The reference worker still
 freezes to version 1, which keeps the exact context and the cached prefix.
 
-The chat protocol's prompt rules (``parse_prompt``) live here, beside the states that carry
-queued prompts, so the worker and a transcript's ``queued`` check them the same way.
+The chat protocol's prompt rules and a transcript's shared fields are ``balancer.contract``'s
+(the engine bridge and wslb's journal decide with the same functions); this module maps them to
+the simulated model (``parse_prompt``, ``transcript_from_json``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, cast
 
 from backends.model import (
     PendingAnswer,
@@ -52,6 +52,19 @@ from backends.model import (
     SessionSnapshot,
     token_text,
     words,
+)
+from balancer.contract import (
+    EVENT_PROTOCOLS,
+    PROTOCOLS,
+    TRANSCRIPT_VERSION,
+    ChatPrompt,
+    Protocol,
+    ProtocolError,
+    StateError,
+    chat_messages,
+    read_prompt,
+    read_transcript,
+    shown,
 )
 
 __all__ = [
@@ -65,6 +78,7 @@ __all__ = [
     "Transcript",
     "TranscriptAnswer",
     "chat_messages",
+    "model_prompt",
     "parse_prompt",
     "read_state",
     "snapshot_from_json",
@@ -73,19 +87,10 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
-TRANSCRIPT_VERSION = 2
-Protocol: TypeAlias = Literal["wslb-chat", "openai-realtime", "openai-responses"]
-PROTOCOLS: tuple[Protocol, ...] = ("wslb-chat", "openai-realtime", "openai-responses")
-EVENT_PROTOCOLS = ("openai-realtime", "openai-responses")
-"""Protocols whose transcript's ``queued`` holds client events (not chat prompts)."""
 # The chat protocol's token texts (backends.model.token_text); the balancer joins a turn's
 # texts with nothing between them, so one assistant "word" can hold a run of them.
 _TOKEN_RUN = re.compile(r"(?:t\d+\.\d+-[0-9a-f]{8})+")
 _TOKEN = re.compile(r"t\d+\.\d+-[0-9a-f]{8}")
-
-
-class StateError(ValueError):
-    """A handoff state that cannot be installed; the message names the bad field."""
 
 
 class StateFields:
@@ -109,10 +114,6 @@ class StateFields:
         if not isinstance(value, str) or (not empty and not value):
             raise self.error(f"{where} must be a {'' if empty else 'non-empty '}string")
         return value
-
-
-class ProtocolError(Exception):
-    """A client message the worker cannot act on; reported as an ``error`` message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,49 +151,22 @@ class Transcript:
 
 
 def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> tuple[Prompt, int]:
-    """Validate a chat-protocol ``prompt`` message into a model prompt and its ``max_tokens``.
+    """Validate a chat-protocol ``prompt`` message (``balancer.contract.read_prompt``) into a
+    model prompt and its ``max_tokens`` (``default_max`` when it names none).
 
     Raises:
         ProtocolError: the message does not follow the chat protocol (docs/protocol.md).
     """
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ProtocolError("max_tokens must be a non-negative integer")
-    if max_tokens > limit:
-        raise ProtocolError(f"max_tokens must be at most {limit}")
-    has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise ProtocolError("a prompt takes 'text' or 'messages', not both")
-    if has_text:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise ProtocolError("'text' must be a string")
-        return Prompt.from_text(text), max_tokens
-    if has_messages:
-        return Prompt.from_messages(_message_contents(obj["messages"])), max_tokens
-    raise ProtocolError("a prompt needs 'text' or 'messages'")
+    prompt = read_prompt(obj, limit)
+    return model_prompt(prompt), default_max if prompt.max_tokens is None else prompt.max_tokens
 
 
-def _message_contents(messages: object) -> list[str]:
-    """Contents of chat messages; content parts (``[{"type":"text","text":...}]``) are joined."""
-    if not isinstance(messages, list):
-        raise ProtocolError("'messages' must be a list")
-    contents: list[str] = []
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ProtocolError(f"messages[{n}] must be an object")
-        content = message.get("content")
-        if isinstance(content, str):
-            contents.append(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    contents.append(part["text"])
-        elif content is not None:
-            raise ProtocolError(f"messages[{n}].content must be a string or a list of parts")
-    return contents
+def model_prompt(prompt: ChatPrompt) -> Prompt:
+    """What the simulated model reads of a prompt: its words (a ``messages`` prompt's
+    contents in order, replacing the context)."""
+    if prompt.text is not None:
+        return Prompt.from_text(prompt.text)
+    return Prompt.from_messages(m["content"] for m in prompt.messages or ())
 
 
 def snapshot_to_json(snapshot: SessionSnapshot) -> dict[str, Any]:
@@ -311,7 +285,7 @@ def read_state(
             default_max_tokens=default_max_tokens,
         )
     raise StateError(
-        f"state.v must be {STATE_VERSION} or {TRANSCRIPT_VERSION}, got {_shown(version)}"
+        f"state.v must be {STATE_VERSION} or {TRANSCRIPT_VERSION}, got {shown(version)}"
     )
 
 
@@ -342,57 +316,27 @@ def transcript_from_json(
     Raises:
         StateError: the state is malformed, of another version, or for another session.
     """
-    obj = _object(value, "state")
-    if obj.get("v") != TRANSCRIPT_VERSION:
-        raise StateError(f"state.v must be {TRANSCRIPT_VERSION}, got {_shown(obj.get('v'))}")
-    sid = obj.get("session")
-    if not isinstance(sid, str) or not sid:
-        raise StateError("state.session must be a non-empty string")
-    if session is not None and sid != session:
-        raise StateError(f"state.session is {sid!r}, not {session!r}")
-    protocol = obj.get("protocol")
-    if protocol not in PROTOCOLS:
-        raise StateError(f"state.protocol must be one of {PROTOCOLS}, got {_shown(protocol)}")
-    messages = _transcript_messages(obj.get("messages"))
+    head = read_transcript(
+        value,
+        session=session,
+        max_queued=max_queued,
+        max_tokens_limit=2**63 if max_tokens_limit is None else max_tokens_limit,
+    )
+    sid, messages = head.session, head.messages
     answer = None
-    if obj.get("answer") is not None:
-        answer = _transcript_answer(obj["answer"], sid, max_tokens_limit, default_max_tokens)
-    raw_turns = obj.get("turns")
-    if raw_turns is None:
-        turns = (
-            answer.turn
-            if answer is not None
-            else sum(1 for m in messages if m["role"] == "assistant")
-        )
-    else:
-        turns = _count(raw_turns, "state.turns")
-    if answer is not None and answer.turn != turns:
-        raise StateError("state.answer.turn must be the last turn started (state.turns)")
-
-    raw_queued = obj.get("queued", [])
-    if not isinstance(raw_queued, list):
-        raise StateError("state.queued must be a list")
-    if max_queued is not None and len(raw_queued) > max_queued:
-        raise StateError(f"state.queued holds more than {max_queued} prompts")
-    queued: list[QueuedPrompt] = []
-    events: list[dict[str, Any]] = []
-    limit = 2**63 if max_tokens_limit is None else max_tokens_limit
-    for n, item in enumerate(raw_queued):
-        q = _object(item, f"state.queued[{n}]")
-        if protocol in EVENT_PROTOCOLS:
-            events.append(q)  # checked as the client's own events are, when acted on
-            continue
-        try:
-            prompt, max_tokens = parse_prompt(q, default_max_tokens, limit)
-        except ProtocolError as exc:
-            raise StateError(f"state.queued[{n}]: {exc}") from None
-        queued.append(QueuedPrompt(prompt, max_tokens))
+    if head.answer is not None:
+        answer = _transcript_answer(head.answer, sid, max_tokens_limit, default_max_tokens)
+    turns = head.turns(None if answer is None else answer.turn)
+    queued = [
+        QueuedPrompt(model_prompt(q), default_max_tokens if q.max_tokens is None else q.max_tokens)
+        for q in head.queued
+    ]
 
     context = [w for m in messages for w in _message_tokens(m)]
     pending = None
     if answer is not None:
         context += [token_text(sid, answer.turn, j) for j in range(answer.i)]
-        a = cast(dict[str, Any], obj["answer"])
+        a = cast(dict[str, Any], head.answer)
         pending = PendingAnswer(
             turn=answer.turn,
             produced=answer.i,
@@ -411,50 +355,13 @@ def transcript_from_json(
     )
     return Transcript(
         snapshot,
-        cast(Protocol, protocol),
+        head.protocol,
         tuple(messages),
         answer,
-        tuple(events),
-        obj.get("realtime"),
-        obj.get("responses"),
+        head.events,
+        head.realtime,
+        head.responses,
     )
-
-
-def _transcript_messages(value: object) -> list[dict[str, str]]:
-    """``state.messages`` as ``{"role", "content"}`` with string content."""
-    return chat_messages(value, "state.messages", StateError)
-
-
-def chat_messages(
-    value: object, where: str, error: Callable[[str], Exception], quote: bool = False
-) -> list[dict[str, str]]:
-    """Chat messages as ``{"role", "content"}`` with string content, by the rules both workers
-    apply (a prompt's ``messages``, a transcript's): the role defaults to user, content parts'
-    texts are joined, null content is empty. ``error`` builds what is raised, naming
-    ``where`` (quoted with ``quote``, as a client field is)."""
-    if not isinstance(value, list):
-        raise error(f"'{where}' must be a list" if quote else f"{where} must be a list")
-    out: list[dict[str, str]] = []
-    for n, message in enumerate(value):
-        at = f"{where}[{n}]"
-        if not isinstance(message, dict):
-            raise error(f"{at} must be an object")
-        role = message.get("role", "user")
-        if not isinstance(role, str) or not role:
-            raise error(f"{at}.role must be a non-empty string")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = "".join(
-                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-        else:
-            raise error(f"{at}.content must be a string or a list of parts")
-        out.append({"role": role, "content": text})
-    return out
 
 
 def _message_tokens(message: dict[str, str]) -> list[str]:
@@ -504,14 +411,6 @@ def _transcript_answer(
 def _or(value: object, default: object) -> object:
     """An optional field: null reads as absent (the bridge writes null for unknown stats)."""
     return default if value is None else value
-
-
-def _shown(value: object) -> str:
-    """A client value in a message: scalars only, clipped (a deep list's repr could be huge)."""
-    if value is not None and not isinstance(value, str | int | float):
-        return f"a JSON {'array' if isinstance(value, list) else 'object'}"
-    shown = repr(value)
-    return shown if len(shown) <= 64 else shown[:61] + "..."
 
 
 def _milliseconds(value: object, where: str) -> float:

@@ -2,7 +2,9 @@
 latency histogram and the Realtime connections' outbox, so the two workers cannot drift apart.
 
 A leaf module: ``backends.worker`` (whose ``main`` dispatches to the bridge) and
-``backends.bridge`` both import it, neither imports the other back.
+``backends.bridge`` both import it, neither imports the other back. What wslb's journal must
+agree on too (the queue's bound, the prompt rules) is ``balancer.contract``'s; the bound is
+re-exported here with the rest of the wire.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from backends.protocol.realtime import Send
+from balancer.contract import MAX_QUEUED_PROMPTS
 
 __all__ = [
     "ITL_BUCKETS",
@@ -33,7 +36,6 @@ READY_PREFIX = "wslb-worker ready"  # the line printed once listening
 RESUME_HEADER = "X-WSLB-Resume"
 REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
 RESPONSES_PATH = "/v1/responses"  # the OpenAI Responses API's WebSocket mode
-MAX_QUEUED_PROMPTS = 16
 MAX_SESSION_ID_LEN = 512  # wslb's keys: 256 characters, plus an owner's scope (TAG~KEY) with JWT
 MAX_STATE_BYTES = 64 * 1024 * 1024  # a thaw carries the whole conversation
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

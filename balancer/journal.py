@@ -24,22 +24,31 @@ which has no greeting); a crash before any worker message of a session whose cli
 with a Responses ``response.create`` is a Responses session too. Anything else leaves the
 journal unable to build a transcript (``unknown_protocol``), and so does a stream it cannot
 follow (a token out of order, a turn nobody asked for: ``lost_track``). Client messages
-relayed before the protocol is known are kept (at most ``MAX_PENDING``) and folded once it is.
+relayed before the protocol is known are kept and folded once it is. At most ``MAX_PENDING``
+client messages may wait for the worker's answer; past that the journal could no longer pair
+answers with them, so it gives up (``lost_track``) rather than guess.
 
 The rules of the folds (docs/protocol.md sections 3, 3a, 3b and 5a):
 
-- Chat. A valid ``prompt`` (the worker's rules) waits in ``pending`` until the worker starts a
-  new turn (its first ``token`` or ``done``), which takes the oldest one: the answer's ``base``
-  is the conversation plus the prompt (``text``) or the prompt's ``messages``. Tokens must come
-  in order (``i`` = the next index). ``done`` appends the assistant message (the token texts
-  joined as relayed) to the conversation; an ``error`` with a ``turn`` ends that answer and
-  rolls the conversation back. ``cancel`` marks the running answer cancelled.
+- Chat. A valid ``prompt`` (``balancer.contract.read_prompt``: the workers' own rule) waits in
+  ``pending`` until the worker starts a new turn (its first ``token`` or ``done``), which takes
+  the oldest one: the answer's ``base`` is the conversation plus the prompt (``text``) or the
+  prompt's ``messages``. Tokens must come in order (``i`` = the next index). ``done`` appends
+  the assistant message (the token texts joined as relayed) to the conversation; an ``error``
+  with a ``turn`` ends that answer and rolls the conversation back. The one ``error`` that
+  refuses a valid prompt (a full queue: ``balancer.contract.queue_full``) names the turn the
+  worker's last queued prompt will have (``after_turn``), so the refused prompt leaves
+  ``pending`` and no later turn is paired with it. ``cancel`` marks the running answer
+  cancelled.
 - Realtime. The session object (``session.created``/``updated``), the items with their ids
   (``conversation.item.added``/``done``) and the running response (``response.created``,
   ``response.output_item.added``, each ``response.output_text.delta``) are tracked from the
-  server's events. Each client event but a cancel waits in ``pending`` until the event that
-  answers it (``session.updated``, ``conversation.item.added``, ``response.created``, or an
-  ``error`` other than an engine's); a cancel marks the running response as cancelling.
+  server's events. Each client event waits in ``pending`` until the event that answers it
+  (``session.updated``, ``conversation.item.added``, ``response.created``, or an ``error``
+  other than an engine's), in order. A ``response.cancel`` of the running response marks it
+  cancelling; one sent while a ``response.create`` waits is answered by nothing (the worker
+  cancels) or by ``response_cancel_not_active``, so an answer to a later event drops it and any
+  other error answers the oldest event that is not such a cancel.
 - Responses. Every client message waits in ``pending`` until the worker answers it, in order:
   with ``response.created`` (a ``response.create`` it accepted: the running response's
   conversation is the last response's, when ``previous_response_id`` names it, plus the
@@ -52,28 +61,48 @@ The rules of the folds (docs/protocol.md sections 3, 3a, 3b and 5a):
 ``transcript`` gives the open transcript state (``"v": 2``) that every worker's ``thaw`` accepts,
 with the Realtime or Responses session snapshot (``realtime``, ``responses``) so response and
 item ids continue.
+
+``snapshot`` gives the whole journal as a JSON value (raw buffers, a partial frame and the fold
+included) and ``restore`` rebuilds it: a hot restart moves a live session, its journal with it,
+to a new process, where it must go on exactly as here.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import re
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeGuard, cast
 
+from balancer.contract import (
+    CHAT,
+    PROTOCOLS,
+    REALTIME,
+    RESPONSES,
+    TRANSCRIPT_VERSION,
+    ChatPrompt,
+    ProtocolError,
+    read_prompt,
+    rejected_after,
+    shown,
+)
 from balancer.frames import OP_BINARY, OP_CONT, OP_TEXT, unmask
 
-__all__ = ["COMPACT_AT", "Journal", "JournalError"]
+__all__ = ["COMPACT_AT", "SNAPSHOT_VERSION", "Journal", "JournalError"]
 
 log = logging.getLogger("wslb.journal")
 
 COMPACT_AT = 8192  # raw worker bytes that trigger a fold
-MAX_PENDING = 64  # client messages waiting for the worker (the workers queue at most 64)
-CHAT = "wslb-chat"
-REALTIME = "openai-realtime"
-RESPONSES = "openai-responses"
+# Client messages waiting for the worker's answer. A chat connection queues 16 prompts
+# (balancer.contract.MAX_QUEUED_PROMPTS) and refuses more, but a client may send many before
+# the worker reads them.
+MAX_PENDING = 64
 _ROLES = ("user", "system", "assistant")
+SNAPSHOT_VERSION = 1  # of ``Journal.snapshot``; ``restore`` reads this one only
 
 
 class JournalError(Exception):
@@ -83,6 +112,119 @@ class JournalError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+# -- as data: the checks ``Journal.restore`` reads a snapshot with --------------------------
+
+_Check = tuple[Callable[[Any], bool], str]  # a test of a snapshot value, and what it must be
+
+
+def _copied(value: Any) -> Any:
+    """A JSON value with lists and objects of its own. The folds update their dicts in place,
+    so a snapshot must not share them with the journal it describes, nor a restored journal
+    with the data it was read from."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
+def _b64(data: bytes | bytearray) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_messages(v: object) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(m, dict) and all(isinstance(x, str) for x in m.values()) for m in v
+    )
+
+
+def _nullable(check: _Check) -> _Check:
+    ok, what = check
+    return (lambda v: v is None or ok(v)), f"{what} or null"
+
+
+_ANY: _Check = (lambda v: True, "any JSON value")
+_COUNT: _Check = (_is_count, "a non-negative integer")
+_FLAG: _Check = (lambda v: isinstance(v, bool), "true or false")
+_STR: _Check = (lambda v: isinstance(v, str), "a string")
+_STRS: _Check = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "strings")
+_NUMBER: _Check = (lambda v: isinstance(v, int | float), "a number")  # as the folds take one
+_OBJECT: _Check = (lambda v: isinstance(v, dict), "an object")
+_MESSAGES: _Check = (_is_messages, "a list of messages (objects of strings)")
+_EVENTS: _Check = (
+    lambda v: isinstance(v, list) and all(e is None or isinstance(e, dict) for e in v),
+    "a list of objects and nulls",
+)
+
+
+def _unb64(text: str, path: str) -> bytearray:
+    try:
+        return bytearray(base64.b64decode(text, validate=True))
+    except binascii.Error:
+        raise ValueError(f"journal snapshot: {path} must be base64, not {shown(text)}") from None
+
+
+class _Fields:
+    """One object of a journal snapshot, read with each field's type checked: a snapshot this
+    code cannot read fails in ``restore``, naming the field, not at some later frame."""
+
+    __slots__ = ("data", "path")
+
+    def __init__(self, data: object, path: str) -> None:
+        if not isinstance(data, dict):
+            where = f": {path}" if path else ""
+            raise ValueError(f"journal snapshot{where} must be an object, not {shown(data)}")
+        self.data: dict[str, Any] = data
+        self.path = path
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str, check: _Check) -> Any:
+        if key not in self.data:
+            raise ValueError(f"journal snapshot: {self.at(key)} is missing")
+        value = self.data[key]
+        ok, what = check
+        if not ok(value):
+            raise ValueError(f"journal snapshot: {self.at(key)} must be {what}, not {shown(value)}")
+        return value
+
+    def count(self, key: str) -> int:
+        return cast(int, self.get(key, _COUNT))
+
+    def flag(self, key: str) -> bool:
+        return cast(bool, self.get(key, _FLAG))
+
+    def text(self, key: str) -> str:
+        return cast(str, self.get(key, _STR))
+
+    def sub(self, key: str) -> _Fields:
+        return _Fields(self.get(key, _OBJECT), self.at(key))
+
+    def obj(self, key: str) -> _Fields | None:
+        """A nested object, None for null."""
+        value = self.get(key, _nullable(_OBJECT))
+        return None if value is None else _Fields(value, self.at(key))
+
+    def objs(self, key: str) -> list[_Fields]:
+        value = self.get(key, (lambda v: isinstance(v, list), "a list"))
+        return [_Fields(v, f"{self.at(key)}[{n}]") for n, v in enumerate(value)]
+
+    def blob(self, key: str) -> bytearray:
+        return _unb64(self.text(key), self.at(key))
+
+    def exact(self, spec: dict[str, _Check]) -> dict[str, Any]:
+        """An object a fold keeps as it is (it goes into transcripts): these fields, no other."""
+        extra = self.data.keys() - spec.keys()
+        if extra:
+            raise ValueError(f"journal snapshot: {self.at(min(extra))} is not a known field")
+        return {key: self.get(key, check) for key, check in spec.items()}
 
 
 class _Stream:
@@ -150,6 +292,26 @@ class _Stream:
     @property
     def size(self) -> int:
         return len(self.buf) + sum(len(p) for p in self.parts)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Mid-frame too: the raw bytes not folded yet, a fragmented message's parts so far."""
+        return {
+            "buf": _b64(self.buf),
+            "masked": self.masked,
+            "parts": [_b64(p) for p in self.parts],
+            "opcode": self.opcode,
+        }
+
+    @classmethod
+    def restore(cls, f: _Fields, masked: bool) -> _Stream:
+        if f.flag("masked") is not masked:
+            raise ValueError(f"journal snapshot: {f.at('masked')} must be {str(masked).lower()}")
+        s = cls(masked)
+        s.buf = f.blob("buf")
+        parts = f.get("parts", _STRS)
+        s.parts = [bytes(_unb64(p, f"{f.at('parts')}[{n}]")) for n, p in enumerate(parts)]
+        s.opcode = f.get("opcode", (lambda v: _is_count(v) and v <= OP_BINARY, "0, 1 or 2"))
+        return s
 
 
 def _loads(payload: bytes) -> dict[str, Any] | None:
@@ -228,49 +390,19 @@ def _text_of(content: object) -> str | None:
     return None
 
 
-def _chat_messages(value: object) -> list[dict[str, str]] | None:
-    if not isinstance(value, list):
+def chat_prompt(obj: dict[str, Any]) -> ChatPrompt | None:
+    """A chat ``prompt`` as the workers read it (``balancer.contract.read_prompt``, with the
+    contract's ``max_tokens`` limit); None if a worker answers it with an error."""
+    try:
+        return read_prompt(obj)
+    except ProtocolError:
         return None
-    out = []
-    for m in value:
-        if not isinstance(m, dict):
-            return None
-        role = m.get("role", "user")
-        text = _text_of(m.get("content"))
-        if not isinstance(role, str) or not role or text is None:
-            return None
-        out.append({"role": role, "content": text})
-    return out
 
 
-def chat_prompt(obj: dict[str, Any]) -> dict[str, Any] | None:
-    """A chat ``prompt`` as the workers would accept it (docs/protocol.md 3), normalised to a
-    transcript's queued prompt; None if a worker would answer it with an error."""
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is not None and _count(max_tokens) is None:
+def _overflow(pending: deque[Any]) -> str | None:
+    if len(pending) < MAX_PENDING:
         return None
-    temperature = obj.get("temperature")
-    if temperature is not None and (
-        isinstance(temperature, bool) or not isinstance(temperature, int | float)
-    ):
-        return None
-    has_text, has_messages = "text" in obj, "messages" in obj
-    out: dict[str, Any]
-    if has_text == has_messages:
-        return None
-    if has_text:
-        if not isinstance(obj["text"], str):
-            return None
-        out = {"text": obj["text"]}
-    else:
-        messages = _chat_messages(obj["messages"])
-        if messages is None:
-            return None
-        out = {"messages": messages}
-    out["max_tokens"] = max_tokens
-    if temperature is not None:
-        out["temperature"] = temperature
-    return out
+    return f"more than {MAX_PENDING} client messages waiting for the worker's answer"
 
 
 class _Answer:
@@ -298,28 +430,88 @@ class _Answer:
             self.parts[:] = ["".join(self.parts)]
         return self.parts[0] if self.parts else ""
 
+    def snapshot(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        """``rollback`` null: the conversation before the answer is ``messages`` (the fold's,
+        as while an answer runs), which a snapshot holds once."""
+        return {
+            "turn": self.turn,
+            "base": self.base,
+            "rollback": None if self.rollback is messages else self.rollback,
+            "max_tokens": self.max_tokens,
+            "parts": self.parts,
+            "chars": self.chars,
+            "i": self.i,
+            "cancelled": self.cancelled,
+        }
+
+    @classmethod
+    def restore(cls, f: _Fields, messages: list[dict[str, str]]) -> _Answer:
+        rollback = f.get("rollback", _nullable(_MESSAGES))
+        ans = cls(
+            f.count("turn"),
+            f.get("base", _MESSAGES),
+            messages if rollback is None else rollback,
+            f.get("max_tokens", _nullable(_COUNT)),
+        )
+        ans.parts = f.get("parts", _STRS)
+        ans.chars = f.count("chars")
+        ans.i = f.count("i")
+        ans.cancelled = f.flag("cancelled")
+        return ans
+
+
+def _prompt_json(p: ChatPrompt) -> dict[str, Any]:
+    """A queued prompt, every field as it is (``ChatPrompt.to_json`` is a transcript's form,
+    which a worker reads back through its checks)."""
+    messages = None if p.messages is None else list(p.messages)
+    return {
+        "text": p.text,
+        "messages": messages,
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+    }
+
+
+def _prompt_of(f: _Fields) -> ChatPrompt:
+    text = f.get("text", _nullable(_STR))
+    messages = f.get("messages", _nullable(_MESSAGES))
+    if (text is None) == (messages is None):
+        raise ValueError(f"journal snapshot: {f.path} must have a text or messages, not both")
+    temperature = f.get("temperature", _nullable(_NUMBER))
+    return ChatPrompt(
+        text=text,
+        messages=None if messages is None else tuple(messages),
+        max_tokens=f.get("max_tokens", _nullable(_COUNT)),
+        temperature=None if temperature is None else float(temperature),
+    )
+
 
 class _ChatFold:
     """The chat protocol's conversation as the worker holds it (module docstring)."""
 
     def __init__(self) -> None:
         self.messages: list[dict[str, str]] = []
-        self.pending: deque[dict[str, Any]] = deque()
+        self.pending: deque[ChatPrompt] = deque()
         self.answer: _Answer | None = None
         self.turns = 0
 
-    def client(self, obj: dict[str, Any] | None) -> None:
+    def client(self, obj: dict[str, Any] | None) -> str | None:
+        """Fold one client message; a reason when the journal can no longer follow."""
         if obj is None:
-            return  # not JSON: the worker answers it with an error
+            return None  # not JSON: the worker answers it with an error
         kind = obj.get("type")
         if kind == "prompt":
             prompt = chat_prompt(obj)
-            if prompt is not None and len(self.pending) < MAX_PENDING:
+            if prompt is not None:
+                why = _overflow(self.pending)
+                if why is not None:
+                    return why
                 self.pending.append(prompt)
         elif kind == "cancel" and self.answer is not None:
             turn = obj.get("turn")
             if turn is None or turn == self.answer.turn:
                 self.answer.cancelled = True
+        return None
 
     def worker(self, obj: dict[str, Any]) -> str | None:
         """Fold one worker message; a reason when the journal lost track of the session."""
@@ -370,6 +562,20 @@ class _ChatFold:
             elif turn is not None and turn > self.turns and self.pending:
                 self.pending.popleft()  # the turn failed before its first token
                 self.turns = turn
+        elif kind == "error":
+            after = rejected_after(obj)
+            if after is not None:
+                return self._refused(after)
+        return None
+
+    def _refused(self, after_turn: int) -> str | None:
+        """The worker refused a prompt (its queue was full): the one after the prompt of turn
+        ``after_turn``. ``pending`` holds, in order, the prompts of turns ``turns + 1``, ...
+        (those the worker took, still to start or started unseen) and then the refused one."""
+        n = after_turn - self.turns
+        if not 0 <= n < len(self.pending):
+            return f"a prompt refused after turn {after_turn} that wslb did not relay"
+        del self.pending[n]
         return None
 
     def token_run(self, buf: bytearray) -> int:
@@ -415,11 +621,11 @@ class _ChatFold:
             return f"turn {turn} answers no prompt wslb relayed"
         prompt = self.pending.popleft()
         before = self.messages
-        if "text" in prompt:
-            base = [*before, {"role": "user", "content": prompt["text"]}]
+        if prompt.text is not None:
+            base = [*before, {"role": "user", "content": prompt.text}]
         else:
-            base = list(prompt["messages"])
-        self.answer = _Answer(turn, base, before, prompt.get("max_tokens"))
+            base = [dict(m) for m in prompt.messages or ()]
+        self.answer = _Answer(turn, base, before, prompt.max_tokens)
         self.turns = turn
         return None
 
@@ -431,13 +637,13 @@ class _ChatFold:
         if ans is not None:
             held += ans.chars
         for p in self.pending:
-            held += len(p.get("text") or "") + _chars(p.get("messages") or ())
+            held += len(p.text or "") + _chars(p.messages or ())
         return held
 
     def transcript(self, sid: str) -> dict[str, Any]:
         ans = self.answer
         return {
-            "v": 2,
+            "v": TRANSCRIPT_VERSION,
             "session": sid,
             "protocol": CHAT,
             "messages": list(ans.base if ans is not None else self.messages),
@@ -450,15 +656,112 @@ class _ChatFold:
                 "max_tokens": ans.max_tokens,
                 "cancelled": ans.cancelled,
             },
-            "queued": list(self.pending),
+            "queued": [p.to_json() for p in self.pending],
             "turns": self.turns,
         }
 
+    def snapshot(self) -> dict[str, Any]:
+        ans = self.answer
+        return {
+            "messages": self.messages,
+            "pending": [_prompt_json(p) for p in self.pending],
+            "answer": None if ans is None else ans.snapshot(self.messages),
+            "turns": self.turns,
+        }
 
-class _RealtimeFold:
+    @classmethod
+    def restore(cls, f: _Fields) -> _ChatFold:
+        fold = cls()
+        fold.messages = f.get("messages", _MESSAGES)
+        fold.pending = deque(_prompt_of(p) for p in f.objs("pending"))
+        answer = f.obj("answer")
+        fold.answer = None if answer is None else _Answer.restore(answer, fold.messages)
+        fold.turns = f.count("turns")
+        return fold
+
+
+class _EventFold:
+    """What the Realtime and Responses folds share: the client events waiting for the worker's
+    answer, in order (None: a message no worker acts on, answered by an error all the same),
+    and the transcript's fields of the running response and the queue."""
+
+    def __init__(self) -> None:
+        self.pending: deque[dict[str, Any] | None] = deque()
+        self.responses = 0
+
+    def silent(self, event: dict[str, Any] | None) -> bool:
+        """An event the worker may answer with nothing (none of the Responses protocol's)."""
+        return False
+
+    def wait(self, obj: dict[str, Any] | None) -> str | None:
+        """A client event now waits for its answer; a reason when too many already do."""
+        why = _overflow(self.pending)
+        if why is None:
+            self.pending.append(obj)
+        return why
+
+    def answered(self, kind: str | None = None) -> dict[str, Any] | None:
+        """The worker answered the oldest waiting event of type ``kind`` (None: the oldest one
+        not ``silent``): it leaves ``pending``, and so do the silent ones ahead of it (had they
+        an answer, it would have come first). Returns it; None if none waited."""
+        pending = self.pending
+        for n, event in enumerate(pending):
+            if (
+                not self.silent(event)
+                if kind is None
+                else event is not None and event.get("type") == kind
+            ):
+                ahead = [e for e in list(pending)[:n] if not self.silent(e)]
+                rest = list(pending)[n + 1 :]
+                self.pending = deque([*ahead, *rest])
+                return event
+        return None
+
+    def pending_size(self) -> int:
+        """The waiting events' characters, as JSON would hold them."""
+        return sum(len(json.dumps(e)) for e in self.pending if e is not None)
+
+    def answer_json(self, r: dict[str, Any] | None, text: str, cancelled: bool) -> Any:
+        """A transcript's ``answer`` of the running response ``r`` (None: none runs)."""
+        if r is None:
+            return None
+        if r["item_id"] is None:
+            raise JournalError("lost_track", "a response without its output item")
+        return {
+            "turn": self.responses,
+            "i": r["deltas"],
+            "text": text,
+            "max_tokens": r["max_tokens"],
+            "cancelled": cancelled,
+        }
+
+    def queued(self) -> list[dict[str, Any]]:
+        return [e for e in self.pending if e is not None]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"pending": list(self.pending), "responses": self.responses}
+
+    def restore_events(self, f: _Fields) -> None:
+        """The shared fields of a snapshot, into this new fold."""
+        self.pending = deque(f.get("pending", _EVENTS))
+        self.responses = f.count("responses")
+
+
+def _is_cancel(event: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    """A Realtime ``response.cancel`` the worker acts on (a malformed one gets an error)."""
+    return (
+        event is not None
+        and event.get("type") == "response.cancel"
+        and event.keys() <= {"type", "event_id", "response_id"}
+        and isinstance(event.get("response_id"), str | None)
+    )
+
+
+class _RealtimeFold(_EventFold):
     """The Realtime protocol session as the worker holds it (module docstring)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.model: str | None = None
         self.instructions = ""
         self.max_output_tokens: int | str = "inf"
@@ -467,32 +770,40 @@ class _RealtimeFold:
         self.response: dict[str, Any] | None = None
         self.chunks: list[str] = []
         self.events = 0
-        self.responses = 0
-        self.pending: deque[dict[str, Any] | None] = deque()  # None: a message no worker acts on
 
-    def client(self, obj: dict[str, Any] | None) -> None:
-        running = self.response is not None and not self._pending("response.create")
-        if running and obj is not None and obj.get("type") == "response.cancel":
-            assert self.response is not None
-            self.response["cancelling"] = True
-            return
-        if len(self.pending) < MAX_PENDING:
-            self.pending.append(obj)
+    def silent(self, event: dict[str, Any] | None) -> bool:
+        # A cancel that waits: sent while a response.create did. The worker cancels that
+        # response with no event, or answers response_cancel_not_active.
+        return _is_cancel(event)
+
+    def client(self, obj: dict[str, Any] | None) -> str | None:
+        r = self.response
+        if (
+            r is not None
+            and _is_cancel(obj)
+            and obj.get("response_id") in (None, r["id"])
+            and not self._pending("response.create")
+        ):
+            r["cancelling"] = True
+            return None
+        return self.wait(obj)
 
     def _pending(self, kind: str) -> bool:
         return any(e is not None and e.get("type") == kind for e in self.pending)
 
-    def _ack(self, kind: str | None) -> None:
-        """The worker answered the oldest pending client event (of ``kind``, if given)."""
-        pending = self.pending
-        if kind is None:
-            if pending:
-                pending.popleft()
-            return
-        for n, event in enumerate(pending):
-            if event is not None and event.get("type") == kind:
-                del pending[n]
-                return
+    def _created(self, r: dict[str, Any]) -> None:
+        """``response.created``: the cancels that waited behind its ``response.create`` (up to
+        the next one) are the worker's cancels of ``r`` now, as a cancel sent while it runs."""
+        kept: deque[dict[str, Any] | None] = deque()
+        applies = True
+        for event in self.pending:
+            if applies and _is_cancel(event) and event.get("response_id") in (None, r["id"]):
+                r["cancelling"] = True
+                continue
+            if event is not None and event.get("type") == "response.create":
+                applies = False
+            kept.append(event)
+        self.pending = kept
 
     def worker(self, obj: dict[str, Any]) -> str | None:
         self.events += 1
@@ -516,7 +827,7 @@ class _RealtimeFold:
                 if limit == "inf" or _count(limit):
                     self.max_output_tokens = limit  # type: ignore[assignment]
             if kind == "session.updated":
-                self._ack("session.update")
+                self.answered("session.update")
         elif kind in ("conversation.item.added", "conversation.item.done"):
             item = obj.get("item")
             if not isinstance(item, dict) or not isinstance(item.get("id"), str):
@@ -528,7 +839,7 @@ class _RealtimeFold:
             if why is not None:
                 return why
             if kind == "conversation.item.added":
-                self._ack("conversation.item.create")
+                self.answered("conversation.item.create")
         elif kind == "response.created":
             response = obj.get("response")
             if not isinstance(response, dict) or not isinstance(response.get("id"), str):
@@ -548,7 +859,8 @@ class _RealtimeFold:
                 "cancelling": False,
             }
             self.chunks = []
-            self._ack("response.create")
+            self.answered("response.create")
+            self._created(self.response)
         elif kind == "response.output_item.added":
             item, r = obj.get("item"), self.response
             if r is None or not isinstance(item, dict) or not isinstance(item.get("id"), str):
@@ -570,8 +882,12 @@ class _RealtimeFold:
             self.chunks = []
         elif kind == "error":
             error = obj.get("error")
-            if not (isinstance(error, dict) and error.get("code") == "engine_error"):
-                self._ack(None)
+            code = error.get("code") if isinstance(error, dict) else None
+            if code == "response_cancel_not_active":
+                if self.pending and self.silent(self.pending[0]):
+                    self.pending.popleft()  # else: a cancel of a response that had ended
+            elif code != "engine_error":
+                self.answered()
         return None
 
     def _item(self, item: dict[str, Any]) -> str | None:
@@ -601,16 +917,12 @@ class _RealtimeFold:
         """Characters of text held, plus the client events waiting as JSON would hold them."""
         held = sum(len(t) for i in self.items for t in i["content"]) + len(self.instructions)
         held += sum(len(c) for c in self.chunks)
-        for event in self.pending:
-            if event is not None:
-                held += len(json.dumps(event))
-        return held
+        return held + self.pending_size()
 
     def transcript(self, sid: str) -> dict[str, Any]:
         r = self.response
-        if r is not None and r["item_id"] is None:
-            raise JournalError("lost_track", "a response without its output item")
         text = "".join(self.chunks)
+        answer = self.answer_json(r, text, r is not None and r["cancelling"])
         items = [
             {**i, "content": list(i["content"])}
             for i in self.items
@@ -634,23 +946,60 @@ class _RealtimeFold:
             "unsent": [],
         }
         return {
-            "v": 2,
+            "v": TRANSCRIPT_VERSION,
             "session": sid,
             "protocol": REALTIME,
             "messages": messages,
-            "answer": None
-            if r is None
-            else {
-                "turn": self.responses,
-                "i": r["deltas"],
-                "text": text,
-                "max_tokens": r["max_tokens"],
-                "cancelled": r["cancelling"],
-            },
-            "queued": [e for e in self.pending if e is not None],
+            "answer": answer,
+            "queued": self.queued(),
             "turns": self.responses,
             "realtime": snapshot,
         }
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every field but ``by_id``, which indexes ``items`` (each id's last item)."""
+        return {
+            **super().snapshot(),
+            "model": self.model,
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "items": self.items,
+            "response": self.response,
+            "chunks": self.chunks,
+            "events": self.events,
+        }
+
+    @classmethod
+    def restore(cls, f: _Fields) -> _RealtimeFold:
+        fold = cls()
+        fold.restore_events(f)
+        fold.model = f.get("model", _nullable(_STR))
+        fold.instructions = f.text("instructions")
+        fold.max_output_tokens = f.get(
+            "max_output_tokens",
+            (lambda v: v == "inf" or (_is_count(v) and v > 0), '"inf" or a positive integer'),
+        )
+        fold.items = [i.exact(_RT_ITEM) for i in f.objs("items")]
+        fold.by_id = {i["id"]: i for i in fold.items}
+        response = f.obj("response")
+        fold.response = None if response is None else response.exact(_RT_RESPONSE)
+        fold.chunks = f.get("chunks", _STRS)
+        fold.events = f.count("events")
+        return fold
+
+
+_RT_ITEM = {"id": _STR, "role": _STR, "content": _STRS, "status": _STR}
+_RT_RESPONSE = {
+    "id": _STR,
+    "item_id": _nullable(_STR),
+    "max_output_tokens": _ANY,  # the worker's, as it sent it
+    "max_tokens": _nullable(_COUNT),
+    "limited": _FLAG,
+    "metadata": _nullable(_OBJECT),
+    "text": _STR,
+    "deltas": _COUNT,
+    "cancelling": _FLAG,
+}
 
 
 def _responses_input(value: object) -> list[dict[str, str]]:
@@ -678,21 +1027,19 @@ def _is_responses_event(obj: dict[str, Any], kind: str) -> bool:
     return kind.startswith("response.") or (kind == "error" and "event_id" not in obj)
 
 
-class _ResponsesFold:
+class _ResponsesFold(_EventFold):
     """The Responses WebSocket session as the worker holds it (module docstring)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.model: str | None = None
         self.last: dict[str, Any] | None = None  # {"id", "messages"}: what may be continued
         self.response: dict[str, Any] | None = None  # the running one, as a snapshot holds it
         self.chunks: list[str] = []
         self.chars = 0
-        self.responses = 0
-        self.pending: deque[dict[str, Any] | None] = deque()  # None: a message no worker acts on
 
-    def client(self, obj: dict[str, Any] | None) -> None:
-        if len(self.pending) < MAX_PENDING:
-            self.pending.append(obj)
+    def client(self, obj: dict[str, Any] | None) -> str | None:
+        return self.wait(obj)
 
     def worker(self, obj: dict[str, Any]) -> str | None:
         kind = obj.get("type")
@@ -726,9 +1073,8 @@ class _ResponsesFold:
             self.chars = 0
         elif kind == "error":
             error = obj.get("error")
-            answers = isinstance(error, dict) and error.get("type") == "invalid_request_error"
-            if answers and self.pending:
-                self.pending.popleft()  # the answer to the oldest client message
+            if isinstance(error, dict) and error.get("type") == "invalid_request_error":
+                self.answered()  # the answer to the oldest client message
         if r is not None:
             seq = _count(obj.get("sequence_number"))
             if seq is not None:
@@ -740,7 +1086,7 @@ class _ResponsesFold:
         resp = obj.get("response")
         if not isinstance(resp, dict) or not isinstance(resp.get("id"), str):
             return "response.created without a response id"
-        request = self.pending.popleft() if self.pending else None
+        request = self.answered()
         if not _is_responses_create(request):
             return "a response wslb relayed no response.create for"
         assert request is not None
@@ -791,16 +1137,12 @@ class _ResponsesFold:
         held = _chars(self.last["messages"]) if self.last is not None else 0
         if self.response is not None:
             held += _chars(self.response["messages"]) + self.chars
-        for event in self.pending:
-            if event is not None:
-                held += len(json.dumps(event))
-        return held
+        return held + self.pending_size()
 
     def transcript(self, sid: str) -> dict[str, Any]:
         r = self.response
-        if r is not None and r["item_id"] is None:
-            raise JournalError("lost_track", "a response without its output item")
         text = "".join(self.chunks)
+        answer = self.answer_json(r, text, False)
         snapshot = {
             "v": 1,
             "session": sid,
@@ -817,23 +1159,63 @@ class _ResponsesFold:
         else:
             messages = list(self.last["messages"]) if self.last is not None else []
         return {
-            "v": 2,
+            "v": TRANSCRIPT_VERSION,
             "session": sid,
             "protocol": RESPONSES,
             "messages": messages,
-            "answer": None
-            if r is None
-            else {
-                "turn": self.responses,
-                "i": r["deltas"],
-                "text": text,
-                "max_tokens": r["max_tokens"],
-                "cancelled": False,
-            },
-            "queued": [e for e in self.pending if e is not None],
+            "answer": answer,
+            "queued": self.queued(),
             "turns": self.responses,
             "responses": snapshot,
         }
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **super().snapshot(),
+            "model": self.model,
+            "last": self.last,
+            "response": self.response,
+            "chunks": self.chunks,
+            "chars": self.chars,
+        }
+
+    @classmethod
+    def restore(cls, f: _Fields) -> _ResponsesFold:
+        fold = cls()
+        fold.restore_events(f)
+        fold.model = f.get("model", _nullable(_STR))
+        last = f.obj("last")
+        fold.last = None if last is None else last.exact(_RS_LAST)
+        response = f.obj("response")
+        fold.response = None if response is None else response.exact(_RS_RESPONSE)
+        fold.chunks = f.get("chunks", _STRS)
+        fold.chars = f.count("chars")
+        return fold
+
+
+_RS_LAST = {"id": _STR, "messages": _MESSAGES}
+_RS_RESPONSE = {
+    "id": _STR,
+    "item_id": _nullable(_STR),
+    "model": _STR,
+    "created_at": _NUMBER,
+    "instructions": _nullable(_STR),
+    "max_output_tokens": _nullable(_COUNT),
+    "max_tokens": _nullable(_COUNT),
+    "metadata": _nullable(_OBJECT),
+    "temperature": _nullable(_NUMBER),
+    "previous_response_id": _nullable(_STR),
+    "stream_id": _nullable(_STR),
+    "messages": _MESSAGES,
+    "text": _STR,
+    "deltas": _COUNT,
+    "seq": _COUNT,
+}
+_FOLDS: dict[str, Callable[[_Fields], _ChatFold | _RealtimeFold | _ResponsesFold]] = {
+    CHAT: _ChatFold.restore,
+    REALTIME: _RealtimeFold.restore,
+    RESPONSES: _ResponsesFold.restore,
+}
 
 
 class Journal:
@@ -917,12 +1299,15 @@ class Journal:
                 continue  # not JSON: the client gets it, the conversation does not change
             why = self._fold.worker(obj)
             if why is not None:
-                self.trouble = JournalError("lost_track", why)
-                log.warning(
-                    "session %s: journal lost track (%s); a crash would end it with 1011",
-                    self.sid,
-                    why,
-                )
+                self._lost(why)
+
+    def _lost(self, why: str) -> None:
+        """The journal can no longer follow the session: no transcript will be built."""
+        self.trouble = JournalError("lost_track", why)
+        self._early = []
+        log.warning(
+            "session %s: journal lost track (%s); a crash would end it with 1011", self.sid, why
+        )
 
     def _fold_client(self) -> None:
         if not self._c.buf:
@@ -934,10 +1319,14 @@ class Journal:
                 continue
             obj = _loads(payload) if opcode == OP_TEXT else None
             if fold is None:
-                if len(self._early) < MAX_PENDING:
+                if len(self._early) >= MAX_PENDING:
+                    self._lost(f"more than {MAX_PENDING} client messages before the worker's first")
+                else:
                     self._early.append(obj)
                 continue
-            fold.client(obj)
+            why = fold.client(obj)
+            if why is not None:
+                self._lost(why)
 
     def _recognise(self, obj: dict[str, Any] | None) -> None:
         kind = obj.get("type") if obj is not None else None
@@ -955,9 +1344,12 @@ class Journal:
             )
             self._early = []
             return
-        for early in self._early:
-            self._fold.client(early)
-        self._early = []
+        early, self._early = self._early, []
+        for obj in early:
+            why = self._fold.client(obj)
+            if why is not None:
+                self._lost(why)
+                return
 
     def _check_size(self) -> None:
         if self.size > self.limit:
@@ -1004,3 +1396,65 @@ class Journal:
         if self._fold is None:
             raise JournalError("unknown_protocol", "the worker sent nothing yet")
         return self._fold.transcript(sid)
+
+    # -- as data (hot restart: the session moves to a new process) ---------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole journal as a JSON value (bytes in base64), as it is: nothing is folded,
+        so a snapshot taken mid-frame holds the frame's start. ``restore`` rebuilds it; the
+        value shares nothing with the journal, which goes on changing.
+
+        Its strings are the relayed messages' as JSON decoded them, lone surrogates (a
+        ``"\\ud800"`` escape) included: write it with ``json.dumps``'s default ``ensure_ascii``.
+        """
+        fold, trouble = self._fold, self.trouble
+        data = {
+            "v": SNAPSHOT_VERSION,
+            "limit": self.limit,
+            "sid": self.sid,
+            "protocol": self.protocol,
+            "over": self.over,
+            "trouble": None
+            if trouble is None
+            else {"reason": trouble.reason, "detail": trouble.detail},
+            "folded": self.folded,
+            "early": self._early,
+            "w": self._w.snapshot(),
+            "c": self._c.snapshot(),
+            "fold": None if fold is None else fold.snapshot(),
+        }
+        return cast(dict[str, Any], _copied(data))
+
+    @classmethod
+    def restore(cls, data: object) -> Journal:
+        """The journal ``snapshot`` described, equal in every field.
+
+        Raises:
+            ValueError: not a version 1 snapshot, or a field missing or of the wrong type
+                (the message names it).
+        """
+        f = _Fields(_copied(data), "")
+        version = f.data.get("v")
+        if not _is_count(version) or version != SNAPSHOT_VERSION:
+            raise ValueError(
+                f"journal snapshot version {shown(version)} is not the one this wslb reads "
+                f"({SNAPSHOT_VERSION})"
+            )
+        j = cls(f.count("limit"), f.text("sid"))
+        j.protocol = f.get(
+            "protocol", _nullable((lambda v: v in PROTOCOLS, " or ".join(PROTOCOLS)))
+        )
+        j.over = f.flag("over")
+        trouble = f.obj("trouble")
+        if trouble is not None:
+            j.trouble = JournalError(trouble.text("reason"), trouble.text("detail"))
+        j.folded = f.count("folded")
+        j._early = f.get("early", _EVENTS)
+        j._w = _Stream.restore(f.sub("w"), masked=False)
+        j._c = _Stream.restore(f.sub("c"), masked=True)
+        fold = f.obj("fold")
+        if fold is not None:
+            if j.protocol is None:
+                raise ValueError("journal snapshot: a fold without a protocol")
+            j._fold = _FOLDS[j.protocol](fold)
+        return j

@@ -112,3 +112,13 @@ def test_asyncio_stays_in_aio() -> None:
             or (isinstance(n, ast.ImportFrom) and n.module == "asyncio")
         ]
         assert not uses, f"{m} imports asyncio"
+
+
+def test_backends_import_only_the_contract_of_balancer() -> None:
+    """wslb's workers speak wslb's contract: ``backends`` imports ``balancer.contract`` and no
+    other balancer module, and the contract imports nothing of the project (it is shared by
+    the workers and the journal, so it must stay a leaf)."""
+    g = graph()
+    used = {d for m, deps in g.items() if m.startswith("backends") for d in deps}
+    assert {d for d in used if d.startswith("balancer")} == {"balancer.contract"}
+    assert g["balancer.contract"] == set()

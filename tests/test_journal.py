@@ -551,3 +551,32 @@ def test_responses_journal_always_rebuilds_the_workers_state(steps: list[tuple[s
         running["max_tokens"] = None  # no client limit: the thawing worker's default
     assert t["responses"] == want
     assert t["messages"] == p.rs.messages() and t["queued"] == []
+
+
+def test_realtime_refused_response_create_is_not_queued_behind_a_silent_cancel() -> None:
+    """A cancel sent while its ``response.create`` waits is answered by nothing (the worker
+    cancels the response), so the error refusing the next ``response.create`` answers that
+    one: it must not stay queued for the next worker to run after a failover."""
+    sid = "rt-cancel"
+    j = Journal(1 << 20)
+    p = RealtimePair(sid, j)
+    p.client(user_item("q"))
+    create, cancel = {"type": "response.create"}, {"type": "response.cancel"}
+    # The three reach the worker before any of its answers reach wslb.
+    for event in (create, cancel, create):
+        j.client(cframe(event))
+    for event in (create, cancel, create):
+        p.out(p.rt.receive(json.dumps(event)))
+    assert p.sent[-1]["type"] == "error"  # conversation_already_has_active_response
+    t = j.transcript(sid)
+    assert t["queued"] == [] and t["answer"]["cancelled"] is True
+    # A cancel of a response that ended before the worker read it is refused
+    # (response_cancel_not_active): that error answers the cancel, not the event behind it.
+    p.out(p.rt.finish())
+    p.client(create)
+    j.client(cframe(cancel))
+    j.client(cframe(user_item("late")))  # the worker dies before it reads this one
+    p.out(p.rt.finish())
+    p.out(p.rt.receive(json.dumps(cancel)))
+    assert p.sent[-1]["error"]["code"] == "response_cancel_not_active"
+    assert [e["type"] for e in j.transcript(sid)["queued"]] == ["conversation.item.create"]
