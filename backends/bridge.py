@@ -15,6 +15,11 @@ Routes, on one port (as ``backends.worker``):
   (``backends.protocol.responses``); a ``response.create`` is a streamed chat completion of
   the response's conversation (the one ``previous_response_id`` continues, plus its input);
   an engine failure ends it with ``response.failed``.
+- The OpenAI HTTP API (docs/protocol.md section 3c): ``GET /v1/models`` and ``POST
+  /v1/chat/completions`` proxied to the engine as they are, streamed back as they come (502
+  when the engine cannot be reached; the client's body cut if it is lost mid-answer);
+  ``POST /v1/responses`` the bridge's own Responses session (the WebSocket mode's, on the
+  ``X-Session-Id`` session) over a streamed chat completion.
 - WebSocket ``/``, ``/ws`` (and any other path): the chat protocol (docs/protocol.md section 3).
   The session id: ``X-Session-Id``, else ``?session=``, else a generated one.
 - ``GET /healthz``: 200 ``{"status":"ok","flavor":F,"model":M}`` while the engine's own
@@ -105,9 +110,9 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, Protocol, TypeAlias, cast
 
 import aiohttp
 from aiohttp import web
@@ -115,14 +120,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from backends.auth import WorkerAuth
-from backends.handoff import ProtocolError, StateError, TranscriptAnswer, chat_messages
-from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.handoff import ProtocolError, StateError, TranscriptAnswer
+from backends.protocol.openai_http import ApiError, responses_error, responses_event
+from backends.protocol.realtime import RealtimeSession, Respond, Send, restore_transcript
 from backends.protocol.responses import PROTOCOL as RESPONSES
 from backends.protocol.responses import Respond as ResponsesRespond
 from backends.protocol.responses import ResponsesSession
 from backends.protocol.responses import restore_transcript as restore_responses
 from backends.server import (
+    ApiCall,
     Connection,
+    EventStream,
     RealtimeConnection,
     ResponsesConnection,
     Server,
@@ -136,6 +144,7 @@ from backends.server import (
     announce,
     check_listen_options,
     connections_metric,
+    dumps,
     handoffs_metric,
     inter_token_latency_metric,
     json_error,
@@ -155,6 +164,14 @@ from backends.wire import (  # all of them re-exported: both workers speak wire'
     RESPONSES_PATH,
     RESUME_HEADER,
     Histogram,
+)
+from balancer.contract import (  # the prompt's and transcript's rules: wslb's journal's too
+    MAX_TEMPERATURE,
+    ChatPrompt,
+    chat_messages,
+    read_prompt,
+    read_temperature,
+    read_transcript,
 )
 
 __all__ = [
@@ -187,9 +204,6 @@ log = logging.getLogger("wslb.bridge")
 STATE_VERSION = 2
 Flavor: TypeAlias = Literal["vllm", "sglang", "llamacpp", "tgi"]
 FLAVORS: tuple[Flavor, ...] = ("vllm", "sglang", "llamacpp", "tgi")
-PROTOCOLS = ("wslb-chat", "openai-realtime", RESPONSES)
-EVENT_PROTOCOLS = ("openai-realtime", RESPONSES)  # a transcript's queued: client events
-MAX_TEMPERATURE = 2.0
 METRIC_NAMES = (
     "wslb_worker_active_sessions",
     "wslb_worker_sessions",
@@ -249,8 +263,8 @@ class EngineLost(EngineError):
     """The engine was lost: its connection refused, reset or cut before the answer's end."""
 
 
-class PromptError(ProtocolError):
-    """A client message the bridge cannot act on; reported as an ``error`` message."""
+PromptError = ProtocolError
+"""A client message the bridge cannot act on (``balancer.contract``'s rules raise it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,49 +293,24 @@ class Prompt:
 
 
 def parse_prompt(obj: dict[str, Any], default_max: int, limit: int) -> Prompt:
-    """Validate a ``prompt`` message (the reference worker's rules, plus ``temperature``).
+    """Validate a ``prompt`` message: ``balancer.contract.read_prompt``, the rules the
+    reference worker and wslb's journal apply too.
 
     Raises:
-        PromptError: with the reference worker's messages (docs/protocol.md).
+        ProtocolError: with the chat protocol's messages (docs/protocol.md).
     """
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise PromptError("max_tokens must be a non-negative integer")
-    if max_tokens > limit:
-        raise PromptError(f"max_tokens must be at most {limit}")
-    temperature = _temperature(obj.get("temperature"))
-    has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise PromptError("a prompt takes 'text' or 'messages', not both")
-    if has_text:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise PromptError("'text' must be a string")
-        return Prompt(max_tokens, text=text, temperature=temperature)
-    if has_messages:
-        return Prompt(
-            max_tokens, messages=tuple(parse_messages(obj["messages"])), temperature=temperature
-        )
-    raise PromptError("a prompt needs 'text' or 'messages'")
+    return bridge_prompt(read_prompt(obj, limit), default_max)
 
 
-def _temperature(value: object) -> float | None:
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value <= MAX_TEMPERATURE
-    ):
-        raise PromptError(f"temperature must be a number in 0..{MAX_TEMPERATURE:g}")
-    return float(value)
+def bridge_prompt(prompt: ChatPrompt, default_max: int) -> Prompt:
+    """A valid chat prompt as the bridge queues it (``default_max`` when it names none)."""
+    max_tokens = default_max if prompt.max_tokens is None else prompt.max_tokens
+    return Prompt(max_tokens, prompt.text, prompt.messages, prompt.temperature)
 
 
 def parse_messages(messages: object, where: str = "messages") -> list[Msg]:
     """Chat messages as ``{"role", "content"}`` with string content (parts' texts joined)."""
-    return chat_messages(messages, where, PromptError, quote=True)
+    return chat_messages(messages, where, ProtocolError, quote=True)
 
 
 def _count(value: object) -> int | None:
@@ -705,6 +694,38 @@ class _Thawed:
     since: float
 
 
+class _Sink(Protocol):
+    """What ``Bridge.generate`` streams an answer to: a WebSocket connection, or an HTTP
+    request's ``_HttpSink``."""
+
+    @property
+    def sid(self) -> str: ...
+    @property
+    def stop(self) -> asyncio.Event: ...
+    async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None: ...
+
+
+class _HttpSink:
+    """An HTTP ``POST /v1/responses``'s end of ``generate``: each chunk a Responses delta,
+    handed to ``emit``; nothing sets ``stop`` (a client that leaves is noticed at the next
+    write, which raises ``ConnectionError``)."""
+
+    def __init__(
+        self,
+        sid: str,
+        rs: ResponsesSession,
+        emit: Callable[[Sequence[Send]], Awaitable[None]],
+    ) -> None:
+        self.sid = sid
+        self.stop = asyncio.Event()
+        self._rs = rs
+        self._emit = emit
+
+    async def emit_chunk(self, ans: Answer, text: str, ids: list[int] | None) -> None:
+        ans.advance(text, ids)
+        await self._emit(self._rs.delta(text))
+
+
 class _Connection(Connection[Prompt]):
     """One chat-protocol WebSocket in front of the engine (states: ``backends.server``). A
     dropped one (its engine lost mid-answer, ``drop``) has its transport aborted.
@@ -729,6 +750,9 @@ class _Connection(Connection[Prompt]):
 
     def current_turn(self) -> int | None:
         return None if self.current is None else self.current.turn
+
+    def turns_started(self) -> int:
+        return self.session.turns
 
     def interrupt(self) -> None:
         if self.current is not None:
@@ -1135,7 +1159,7 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
 
     # -- the engine -------------------------------------------------------------------------
 
-    async def generate(self, conn: _Connection, ans: Answer) -> EngineError | None:
+    async def generate(self, conn: _Sink, ans: Answer) -> EngineError | None:
         """Stream the rest of ``ans`` to ``conn``; None when it ended (or was cancelled), else
         how the engine failed (``EngineLost``: it was lost). A cancel (``conn.stop``) or a
         cancellation of the caller (a freeze, a closed connection) aborts the engine request
@@ -1168,7 +1192,7 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
             return exc
         raise exc
 
-    async def _stream(self, conn: _Connection, ans: Answer) -> None:
+    async def _stream(self, conn: _Sink, ans: Answer) -> None:
         engine = self.engine
         cfg = self.config
         body = engine.body(ans, cfg.temperature)
@@ -1270,6 +1294,156 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
             return web.json_response({"status": "engine down", "error": engine.why}, status=503)
         return web.json_response({"status": "ok", "flavor": engine.flavor, "model": engine.model})
 
+    # -- the OpenAI HTTP API ----------------------------------------------------------------
+
+    async def _list_models(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        return await self._proxy(request, call, "GET", "/v1/models", None)
+
+    async def _chat_completions(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """Proxied as it is: the request carries its whole conversation, so there is nothing
+        of the session to keep; the engine's prefix cache (reached again through wslb's
+        affinity) is what a session key buys."""
+        body = await request.read()
+        return await self._proxy(request, call, "POST", "/v1/chat/completions", body)
+
+    async def _proxy(
+        self, request: web.Request, call: ApiCall, method: str, path: str, body: bytes | None
+    ) -> web.StreamResponse:
+        """Forward to the engine and stream its answer back as it comes, each read written
+        (and drained) before the next, so a slow client slows the engine over TCP. Before the
+        answer starts a failure is a 502 (the engine lost) or 504 (silent for
+        ``--engine-timeout``); after it, the client's connection is cut without the body's end,
+        so a short answer is never taken for a whole one."""
+        engine, cfg = self.engine, self.config
+        headers = {"Accept": request.headers.get("Accept", "*/*")}
+        if body is not None:
+            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+        if "Authorization" in engine.headers:
+            headers["Authorization"] = engine.headers["Authorization"]
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.connect_timeout, sock_read=cfg.engine_timeout
+        )
+        self.streams += 1
+        try:
+            async with self.http.request(
+                method, engine.url + path, data=body, headers=headers, timeout=timeout
+            ) as resp:
+                kind = resp.headers.get("Content-Type", "application/json")
+                out = web.StreamResponse(
+                    status=resp.status, headers={"Content-Type": kind, **call.headers}
+                )
+                if kind.startswith("text/event-stream"):
+                    out.headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                await out.prepare(request)
+                while True:
+                    try:
+                        chunk = await resp.content.readany()
+                    except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                        why = _describe(exc) or f"no data for {cfg.engine_timeout:g} s"
+                        log.warning("engine failed %s %s mid-answer: %s", method, path, why)
+                        self.engine_errors += 1
+                        if not isinstance(exc, TimeoutError):
+                            self._lost(why)
+                        if request.transport is not None:
+                            request.transport.abort()  # no end of the body: the client sees it
+                        return out
+                    if not chunk:
+                        break
+                    try:
+                        await out.write(chunk)
+                    except ConnectionError:
+                        resp.close()  # the client left: the engine aborts the request
+                        return out
+                await out.write_eof()
+                return out
+        except aiohttp.ConnectionTimeoutError:
+            why = f"cannot connect to {engine.url} within {cfg.connect_timeout:g} s"
+            raise ApiError(502, f"engine: {self._lost(why)}", code="engine_unavailable") from None
+        except TimeoutError:
+            why = f"no answer from the engine for {cfg.engine_timeout:g} s"
+            raise ApiError(504, f"engine: {why}", code="engine_timeout") from None
+        except aiohttp.ClientError as exc:
+            lost = self._lost(_describe(exc))
+            raise ApiError(502, f"engine: {lost}", code="engine_unavailable") from None
+        finally:
+            self.streams -= 1
+
+    async def _create_response(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """The bridge's own Responses session over the engine's chat completions, as its
+        WebSocket mode (every engine gets the same events, ``previous_response_id`` and cached
+        tokens): the session's, so either transport continues the other's last response."""
+        cfg = self.config
+        body = await self.read_body(request)
+        streamed = body.get("stream", False)
+        if not isinstance(streamed, bool):
+            raise ApiError(400, "'stream' must be a boolean.", param="stream", code="invalid_type")
+        session = _Session(call.sid) if call.ephemeral else self.sessions.get(call.sid)
+        if session is None:
+            session = self.sessions[call.sid] = _Session(call.sid)
+        if session.responses is None:
+            session.responses = self._new_responses(call.sid, self.engine.model)
+        rs = session.responses
+        outs = rs.receive(dumps(responses_event(body)), now=time.time())
+        respond = next((o for o in outs if isinstance(o, ResponsesRespond)), None)
+        if respond is None:
+            raise responses_error(next(o.event for o in outs if isinstance(o, Send)))
+        stream = EventStream(request, call) if streamed else None
+        final: list[dict[str, Any]] = []
+
+        async def emit(events: Sequence[Send]) -> None:
+            for out in events:
+                kind = out.event["type"]
+                if kind in ("response.completed", "response.incomplete", "response.failed"):
+                    final.append(out.event["response"])
+                if stream is not None:
+                    await stream.send(out.event, kind)
+
+        session.turns += 1
+        temperature = cfg.temperature if respond.temperature is None else respond.temperature
+        ans = Answer(session.turns, [dict(m) for m in respond.messages], respond.max_tokens)
+        ans.temperature = temperature
+        session.connections += 1  # held while it runs (not expired), as a connection's
+        try:
+            await emit([o for o in outs if isinstance(o, Send)])
+            failure = await self.generate(_HttpSink(call.sid, rs, emit), ans)
+            prompt = ans.prompt_tokens or 0
+            cached = min(ans.cached_tokens or 0, prompt)
+            if failure is None:
+                await emit(
+                    rs.finish(
+                        input_tokens=prompt,
+                        cached_tokens=cached,
+                        output_tokens=ans.tokens(),
+                        now=time.time(),
+                    )
+                )
+            else:
+                await emit(
+                    rs.fail(
+                        f"engine: {failure}",
+                        input_tokens=prompt,
+                        cached_tokens=cached,
+                        output_tokens=ans.tokens(),
+                    )
+                )
+            if stream is not None:
+                await stream.end()
+        except ConnectionError:  # the client left: the response cannot be continued
+            pass
+        finally:
+            if rs.response_id == respond.response_id:
+                rs.abort()
+            session.connections -= 1
+            if session.connections == 0:
+                session.idle_since = time.monotonic()
+        if stream is not None:
+            return stream.response
+        response = final[0]
+        if response["status"] == "failed":
+            error = response.get("error") or {}
+            raise ApiError(502, str(error.get("message", "engine failed")), code="engine_error")
+        return web.json_response(response, headers=call.headers)
+
     # -- handoff ----------------------------------------------------------------------------
 
     def _moved_away(self, sid: str) -> None:
@@ -1294,55 +1468,27 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
     def _read_state(self, value: object, sid: str) -> _State:
         """Validate a handoff state (the transcript form, or this bridge's superset of it)."""
         cfg = self.config
-        if not isinstance(value, dict):
-            raise StateError("state must be an object")
-        if value.get("v") != STATE_VERSION:
-            raise StateError(f"state.v must be {STATE_VERSION}, got {value.get('v')!r}")
-        if value.get("session") != sid:
-            raise StateError(f"state.session is {value.get('session')!r}, not {sid!r}")
-        protocol = value.get("protocol")
-        if protocol not in PROTOCOLS:
-            raise StateError(f"state.protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        messages = chat_messages(value.get("messages"), "state.messages", StateError)
+        head = read_transcript(
+            value,
+            session=sid,
+            max_queued=MAX_QUEUED_PROMPTS,
+            max_tokens_limit=cfg.max_tokens_limit,
+        )
+        protocol, messages = head.protocol, head.messages
         answer = None
-        if value.get("answer") is not None:
+        if head.answer is not None:
             answer = _parse_answer(
-                value["answer"], messages, cfg.max_tokens_limit, cfg.max_tokens_default
+                head.answer, messages, cfg.max_tokens_limit, cfg.max_tokens_default
             )
-        raw_queued = value.get("queued", [])
-        if not isinstance(raw_queued, list):
-            raise StateError("state.queued must be a list")
-        if len(raw_queued) > MAX_QUEUED_PROMPTS:
-            raise StateError(f"state.queued holds more than {MAX_QUEUED_PROMPTS} prompts")
-        queued: list[Prompt] = []
-        events: list[dict[str, Any]] = []
-        for n, item in enumerate(raw_queued):
-            if not isinstance(item, dict):
-                raise StateError(f"state.queued[{n}] must be an object")
-            if protocol in EVENT_PROTOCOLS:
-                events.append(item)
-                continue
-            try:
-                queued.append(parse_prompt(item, cfg.max_tokens_default, cfg.max_tokens_limit))
-            except PromptError as exc:
-                raise StateError(f"state.queued[{n}]: {exc}") from None
-        turns = value.get("turns")
-        if turns is None:
-            turns = (
-                answer.turn
-                if answer is not None
-                else sum(1 for m in messages if m["role"] == "assistant")
-            )
-        if _count(turns) is None:
-            raise StateError("state.turns must be a non-negative integer")
-        if answer is not None and answer.turn != turns:
-            raise StateError("state.answer.turn must be the last turn started (state.turns)")
+        turns = head.turns(None if answer is None else answer.turn)
+        queued = [bridge_prompt(q, cfg.max_tokens_default) for q in head.queued]
+        events = list(head.events)
         session = _Session(sid, messages=messages, turns=turns)
         if protocol == "openai-realtime":
-            session.realtime = self._realtime_state(value, sid, messages, answer)
+            session.realtime = self._realtime_state(head.realtime, sid, messages, answer)
         elif protocol == RESPONSES:
             session.responses = restore_responses(
-                value.get("responses"),
+                head.responses,
                 session=sid,
                 answer=None if answer is None else _transcript_answer(answer),
                 model=self.engine.model,
@@ -1352,11 +1498,11 @@ class Bridge(Server[BridgeConfig, _Connection, _State, _Claim]):
         return session, _Thawed(protocol, answer, queued, events, 0.0)
 
     def _realtime_state(
-        self, value: dict[str, Any], sid: str, messages: list[Msg], answer: Answer | None
+        self, value: object, sid: str, messages: list[Msg], answer: Answer | None
     ) -> RealtimeSession:
         cfg = self.config
         return restore_transcript(
-            value.get("realtime"),
+            value,
             session=sid,
             messages=messages,
             answer=None if answer is None else _transcript_answer(answer),
@@ -1488,10 +1634,9 @@ def _parse_answer(value: object, messages: list[Msg], limit: int, default_max: i
     if finished is not None and not isinstance(finished, str):
         raise StateError("state.answer.finished must be null or a string")
     ans.finished = finished
-    try:
-        ans.temperature = _temperature(value.get("temperature"))
-    except PromptError as exc:
-        raise StateError(f"state.answer.{exc}") from None
+    ans.temperature = read_temperature(
+        value.get("temperature"), lambda why: StateError(f"state.answer.{why}")
+    )
     return ans
 
 

@@ -461,6 +461,13 @@ class Model:
         held = self._sessions.get(session)
         return held is not None and held.connections > 0
 
+    def forget(self, session: str) -> None:
+        """Drop ``session`` and its KV entry now, not after the ttl: an HTTP request that named
+        no session is one turn, and nothing can continue it."""
+        held = self._sessions.get(session)
+        if held is not None and held.connections == 0 and held.running == 0:
+            self._forget(session)
+
     def _forget(self, session: str) -> None:
         held = self._sessions.pop(session, None)
         if held is None:

@@ -4,7 +4,8 @@ wslb, with one contract (docs/protocol.md) and different things behind it that a
 
 Why one module: wslb cannot tell the two apart, and must not be able to. The routes, the
 session id and resume rules of an upgrade, the statuses and error texts, the handoff API's
-preamble, health during a drain, the metrics both export, the CLI options both take and the
+preamble, the OpenAI HTTP routes' preamble (auth, drain, session key, error shape, SSE),
+health during a drain, the metrics both export, the CLI options both take and the
 process lifecycle (signals, drain, ready line) are written once here, so they cannot drift
 apart; ``backends.wire`` does the same for the constants. What answers a prompt, what a session
 holds and how a handoff state is read stay in each worker, behind the hooks of ``Server`` and
@@ -48,6 +49,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from aiohttp import WSMsgType, web
@@ -63,6 +65,7 @@ from backends.auth import ENV as WORKER_TOKEN_ENV
 from backends.auth import HEADER as WORKER_TOKEN_HEADER
 from backends.auth import WorkerAuth
 from backends.handoff import ProtocolError, StateError
+from backends.protocol.openai_http import SSE_DONE, SSE_HEADERS, ApiError, read_json, sse
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
 from backends.protocol.responses import Respond as ResponsesRespond
 from backends.protocol.responses import ResponsesSession
@@ -77,10 +80,13 @@ from backends.wire import (
     Histogram,
     Outbox,
 )
+from balancer.contract import queue_full
 
 __all__ = [
+    "ApiCall",
     "Config",
     "Connection",
+    "EventStream",
     "Owner",
     "RealtimeConnection",
     "ResponsesConnection",
@@ -93,6 +99,7 @@ __all__ = [
     "add_subprotocols",
     "add_worker_auth",
     "announce",
+    "api_error",
     "check_listen_options",
     "connections_metric",
     "dumps",
@@ -117,6 +124,54 @@ def dumps(obj: dict[str, Any]) -> str:
 def json_error(status: int, message: str) -> web.Response:
     """``{"error": MESSAGE}`` with ``status``."""
     return web.json_response({"error": message}, status=status)
+
+
+def api_error(exc: ApiError, sid: str | None = None) -> web.Response:
+    """An OpenAI HTTP route's refusal: OpenAI's error shape, which the SDK turns into its
+    ``APIStatusError`` subclass of that status."""
+    headers = {"X-Session-Id": sid} if sid is not None else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCall:
+    """One OpenAI HTTP request's session: the key it named (``X-Session-Id``, else
+    ``?session=``), else a fresh one that ends with the request (``ephemeral``)."""
+
+    sid: str
+    ephemeral: bool
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the answer carries: the key the client named, as the 101 does."""
+        return {} if self.ephemeral else {"X-Session-Id": self.sid}
+
+
+class EventStream:
+    """A streamed answer (``text/event-stream``): each event written as it is made, and the
+    write drained past aiohttp's buffer, so a slow client slows the answer instead of it
+    piling up here; a client gone raises ``ConnectionError`` at the next write."""
+
+    def __init__(self, request: web.Request, call: ApiCall) -> None:
+        self.request = request
+        self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **call.headers})
+        self.opened = False
+
+    async def open(self) -> None:
+        if not self.opened:
+            self.opened = True
+            await self.response.prepare(self.request)
+
+    async def send(self, data: dict[str, Any], event: str | None = None) -> None:
+        await self.open()
+        await self.response.write(sse(data, event))
+
+    async def end(self, done_line: bool = False) -> None:
+        """The stream's end (``done_line``: Chat Completions' ``data: [DONE]``)."""
+        await self.open()
+        if done_line:
+            await self.response.write(SSE_DONE)
+        await self.response.write_eof()
 
 
 class Config(Protocol):
@@ -220,8 +275,9 @@ class Connection(abc.ABC, Generic[Q]):
                 return
             try:
                 self.queue.put_nowait(prompt)
-            except asyncio.QueueFull:
-                await self.error(f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})")
+            except asyncio.QueueFull:  # which prompt it refuses: after_turn (balancer.contract)
+                with contextlib.suppress(ConnectionError):
+                    await self.send(queue_full(self.turns_started() + self.queue.qsize()))
         elif kind == "cancel":
             self.cancel(obj.get("turn"))
         else:
@@ -245,6 +301,10 @@ class Connection(abc.ABC, Generic[Q]):
     @abc.abstractmethod
     def current_turn(self) -> int | None:
         """The turn of the answer being produced, if any."""
+
+    @abc.abstractmethod
+    def turns_started(self) -> int:
+        """Turns the session has started (the running one included): the next is one more."""
 
     @abc.abstractmethod
     def interrupt(self) -> None:
@@ -417,8 +477,9 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
     lifecycle); ``_health``;
     ``_moved_away`` (after a freeze); ``_unavailable``, ``_read_state``, ``_connected``,
     ``_install`` (a thaw); ``_claim``, ``_new_connection``, ``_attach``, ``_detach`` (an
-    upgrade). A subclass sets ``id_prefix`` and ``logger`` and registers its metrics collector
-    on ``registry``.
+    upgrade); ``_list_models``, ``_chat_completions``, ``_create_response`` (the OpenAI HTTP
+    API, behind the upgrades' auth and drain rules). A subclass sets ``id_prefix`` and
+    ``logger`` and registers its metrics collector on ``registry``.
     """
 
     id_prefix = "worker"
@@ -433,6 +494,8 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         # Per session, its open connections, oldest first: a freeze takes the newest live one.
         self._by_session: dict[str, list[ConnT]] = {}
         self.connections_total = 0
+        self.requests = 0
+        """OpenAI HTTP requests in flight: a drain waits for them as for the WebSockets."""
         self.handoffs = {"freeze": 0, "thaw": 0}
         self.itl = Histogram(ITL_BUCKETS)
         self.draining = False
@@ -457,6 +520,9 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/wslb/sessions/{sid}/freeze", self._freeze)
         app.router.add_post("/wslb/sessions/{sid}/thaw", self._thaw)
+        app.router.add_get("/v1/models", self._models_route)
+        app.router.add_post("/v1/chat/completions", self._chat_route)
+        app.router.add_post("/v1/responses", self._responses_route)
         app.router.add_get("/{tail:.*}", self._websocket)
         return app
 
@@ -486,7 +552,8 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         """Bound, not serving yet: start what the routes need."""
 
     async def drain(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
-        """Turn health 503 and wait until no WebSocket is open, at most ``grace`` seconds.
+        """Turn health 503 and wait until no WebSocket is open and no HTTP request is in
+        flight, at most ``grace`` seconds.
 
         Live sessions go on being served meanwhile, so a balancer that sees the 503 can
         migrate them away (or let them finish). ``hurry`` being set ends the wait early.
@@ -551,6 +618,89 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
             body=generate_latest(self.registry),
             headers={"Content-Type": METRICS_CONTENT_TYPE},
         )
+
+    # -- the OpenAI HTTP API ----------------------------------------------------------------
+
+    def _api_refusal(self, request: web.Request) -> web.Response | None:
+        """Why an OpenAI HTTP request is refused before it is read: the WebSocket chat routes'
+        rules (wslb's credential once the worker has one, 503 while draining)."""
+        refused = self._unauthorized(request, handoff=False)
+        if refused is not None:
+            return refused
+        if self.draining:
+            return api_error(ApiError(503, "worker shutting down", code="draining"))
+        return None
+
+    def _api_call(self, request: web.Request) -> ApiCall:
+        """The request's session, as an upgrade's: ``X-Session-Id``, else ``?session=``.
+
+        Raises:
+            ApiError: 400 for a key over ``MAX_SESSION_ID_LEN``.
+        """
+        named = (
+            request.headers.get("X-Session-Id", "").strip()
+            or request.query.get("session", "").strip()
+        )
+        if len(named) > MAX_SESSION_ID_LEN:
+            raise ApiError(400, "session id too long", param="X-Session-Id")
+        if named:
+            return ApiCall(named, ephemeral=False)
+        return ApiCall(f"http-{uuid.uuid4().hex}", ephemeral=True)
+
+    async def _serve_api(
+        self,
+        request: web.Request,
+        route: Callable[[web.Request, ApiCall], Coroutine[Any, Any, web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Run one OpenAI HTTP route, counted in flight (a drain waits for it); an
+        ``ApiError`` before the answer started is its error response."""
+        refused = self._api_refusal(request)
+        if refused is not None:
+            return refused
+        self.requests += 1
+        self._idle.clear()
+        call: ApiCall | None = None
+        try:
+            call = self._api_call(request)
+            return await route(request, call)
+        except ApiError as exc:
+            return api_error(exc, None if call is None else call.headers.get("X-Session-Id"))
+        finally:
+            self.requests -= 1
+            if not self.connections and not self.requests:
+                self._idle.set()
+
+    async def _models_route(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_api(request, self._list_models)
+
+    async def _chat_route(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_api(request, self._chat_completions)
+
+    async def _responses_route(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_api(request, self._create_response)
+
+    @staticmethod
+    async def read_body(request: web.Request) -> dict[str, Any]:
+        """An API request's JSON object.
+
+        Raises:
+            ApiError: 400 when it is not one.
+        """
+        return read_json(await request.read())
+
+    @abc.abstractmethod
+    async def _list_models(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """``GET /v1/models``."""
+
+    @abc.abstractmethod
+    async def _chat_completions(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """``POST /v1/chat/completions``: a ``chat.completion``, or its chunks as server-sent
+        events when ``stream``. May raise ``ApiError`` before the answer starts."""
+
+    @abc.abstractmethod
+    async def _create_response(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """``POST /v1/responses``: the response, or the Responses streaming events (the
+        WebSocket mode's) when ``stream``. May raise ``ApiError`` before the answer starts."""
 
     # -- handoff ----------------------------------------------------------------------------
 
@@ -780,7 +930,7 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
                 siblings.remove(conn)
             if not siblings:
                 del self._by_session[conn.sid]
-        if not self.connections:
+        if not self.connections and not self.requests:
             self._idle.set()
 
 

@@ -12,6 +12,11 @@ One aiohttp server on one port (docs/protocol.md):
   (``backends.protocol.responses``; ``client.responses.connect()``), on the same machinery:
   each ``response.create`` is a ``messages`` prompt of the response's conversation (the one
   ``previous_response_id`` continues, plus the new input), each token a delta.
+- The OpenAI HTTP API (``backends.protocol.openai_http``; docs/protocol.md section 3c):
+  ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses``, server-sent
+  events when ``stream``, on the WebSockets' sessions: the ``X-Session-Id`` header (else
+  ``?session=``) names the session whose KV cache and last response a request continues (its
+  ``cached_tokens``); a request without one holds nothing after it. Errors in OpenAI's shape.
 - The chat protocol over WebSocket on ``/`` and ``/ws`` (and, leniently, any other path).
   The session id is the ``X-Session-Id`` request header, else the ``session`` query
   parameter, else a generated one; it is returned in the 101's ``X-Session-Id`` header and in
@@ -77,12 +82,15 @@ after ``--drain-grace`` seconds, closing what is left with 1001. A second signal
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
@@ -104,13 +112,24 @@ from backends.model import (
     Turn,
     TurnResult,
 )
-from backends.protocol.realtime import RealtimeSession, Respond, restore_transcript
+from backends.protocol.openai_http import (
+    DEFAULT_MODEL,
+    ApiError,
+    ChatAnswer,
+    ChatRequest,
+    models_list,
+    responses_error,
+    responses_event,
+)
+from backends.protocol.realtime import RealtimeSession, Respond, Send, restore_transcript
 from backends.protocol.responses import PROTOCOL as RESPONSES
 from backends.protocol.responses import Respond as ResponsesRespond
 from backends.protocol.responses import ResponsesSession
 from backends.protocol.responses import restore_transcript as restore_responses
 from backends.server import (
+    ApiCall,
     Connection,
+    EventStream,
     RealtimeConnection,
     ResponsesConnection,
     Server,
@@ -124,6 +143,7 @@ from backends.server import (
     announce,
     check_listen_options,
     connections_metric,
+    dumps,
     handoffs_metric,
     inter_token_latency_metric,
     json_error,
@@ -183,6 +203,7 @@ METRIC_NAMES = (
     "wslb_worker_inter_token_latency_seconds_count",
 )
 # vLLM's inter-token latency buckets, cut at 10 s (a token slower than that is a stall).
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
 
 
@@ -243,83 +264,24 @@ QueuedItem: TypeAlias = tuple[Prompt, int]
 """A prompt waiting behind another answer, with its ``max_tokens``."""
 
 
-class _Connection(Connection[QueuedItem]):
-    """One chat-protocol WebSocket on the simulated model (states: ``backends.server``).
+class _Answerer(abc.ABC):
+    """The turn loop of one answer (prefill, tokens at the simulated rate, the end), shared by a
+    WebSocket connection and an HTTP request, so both stream at the same rate and count the
+    same; each says what a token and the end become (``emit_token``, ``emit_done``)."""
 
-    ``attached`` is False once the model no longer counts this connection (after a freeze).
-    """
+    worker: Worker
+    waker: _Waker
+    current: Turn | None
 
-    def __init__(self, worker: Worker, ws: web.WebSocketResponse, session: str) -> None:
-        super().__init__(worker, ws, session)
-        self.worker = worker
-        self.turn_words = 0  # prompt tokens of the current turn (Realtime usage)
-        self.current: Turn | None = None
-        self.cancelled = False
-        self.waker = _Waker()
-        self.resumed: Turn | None = None  # a thawed answer, finished before the queue
-        self.resume_delay = 0.0  # KV transfer time before the first turn, if none was thawed
-
-    async def emit_token(self, token: Token) -> None:
-        await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
-
-    async def emit_done(self, result: TurnResult) -> None:
-        await self.send(
-            {
-                "type": "done",
-                "turn": result.turn,
-                "tokens": result.tokens,
-                "cached_tokens": result.cached_tokens,
-                "prefill_ms": round(result.prefill_ms, 3),
-                "worker": self.worker.worker_id,
-            }
-        )
-
-    def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
-        """The handoff state of a frozen connection's session."""
-        return snapshot_to_json(snapshot)
-
-    def read_prompt(self, obj: dict[str, Any]) -> QueuedItem:
-        cfg = self.worker.config
-        return parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
-
+    @abc.abstractmethod
     def stopped(self) -> bool:
-        """True once the current answer was cancelled (a call, so mypy does not narrow it)."""
-        return self.cancelled or self.frozen
+        """True once the current answer was cancelled (or the connection frozen)."""
 
-    def current_turn(self) -> int | None:
-        return None if self.current is None else self.current.turn
+    @abc.abstractmethod
+    async def emit_token(self, token: Token) -> None: ...
 
-    def interrupt(self) -> None:
-        self.cancelled = True
-        self.waker.interrupt()
-
-    def freeze(self) -> dict[str, Any]:
-        """Stop at a message boundary and export the session (see the module docstring).
-
-        Synchronous, so no message can be sent or acted on between the decision and the
-        snapshot: the answer task is suspended at an await, where cancelling it stops it.
-        """
-        self.halt()
-        queued: list[QueuedPrompt] = []
-        while not self.queue.empty():
-            prompt, max_tokens = self.queue.get_nowait()
-            queued.append(QueuedPrompt(prompt, max_tokens))
-        turn, self.current = self.current, None
-        return self.export(self.worker.model.freeze(self.sid, turn, queued, self.cancelled))
-
-    async def answer(self) -> None:
-        resumed, self.resumed = self.resumed, None
-        if resumed is not None:
-            await self.run_turn(resumed, resumed=True)
-        elif self.resume_delay > 0:
-            await self.waker.sleep(self.resume_delay)
-        model = self.worker.model
-        while True:
-            prompt, max_tokens = await self.queue.get()
-            self.turn_words = len(prompt.words)
-            turn = model.start_turn(self.sid, prompt, max_tokens, time.monotonic())
-            self.current, self.cancelled = turn, False
-            await self.run_turn(turn)
+    @abc.abstractmethod
+    async def emit_done(self, result: TurnResult) -> None: ...
 
     async def run_turn(self, turn: Turn, resumed: bool = False) -> None:
         """Wait out the prefill, stream the tokens at the simulated rate, then send ``done``.
@@ -380,6 +342,89 @@ class _Connection(Connection[QueuedItem]):
                 itl.observe(now - last)
             last = now
             await self.emit_token(token)
+
+
+class _Connection(Connection[QueuedItem], _Answerer):
+    """One chat-protocol WebSocket on the simulated model (states: ``backends.server``).
+
+    ``attached`` is False once the model no longer counts this connection (after a freeze).
+    """
+
+    def __init__(self, worker: Worker, ws: web.WebSocketResponse, session: str) -> None:
+        super().__init__(worker, ws, session)
+        self.worker = worker
+        self.turn_words = 0  # prompt tokens of the current turn (Realtime usage)
+        self.current: Turn | None = None
+        self.cancelled = False
+        self.waker = _Waker()
+        self.resumed: Turn | None = None  # a thawed answer, finished before the queue
+        self.resume_delay = 0.0  # KV transfer time before the first turn, if none was thawed
+
+    async def emit_token(self, token: Token) -> None:
+        await self.send({"type": "token", "turn": token.turn, "i": token.i, "text": token.text})
+
+    async def emit_done(self, result: TurnResult) -> None:
+        await self.send(
+            {
+                "type": "done",
+                "turn": result.turn,
+                "tokens": result.tokens,
+                "cached_tokens": result.cached_tokens,
+                "prefill_ms": round(result.prefill_ms, 3),
+                "worker": self.worker.worker_id,
+            }
+        )
+
+    def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
+        """The handoff state of a frozen connection's session."""
+        return snapshot_to_json(snapshot)
+
+    def read_prompt(self, obj: dict[str, Any]) -> QueuedItem:
+        cfg = self.worker.config
+        return parse_prompt(obj, cfg.max_tokens_default, cfg.max_tokens_limit)
+
+    def stopped(self) -> bool:
+        """True once the current answer was cancelled (a call, so mypy does not narrow it)."""
+        return self.cancelled or self.frozen
+
+    def current_turn(self) -> int | None:
+        return None if self.current is None else self.current.turn
+
+    def turns_started(self) -> int:
+        state = self.worker.model.session(self.sid)
+        return 0 if state is None else state.turns
+
+    def interrupt(self) -> None:
+        self.cancelled = True
+        self.waker.interrupt()
+
+    def freeze(self) -> dict[str, Any]:
+        """Stop at a message boundary and export the session (see the module docstring).
+
+        Synchronous, so no message can be sent or acted on between the decision and the
+        snapshot: the answer task is suspended at an await, where cancelling it stops it.
+        """
+        self.halt()
+        queued: list[QueuedPrompt] = []
+        while not self.queue.empty():
+            prompt, max_tokens = self.queue.get_nowait()
+            queued.append(QueuedPrompt(prompt, max_tokens))
+        turn, self.current = self.current, None
+        return self.export(self.worker.model.freeze(self.sid, turn, queued, self.cancelled))
+
+    async def answer(self) -> None:
+        resumed, self.resumed = self.resumed, None
+        if resumed is not None:
+            await self.run_turn(resumed, resumed=True)
+        elif self.resume_delay > 0:
+            await self.waker.sleep(self.resume_delay)
+        model = self.worker.model
+        while True:
+            prompt, max_tokens = await self.queue.get()
+            self.turn_words = len(prompt.words)
+            turn = model.start_turn(self.sid, prompt, max_tokens, time.monotonic())
+            self.current, self.cancelled = turn, False
+            await self.run_turn(turn)
 
 
 class _RealtimeConnection(RealtimeConnection[QueuedItem], _Connection):
@@ -451,6 +496,39 @@ class _ResponsesConnection(ResponsesConnection[QueuedItem], _Connection):
 
     def export(self, snapshot: SessionSnapshot) -> dict[str, Any]:
         return self.responses_state(snapshot_to_json(snapshot))
+
+
+class _HttpAnswer(_Answerer):
+    """One answer to an OpenAI HTTP request, on the WebSocket's turn loop: each token and the
+    end go to the route's callbacks. Nothing cancels it but the client leaving, which the
+    next write notices (``ConnectionError``)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        on_token: Callable[[Token], Awaitable[None]],
+        on_done: Callable[[TurnResult], Awaitable[None]],
+    ) -> None:
+        self.worker = worker
+        self.waker = _Waker()
+        self.current = None
+        self._on_token = on_token
+        self._on_done = on_done
+
+    def stopped(self) -> bool:
+        return False
+
+    async def emit_token(self, token: Token) -> None:
+        await self._on_token(token)
+
+    async def emit_done(self, result: TurnResult) -> None:
+        await self._on_done(result)
+
+
+def _joined(token: Token) -> str:
+    """A token's text as a delta: words joined by spaces, so the next request's messages split
+    into the same tokens and the conversation's KV prefix still matches."""
+    return ("" if token.i == 0 else " ") + token.text
 
 
 class _WorkerCollector(Collector):
@@ -570,6 +648,126 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         if self.gpu is not None:
             self.gpu.close()
             self.gpu = None
+
+    # -- the OpenAI HTTP API ----------------------------------------------------------------
+
+    async def _list_models(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        return web.json_response(models_list([DEFAULT_MODEL]))
+
+    @contextlib.contextmanager
+    def _held(self, call: ApiCall) -> Iterator[None]:
+        """The request's session held by the model while it runs, like a connection's: a
+        named one stays for ``--session-ttl`` after (its KV cache gives the next request
+        cached tokens), an ephemeral one goes with the request."""
+        self.model.attach(call.sid, time.monotonic())
+        try:
+            yield
+        finally:
+            self.model.detach(call.sid, time.monotonic())
+            if call.ephemeral:
+                self.model.forget(call.sid)
+                self._responses.pop(call.sid, None)
+
+    async def _chat_completions(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """The ``messages`` are the session's whole conversation, as a chat protocol
+        ``messages`` prompt: the context is replaced, and its leading part still in the
+        session's KV cache is ``cached_tokens``."""
+        cfg = self.config
+        req = ChatRequest.parse(
+            await self.read_body(request),
+            default_max_tokens=cfg.max_tokens_default,
+            limit=cfg.max_tokens_limit,
+        )
+        prompt = Prompt.from_messages(m["content"] for m in req.messages)
+        out = ChatAnswer(req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+        stream = EventStream(request, call) if req.stream else None
+        results: list[TurnResult] = []
+
+        async def on_token(token: Token) -> None:
+            chunk = out.delta(_joined(token))
+            if stream is not None:
+                await stream.send(chunk)
+
+        async def on_done(result: TurnResult) -> None:
+            results.append(result)
+            if stream is None:
+                return
+            await stream.send(out.ending(result.tokens))
+            if req.include_usage:
+                await stream.send(
+                    out.usage_chunk(len(prompt.words), result.cached_tokens, result.tokens)
+                )
+            await stream.end(done_line=True)
+
+        with self._held(call):
+            try:
+                if stream is not None:
+                    await stream.send(out.opening())
+                turn = self.model.start_turn(call.sid, prompt, req.max_tokens, time.monotonic())
+                await _HttpAnswer(self, on_token, on_done).run_turn(turn)
+            except ConnectionError:  # the client left; its turn ended with run_turn
+                pass
+        if stream is not None:
+            return stream.response
+        result = results[0]
+        return web.json_response(
+            out.whole(len(prompt.words), result.cached_tokens, result.tokens),
+            headers=call.headers,
+        )
+
+    async def _create_response(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
+        """The session's Responses conversation, the one its WebSocket mode holds: a
+        ``previous_response_id`` continues the session's last response, on either."""
+        body = await self.read_body(request)
+        streamed = body.get("stream", False)
+        if not isinstance(streamed, bool):
+            raise ApiError(400, "'stream' must be a boolean.", param="stream", code="invalid_type")
+        stream = EventStream(request, call) if streamed else None
+        final: list[dict[str, Any]] = []
+
+        async def emit(events: Sequence[Send]) -> None:
+            for out in events:
+                kind = out.event["type"]
+                if kind in _TERMINAL:
+                    final.append(out.event["response"])
+                if stream is not None:
+                    await stream.send(out.event, kind)
+
+        with self._held(call):
+            rs = self._responses_session(request, call.sid, None)
+            outs = rs.receive(dumps(responses_event(body)), now=time.time())
+            respond = next((o for o in outs if isinstance(o, ResponsesRespond)), None)
+            if respond is None:
+                raise responses_error(next(o.event for o in outs if isinstance(o, Send)))
+            prompt = Prompt.from_messages(m["content"] for m in respond.messages)
+
+            async def on_token(token: Token) -> None:
+                await emit(rs.delta(_joined(token)))
+
+            async def on_done(result: TurnResult) -> None:
+                await emit(
+                    rs.finish(
+                        input_tokens=len(prompt.words),
+                        cached_tokens=result.cached_tokens,
+                        output_tokens=result.tokens,
+                        now=time.time(),
+                    )
+                )
+                if stream is not None:
+                    await stream.end()
+
+            try:
+                await emit([o for o in outs if isinstance(o, Send)])
+                turn = self.model.start_turn(call.sid, prompt, respond.max_tokens, time.monotonic())
+                await _HttpAnswer(self, on_token, on_done).run_turn(turn)
+            except ConnectionError:  # the client left: the response cannot be continued
+                pass
+            finally:
+                if rs.response_id == respond.response_id:
+                    rs.abort()
+        if stream is not None:
+            return stream.response
+        return web.json_response(final[0], headers=call.headers)
 
     # -- handoff ----------------------------------------------------------------------------
 
