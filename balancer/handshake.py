@@ -43,6 +43,7 @@ __all__ = [
     "check_key",
     "check_upstream_response",
     "new_session_id",
+    "next_request",
     "quote_key",
     "session_key",
     "upstream_request",
@@ -122,28 +123,58 @@ class RequestReader:
         if self.request is not None:
             self._h11.receive_data(data)  # after the head: kept as trailing data
             return None
-        try:
-            self._h11.receive_data(data)
-            event = self._h11.next_event()
-        except h11.RemoteProtocolError as exc:
-            # h11 hints 431 for an oversized incomplete head, 400 for the rest.
-            raise HandshakeReject(exc.error_status_hint, f"malformed request: {exc}") from None
-        if event is h11.NEED_DATA:
-            return None
-        if isinstance(event, h11.ConnectionClosed):
-            raise HandshakeReject(400, "connection closed before a request")
-        if not isinstance(event, h11.Request):  # pragma: no cover - a server sees requests
-            raise HandshakeReject(400, "unexpected HTTP event")
-        # h11 bounds only an incomplete head; a head that arrived whole is measured here.
-        size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
-        if size > self.max_bytes or len(event.headers) > self.max_headers:
-            raise HandshakeReject(431, "request header fields too large")
-        self.request = event
+        self._h11.receive_data(data)
+        event = next_request(self._h11, self.max_bytes, self.max_headers)
+        if event is not None:
+            self.request = event
         return event
+
+    @property
+    def connection(self) -> h11.Connection:
+        """The h11 connection: plain HTTP reads its bodies and next requests on it."""
+        return self._h11
 
     @property
     def trailing(self) -> bytes:
         return bytes(self._h11.trailing_data[0])
+
+
+_FOLD: Final = re.compile(rb"\n[ \t]")
+_HEAD_END: Final = re.compile(rb"\n\r?\n")
+
+
+def next_request(conn: h11.Connection, max_bytes: int, max_headers: int) -> h11.Request | None:
+    """The next request head buffered in ``conn`` (its state IDLE), or None while more bytes
+    are needed.
+
+    Raises ``HandshakeReject`` for what h11 refuses (400; 431 for an oversized incomplete
+    head) and for what it lets through but a proxy must not: obs-fold (h11 unfolds it, a
+    worker behind might split it) and both ``Content-Length`` and ``Transfer-Encoding`` (two
+    framings: the smuggling classic, RFC 9112 6.3 lets a server refuse it).
+    """
+    buf = conn.trailing_data[0]
+    end = _HEAD_END.search(buf)
+    if end is not None and _FOLD.search(buf, 0, end.start()) is not None:
+        raise HandshakeReject(400, "malformed request: obsolete line folding")
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        # h11 hints 431 for an oversized incomplete head, 400 for the rest.
+        raise HandshakeReject(exc.error_status_hint, f"malformed request: {exc}") from None
+    if event is h11.NEED_DATA:
+        return None
+    if isinstance(event, h11.ConnectionClosed):
+        raise HandshakeReject(400, "connection closed before a request")
+    if not isinstance(event, h11.Request):  # pragma: no cover - a server sees requests
+        raise HandshakeReject(400, "unexpected HTTP event")
+    # h11 bounds only an incomplete head; a head that arrived whole is measured here.
+    size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+    if size > max_bytes or len(event.headers) > max_headers:
+        raise HandshakeReject(431, "request header fields too large")
+    names = {k for k, _ in event.headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise HandshakeReject(400, "malformed request: both Content-Length and Transfer-Encoding")
+    return event
 
 
 class UpstreamReject(Exception):

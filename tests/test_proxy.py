@@ -162,8 +162,11 @@ async def test_bad_handshakes_are_refused(lb: Wslb, headers: dict[str, str], sta
 async def test_malformed_http_and_wrong_method(lb: Wslb) -> None:
     c = await RawClient.connect(lb.port, raw_request=b"GARBAGE\r\n\r\n")
     assert c.status == 400
+    # An upgrade by POST (a plain POST is proxied: tests/test_http_proxy.py).
     c = await RawClient.connect(
-        lb.port, raw_request=b"POST /ws HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+        lb.port,
+        raw_request=b"POST /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nContent-Length: 0\r\n\r\n",
     )
     assert c.status == 400
 

@@ -60,6 +60,7 @@ _DRAIN_SUMS = (
     "migration_failures",
     "closed_after_answer",
     "closed_at_timeout",
+    "requests_cut",
     "left",
 )
 
