@@ -39,7 +39,7 @@ __all__ = [
 log = logging.getLogger("wslb.migrate")
 
 STEP_TIMEOUT = 5.0  # each HTTP step
-CONNS_PER_WORKER = 8  # drain.PARALLEL and failover.PARALLEL handoffs at once
+CONNS_PER_WORKER = 8  # failover.PARALLEL handoffs at once (a drain runs fewer)
 POLL = 0.002
 
 
