@@ -7,7 +7,8 @@ the log. Sequence numbers are this log's own: the supervisor of ``workers: N`` r
 serving processes' events into its log (``absorb``), tagged with their ``process``.
 
 Kinds (docs/admin-api.md): ``drain`` (phase ``started`` / ``finished``), ``undrain``,
-``migration``, ``failover``, ``state`` (a backend's state changed: a health flip, an ejection, a
+``migration``, ``failover``, ``detached`` and ``resumed`` (a client left without a close and
+came back: docs/resume.md), ``state`` (a backend's state changed: a health flip, an ejection, a
 drain's end), ``reload``, ``backend_added``, ``backend_removed``.
 """
 

@@ -12,7 +12,14 @@ Text, ``key=value`` with values quoted only when they need it::
     close_client=1000 close_worker=1000 migrations=0 failovers=0 end="client closed"
     ua=Python/3.11
 
-(one line). With ``log.format: json`` every log line is one JSON object (``ts``, ``level``,
+(one line). A plain HTTP request (``aio/httpproxy.py``) has a line of its own, with its method
+and the time to the worker's response head::
+
+    127.0.0.1 POST /v1/chat/completions status=200 session=alice pool=chat backend=w1
+    kind=sse connect=0.2ms headers=3.1ms duration=1.204s bytes_in=310 bytes_out=9021
+    end=done ua=OpenAI/Python
+
+With ``log.format: json`` every log line is one JSON object (``ts``, ``level``,
 ``logger``, ``message``), and an access line carries its fields as keys of that object. Times
 are ISO 8601 with milliseconds and the zone in both formats; the workers wslb spawns log in its
 format too (``WSLB_LOG_FORMAT``).
@@ -29,7 +36,15 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-__all__ = ["ACCESS", "JsonFormatter", "access_fields", "access_text", "setup"]
+__all__ = [
+    "ACCESS",
+    "JsonFormatter",
+    "access_fields",
+    "access_text",
+    "http_access_text",
+    "log_http_access",
+    "setup",
+]
 
 ACCESS = logging.getLogger("wslb.access")
 
@@ -138,6 +153,9 @@ class EndedSession(Protocol):
     def failovers(self) -> int: ...
 
     @property
+    def resumes(self) -> int: ...
+
+    @property
     def ended(self) -> str | None: ...
 
     timing: tuple[float, float]
@@ -174,6 +192,7 @@ def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
         "close_to_worker": s.close_to_worker,
         "migrations": s.migrations,
         "failovers": s.failovers,
+        "resumes": s.resumes,
         "end": s.ended or "closed",
     }
 
@@ -193,8 +212,9 @@ def access_text(f: Mapping[str, Any]) -> str:
         f"msgs_in={f['messages_in']} msgs_out={f['messages_out']} "
         f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} "
         f"close_client={_quote(f['close_to_client'])} close_worker={_quote(f['close_to_worker'])} "
-        f"migrations={f['migrations']} failovers={f['failovers']} end={_quote(f['end'])} "
-        f"ua={_quote(f['user_agent'])}"
+        f"migrations={f['migrations']} failovers={f['failovers']} "
+        + (f"resumes={f['resumes']} " if f.get("resumes") else "")  # only where it happened
+        + f"end={_quote(f['end'])} ua={_quote(f['user_agent'])}"
     )
 
 
@@ -203,3 +223,21 @@ def log_access(s: EndedSession) -> None:
     if ACCESS.isEnabledFor(logging.INFO):
         fields = access_fields(s)
         ACCESS.info(access_text(fields), extra={"fields": fields})
+
+
+def http_access_text(f: Mapping[str, Any]) -> str:
+    """The text form of a plain HTTP request's access fields (module docstring)."""
+    return (
+        f"{_quote(f['client'])} {_quote(f['method'])} {_quote(f['path'])} status={f['status']} "
+        f"session={_quote(f['session'])} pool={_quote(f['pool'])} "
+        f"backend={_quote(f['backend'])} kind={f['kind']} connect={f['connect_ms']}ms "
+        f"headers={f['headers_ms']}ms duration={f['duration_s']:.3f}s "
+        f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} end={_quote(f['end'])} "
+        f"ua={_quote(f['user_agent'])}"
+    )
+
+
+def log_http_access(fields: Mapping[str, Any]) -> None:
+    """Write the access line of a plain HTTP request that has just ended."""
+    if ACCESS.isEnabledFor(logging.INFO):
+        ACCESS.info(http_access_text(fields), extra={"fields": dict(fields)})

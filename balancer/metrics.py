@@ -119,6 +119,11 @@ DRAIN_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # or a TLS handshake tens; the last buckets are the handshake timeout's neighbourhood.
 HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONNECT_BUCKETS = HANDSHAKE_BUCKETS
+# A JSON answer takes milliseconds; a streamed completion seconds to minutes.
+HTTP_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+)
 # Chat sessions last from one answer (seconds) to a tab left open for the idle timeout (hours).
 SESSION_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0)
 # Each load signal a scrape gives (balancer.weights.SIGNALS), as its own gauge with its unit.
@@ -160,6 +165,11 @@ class Stats:
     failed_over: Counter[str] = field(default_factory=Counter)  # by the lost backend's id
     migrated_away: Counter[str] = field(default_factory=Counter)  # by the old backend's id
     failover_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
+    # Client resume (Rule 8): reconnects by result, sessions detached now, and the pause from
+    # a reconnect's request to the first byte it was written.
+    resumes: Counter[str] = field(default_factory=Counter)
+    detached: int = 0
+    resume_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     handshake_duration: Histogram = field(
         default_factory=lambda: Histogram(HANDSHAKE_BUCKETS, keep=False)
@@ -170,6 +180,13 @@ class Stats:
     backpressure_closes: int = 0
     # The relay thread (aio/offload.py): "taken" hand-overs, and hand-backs by reason.
     relay_thread: Counter[str] = field(default_factory=Counter)
+    # Plain HTTP (aio/httpproxy.py): requests by (pool, kind, status), in flight by pool, body
+    # bytes by direction, durations by "pool\0kind", worker connections made or reused.
+    http_requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    http_active: Counter[str] = field(default_factory=Counter)
+    http_bytes: Counter[str] = field(default_factory=Counter)
+    http_duration: Histograms = field(default_factory=lambda: Histograms(HTTP_BUCKETS))
+    http_upstream: Counter[str] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
@@ -474,6 +491,25 @@ class BalancerCollector(Collector):
             "wslb_failover_pause_seconds",
             "From the loss of a worker to its session's resumed leg on another worker",
         )
+        resumes = CounterMetricFamily(
+            "wslb_resumes",
+            "Client reconnects that asked to resume a session, by result (resumed, or why not)",
+            labels=["result"],
+        )
+        for result, n in sorted(st.resumes.items()):
+            resumes.add_metric([result], n)
+        yield resumes
+        detached = GaugeMetricFamily(
+            "wslb_detached_sessions",
+            "Sessions whose client left without a close, kept for its reconnect",
+        )
+        detached.add_metric([], st.detached)
+        yield detached
+        yield st.resume_pause.metric(
+            "wslb_resume_pause_seconds",
+            "From a resuming client's TCP accept to the first byte written back to it (the "
+            "101, then what it missed)",
+        )
         yield st.drain_duration.metric(
             "wslb_drain_duration_seconds", "From drain start to the worker drained"
         )
@@ -499,3 +535,45 @@ class BalancerCollector(Collector):
         ct = CounterMetricFamily("wslb_connections", "Client connections accepted")
         ct.add_metric([], st.connections_total)
         yield ct
+        yield from _http_families(st)
+
+
+def _http_families(st: Stats) -> Iterator[Metric]:
+    """Plain HTTP requests (``aio/httpproxy.py``), by pool and kind: ``sse`` for a
+    ``text/event-stream`` answer, ``plain`` for any other."""
+    reqs = CounterMetricFamily(
+        "wslb_http_requests",
+        "Plain HTTP requests ended, by pool, kind (plain or sse) and status",
+        labels=["pool", "kind", "code"],
+    )
+    for (pool, kind, code), n in sorted(st.http_requests.items()):
+        reqs.add_metric([pool, kind, str(code)], n)
+    yield reqs
+    active = GaugeMetricFamily(
+        "wslb_http_requests_active", "Plain HTTP requests in flight", labels=["pool"]
+    )
+    for pool, n in sorted(st.http_active.items()):
+        active.add_metric([pool], n)
+    yield active
+    nbytes = CounterMetricFamily(
+        "wslb_http_body_bytes", "Plain HTTP body bytes relayed", labels=["direction"]
+    )
+    for direction in (C2W, W2C):
+        nbytes.add_metric([direction], st.http_bytes[direction])
+    yield nbytes
+    duration = HistogramMetricFamily(
+        "wslb_http_request_duration_seconds",
+        "From a plain HTTP request's head to the end of its answer",
+        labels=["pool", "kind"],
+    )
+    for key, h in sorted(st.http_duration.by.items()):
+        h.add_to(duration, key.split("\x00", 1))
+    yield duration
+    up = CounterMetricFamily(
+        "wslb_http_upstream_connections",
+        "Worker connections plain HTTP requests went on: new, or reused from the pool",
+        labels=["result"],
+    )
+    for result in ("new", "reused"):
+        up.add_metric([result], st.http_upstream[result])
+    yield up

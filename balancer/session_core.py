@@ -62,7 +62,19 @@ which raises ``IllegalTransition`` on any step the table ``TRANSITIONS`` does no
     MIGRATING     a migration runs (``aio/migrate.py``); the client is still read
     HELD          the migration holds the client (not read) at a message boundary
     FAILING_OVER  the worker leg is lost and the client is not read (Rule 6)
-    DETACHED      the client leg is lost and the worker leg is kept for the client's resume
+    DETACHED      the client leg was lost without a close and the worker leg is kept for
+                  the client's resume (SPEC section 13): what the worker sends goes into the
+                  resume window only; ``grace`` later it is Rule 2's after all
+
+Rule 8 (client resume, pools with ``resume.enabled``): a client leg lost without a close (RST,
+EOF, a ping without a pong) while both legs are OPEN, the session RELAYING and the client between
+messages is not Rule 2's: the session is DETACHED (``detached_at`` set). The worker leg stays
+open and heartbeated, and what it sends is kept in the ``ResumeWindow`` (at most ``buffer``
+bytes while detached: past that the shell stops reading the worker, never drops). A migration
+or a failover may take a detached session (MIGRATING, FAILING_OVER) and gives it back DETACHED.
+A reconnect with the session's token and a count of messages the client has (``attach``) gets
+the window from that message on, then the live stream: RELAYING again. ``grace`` after the
+loss, a session still detached gives its worker 1001 (Rule 2).
 
 Heartbeat: one timer per session that reschedules itself. Every ``ping_interval`` it pings both
 legs with a random payload that the scanners recognise in the pong, so endpoints' own pings and
@@ -92,6 +104,8 @@ __all__ = [
     "Mode",
     "Op",
     "Phase",
+    "ResumeRefused",
+    "ResumeWindow",
     "SessionCore",
     "Side",
 ]
@@ -152,19 +166,115 @@ class Mode(IntEnum):
 TRANSITIONS: dict[Mode, frozenset[Mode]] = {
     Mode.RELAYING: frozenset({Mode.OFFLOADED, Mode.MIGRATING, Mode.FAILING_OVER, Mode.DETACHED}),
     Mode.OFFLOADED: frozenset({Mode.RELAYING}),
-    Mode.MIGRATING: frozenset({Mode.HELD, Mode.RELAYING, Mode.FAILING_OVER}),
-    Mode.HELD: frozenset({Mode.MIGRATING, Mode.RELAYING, Mode.FAILING_OVER}),
+    Mode.MIGRATING: frozenset({Mode.HELD, Mode.RELAYING, Mode.FAILING_OVER, Mode.DETACHED}),
+    Mode.HELD: frozenset({Mode.MIGRATING, Mode.RELAYING, Mode.FAILING_OVER, Mode.DETACHED}),
     # HELD: a migration switched the session to its target after the old worker was lost.
-    Mode.FAILING_OVER: frozenset({Mode.RELAYING, Mode.HELD}),
-    Mode.DETACHED: frozenset({Mode.RELAYING}),
+    Mode.FAILING_OVER: frozenset({Mode.RELAYING, Mode.HELD, Mode.DETACHED}),
+    Mode.DETACHED: frozenset({Mode.RELAYING, Mode.MIGRATING, Mode.FAILING_OVER}),
 }
 
 # Modes in which the client is not read.
 _CLIENT_HELD = frozenset({Mode.HELD, Mode.FAILING_OVER})
 
 
+class ResumeWindow:
+    """What wslb wrote to the client lately (Rule 8): the bytes as written, from a data
+    message boundary, ``base_msg`` data messages after the session's first. Appending is the
+    hot path's one cost (``buf += out``: no copy per frame kept, nothing for an idle session);
+    frames are walked only to trim it or to resume. ``limit`` is the pool's ``resume.buffer``."""
+
+    __slots__ = ("base_msg", "buf", "high", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.high = limit + limit // 4  # trimmed back to ``limit`` past this (amortised walks)
+        self.buf = bytearray()
+        self.base_msg = 0
+
+    def trim(self) -> None:
+        """Forget the oldest whole messages down to ``limit`` bytes."""
+        excess = len(self.buf) - self.limit
+        if excess <= 0:
+            return
+        cut, msgs = walk(self.buf, min_bytes=excess)
+        if cut:
+            del self.buf[:cut]
+            self.base_msg += msgs
+
+    def sent(self) -> int:
+        """Data messages written to the client whole, in all."""
+        return self.base_msg + walk(self.buf)[1]
+
+    def after(self, n: int) -> bytes | None:
+        """The bytes from data message ``n`` (0-based, the session's) on; None when it is
+        before the window or beyond what was written."""
+        if n < self.base_msg:
+            return None
+        want = n - self.base_msg
+        pos, msgs = walk(self.buf, max_msgs=want) if want else (0, 0)
+        if msgs < want:
+            return None
+        return bytes(self.buf[pos:])
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "limit": self.limit,
+            "buf": base64.b64encode(self.buf).decode(),
+            "base_msg": self.base_msg,
+        }
+
+    @classmethod
+    def restore(cls, data: dict[str, Any]) -> ResumeWindow:
+        w = cls(data["limit"])
+        w.buf = bytearray(base64.b64decode(data["buf"]))
+        w.base_msg = data["base_msg"]
+        return w
+
+
+def walk(
+    buf: bytes | bytearray, *, min_bytes: int | None = None, max_msgs: int | None = None
+) -> tuple[int, int]:
+    """Walk server frames (unmasked) from ``buf[0]``, a message boundary: the offset just
+    after the last whole data message seen and how many there were, stopping at the first
+    boundary at or past ``min_bytes``, after ``max_msgs`` messages, or at the end."""
+    pos = boundary = msgs = 0
+    n = len(buf)
+    while pos + 2 <= n:
+        b0, b1 = buf[pos], buf[pos + 1]
+        size = b1 & 0x7F
+        at = pos + 2
+        if size == 126:
+            if at + 2 > n:
+                break
+            size, at = int.from_bytes(buf[at : at + 2], "big"), at + 2
+        elif size == 127:
+            if at + 8 > n:
+                break
+            size, at = int.from_bytes(buf[at : at + 8], "big"), at + 8
+        if b1 & 0x80:
+            at += 4
+        end = at + size
+        if end > n:
+            break
+        pos = end
+        if b0 & 0x80 and (b0 & 0x0F) < 8:  # FIN of a data frame: a message ends here
+            msgs += 1
+            boundary = pos
+            if (min_bytes is not None and pos >= min_bytes) or msgs == max_msgs:
+                break
+    return boundary, msgs
+
+
 class IllegalTransition(RuntimeError):
     """A mode change the table does not allow: a bug in the caller, never a peer's doing."""
+
+
+class ResumeRefused(Exception):
+    """A reconnect the session cannot take (the client gets 409 with ``reason``)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Side(IntEnum):
@@ -222,12 +332,15 @@ class SessionCore:
         "close_to_client",
         "close_to_worker",
         "cs",
+        "detached_at",
         "ended",
         "failovers",
+        "grace",
         "last_active",
         "last_msgs",
         "leg_start_msg",
         "limits",
+        "lost_at",
         "migrations",
         "mode",
         "paused_since",
@@ -240,7 +353,9 @@ class SessionCore:
         "prior_messages",
         "rand",
         "replay_limit",
+        "resumes",
         "sid",
+        "window",
         "worker",
         "ws",
     )
@@ -253,6 +368,8 @@ class SessionCore:
         max_frame_size: int,
         max_message_size: int,
         replay_limit: int = 0,
+        resume_buffer: int = 0,
+        grace: float = 0.0,
         now: float = 0.0,
         rand: Callable[[int], bytes] = os.urandom,
     ) -> None:
@@ -292,6 +409,13 @@ class SessionCore:
         self.last_msgs = 0
         self.last_active = now
         self.rand = rand
+        # Rule 8: what the client was sent lately (None: the pool does not resume), and since
+        # when its leg is detached (0: attached).
+        self.window = ResumeWindow(resume_buffer) if resume_buffer else None
+        self.grace = grace
+        self.detached_at = 0.0
+        self.lost_at = 0  # window offset the lost connection's TCP had delivered up to
+        self.resumes = 0  # reconnects the session took
 
     # -- the mode ----------------------------------------------------------------------------
 
@@ -378,9 +502,15 @@ class SessionCore:
         else:
             self.failovers += 1
         if self.mode is Mode.FAILING_OVER:
-            # The worker leg is back: a failover's session relays, a migration's (the old
-            # worker was lost during it) is held until the migration releases it.
-            self.enter(Mode.HELD if moved else Mode.RELAYING)
+            # The worker leg is back: a failover's session relays (or waits detached for its
+            # client), a migration's (the old worker was lost during it) is held until the
+            # migration releases it.
+            self.enter(Mode.HELD if moved else self.settled)
+
+    @property
+    def settled(self) -> Mode:
+        """The mode a migration or failover leaves the session in."""
+        return Mode.DETACHED if self.detached_at else Mode.RELAYING
 
     def counts(self, thread_frames: int = 0, thread_bytes: int = 0) -> tuple[int, int, int]:
         """Frames, data messages and bytes worker->client over all legs, with what the relay
@@ -459,7 +589,6 @@ class SessionCore:
         return (
             journal
             and self.mode is not Mode.FAILING_OVER
-            and self.mode is not Mode.DETACHED
             and self.phase is Phase.RELAYING
             and self.client is Leg.OPEN
             and self.worker is Leg.OPEN
@@ -487,6 +616,7 @@ class SessionCore:
         if self.mode is Mode.FAILING_OVER:
             self.enter(Mode.RELAYING)
             out.append((Op.READ, Side.CLIENT, None))  # the client's answer to our close
+        self._drop_detached()
         self.worker = self.worker.lost()
         if self.client is Leg.OPEN:
             if self.pending_client_close is not None:
@@ -505,9 +635,32 @@ class SessionCore:
         self._maybe_finish(out)
         return out
 
-    def client_lost(self) -> list[Action]:
-        """The client leg's transport closed (Rule 2)."""
+    def may_detach(self) -> bool:
+        """Rule 8: lost without a close, while both sides were relaying, between messages."""
+        return (
+            self.window is not None
+            and self.mode is Mode.RELAYING
+            and self.phase is Phase.RELAYING
+            and self.client is Leg.OPEN
+            and self.worker is Leg.OPEN
+            and self.pending_client_close is None
+            and self.cs.close is None
+            and self.cs.error is None
+            and self.cs.at_message_boundary
+        )
+
+    def client_lost(self, now: float = 0.0, unsent: int = 0) -> list[Action]:
+        """The client leg's transport closed: Rule 8 where it applies, else Rule 2.
+        ``unsent``: bytes written that the client's TCP had not acknowledged (best effort)."""
         out: list[Action] = []
+        if self.may_detach():
+            assert self.window is not None
+            self.enter(Mode.DETACHED)
+            self.detached_at = now or 1e-9
+            self.lost_at = max(0, len(self.window.buf) - unsent)
+            self.awaiting_pong = False  # the client's pong will not come; the worker is pinged
+            out.append((Op.SCHEDULE, None, self.grace))
+            return out
         self.client = self.client.lost()
         if self.worker is Leg.OPEN:
             self.end("client went away")
@@ -515,10 +668,64 @@ class SessionCore:
         self._maybe_finish(out)
         return out
 
+    def _drop_detached(self) -> None:
+        """A detached session ends: its client leg is lost after all."""
+        if not self.detached_at:
+            return
+        self.detached_at = 0.0
+        if self.mode is Mode.DETACHED:
+            self.enter(Mode.RELAYING)
+        self.client = self.client.lost()
+
+    def grace_expired(self) -> list[Action]:
+        """Rule 8: the client did not come back within ``grace``: Rule 2 (the worker 1001)."""
+        self._drop_detached()
+        out: list[Action] = []
+        if self.worker is Leg.OPEN:
+            self.end("client went away")
+            self._send_worker_close(CloseCode.GOING_AWAY, "client went away", out)
+        self._maybe_finish(out)
+        return out
+
+    def best_effort_count(self) -> int:
+        """A reconnect without a count: the messages the lost connection's TCP had delivered
+        whole (what it had not acknowledged is written again)."""
+        w = self.window
+        if w is None:
+            return 0
+        return w.base_msg + walk(w.buf[: self.lost_at])[1]
+
+    def attach(self, n: int) -> bytes:
+        """Rule 8: the client is back and has ``n`` data messages; what it missed (the window
+        from message ``n`` on). The session relays again (or stays with the migration or
+        failover that has it, the client held). Raises ``ResumeRefused``."""
+        w = self.window
+        if w is None or not self.detached_at:
+            raise ResumeRefused("the session is not waiting for its client")
+        missed = w.after(n)
+        if missed is None:
+            sent = w.sent()
+            if n > sent:
+                raise ResumeRefused(f"the client has {n} messages; wslb sent {sent}")
+            raise ResumeRefused(
+                f"message {n} is no longer kept (the window starts at {w.base_msg})"
+            )
+        self.detached_at = 0.0
+        self.resumes += 1
+        # A ping the lost connection never answered is not the new one's to answer: left
+        # pending, the next heartbeat took it for a client ping timeout (1011).
+        self.cs.own_ping = None
+        self.cs.pong_received = False
+        self.awaiting_pong = False
+        if self.mode is Mode.DETACHED:
+            self.enter(Mode.RELAYING)
+        return missed
+
     def close(self, code: int, reason: str) -> list[Action]:
         """End the session from wslb's side (shutdown, idle, drain): both legs get ``code``
         (the worker 1001 where the client gets 1012: it is the one going away)."""
         out: list[Action] = []
+        self._drop_detached()
         self.end(reason)
         self._send_client_close(code, reason, out)
         worker_code = CloseCode.GOING_AWAY if code == CloseCode.SERVICE_RESTART else code
@@ -623,6 +830,8 @@ class SessionCore:
         if self.mode is Mode.FAILING_OVER:  # no worker leg to ping; the failover is bounded
             out.append((Op.SCHEDULE, None, first_tick))
             return out
+        if self.mode is Mode.DETACHED:
+            return self._detached_tick(now, ping_interval, ping_timeout, journal)
         if relayed != self.last_msgs:
             self.last_msgs = relayed
             self.last_active = now
@@ -659,6 +868,30 @@ class SessionCore:
         self._ping(self.cs, self.ws, Side.WORKER, True, out)
         self.awaiting_pong = True
         out.append((Op.SCHEDULE, None, ping_timeout))
+        return out
+
+    def _detached_tick(
+        self, now: float, ping_interval: float, ping_timeout: float, journal: bool
+    ) -> list[Action]:
+        """Rule 8's timer: the grace, and the worker's heartbeat (the client has none)."""
+        left = self.grace - (now - self.detached_at)
+        if left <= 0:
+            return self.grace_expired()
+        out: list[Action] = []
+        if ping_interval <= 0:
+            out.append((Op.SCHEDULE, None, left))
+            return out
+        if self.awaiting_pong:
+            self.awaiting_pong = False
+            if self.ws.own_ping is not None:
+                log.info("session %s: worker %s ping timeout", self.sid, self.backend_id)
+                out.append((Op.ABORT, Side.WORKER, None))  # Rule 6 or Rule 2 from there
+                return out
+            out.append((Op.SCHEDULE, None, min(left, max(ping_interval - ping_timeout, 0.001))))
+            return out
+        self._ping(self.cs, self.ws, Side.WORKER, True, out)
+        self.awaiting_pong = True
+        out.append((Op.SCHEDULE, None, min(left, ping_timeout)))
         return out
 
     def _ping(
@@ -705,6 +938,11 @@ class SessionCore:
             "paused_since": self.paused_since,
             "last_msgs": self.last_msgs,
             "last_active": self.last_active,
+            "window": None if self.window is None else self.window.snapshot(),
+            "grace": self.grace,
+            "detached_at": self.detached_at,
+            "lost_at": self.lost_at,
+            "resumes": self.resumes,
         }
 
     @classmethod
@@ -739,4 +977,11 @@ class SessionCore:
         core.paused_since = ps + now_offset if ps else 0.0
         core.last_msgs = data["last_msgs"]
         core.last_active = data["last_active"] + now_offset
+        win = data["window"]
+        core.window = None if win is None else ResumeWindow.restore(win)
+        core.grace = data["grace"]
+        da = data["detached_at"]
+        core.detached_at = da + now_offset if da else 0.0
+        core.lost_at = data["lost_at"]
+        core.resumes = data["resumes"]
         return core

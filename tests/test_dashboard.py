@@ -570,3 +570,37 @@ async def test_screenshot_for_the_docs(tmp_path: Path) -> None:
         lb.stop()
         for w in ws_:
             w.stop()
+
+
+async def test_the_feed_shows_a_detach_and_its_resume(
+    workers: list[Worker], tmp_path: Path
+) -> None:
+    """Client resume (docs/resume.md): a client whose TCP dies is shown detached, and its
+    reconnect with the token and count resumed, with what was replayed."""
+    require_browser()
+    lb = start_lb(workers, tmp_path, pool={"resume": {"enabled": True, "grace": "10s"}})
+    try:
+        if not has_event_stream(lb):
+            pytest.skip("the feed waits for GET /events/stream (it answers 404 here)")
+        async with dashboard(lb) as dash:
+            await dash.login()
+            ws = await chat(lb, "blip")  # the hello: 1 message
+            assert ws.response is not None
+            token = ws.response.headers["X-WSLB-Resume-Token"]
+            ws.transport.abort()  # an RST, no close frame
+
+            async def shown(text: str) -> tuple[bool, Any]:
+                items = await dash.feed()
+                return any(text in i for i in items), items
+
+            await eventually(lambda: shown("session blip: client lost"), FOLLOW_S, "detached")
+            back = await connect(
+                f"{lb.url}/ws?session=blip",
+                additional_headers={"X-WSLB-Resume-Token": token, "X-WSLB-Resume-From": "1"},
+            )
+            item = "session blip resumed on"
+            items = await eventually(lambda: shown(item), FOLLOW_S, "resumed")
+            assert any(item in i and "from message 1" in i for i in items), items
+            await back.close()
+    finally:
+        lb.stop()

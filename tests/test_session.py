@@ -120,6 +120,7 @@ class FakeHost:
         self.live: list[Session] = []
         self.finished: list[Session] = []
         self.lost: list[Session] = []  # sessions held for failover (Rule 6)
+        self.away: list[tuple[Session, bool]] = []  # detached (Rule 8), or back
 
     def session_started(self, s: Session) -> None:
         self.live.append(s)
@@ -133,6 +134,12 @@ class FakeHost:
 
     def worker_lost(self, s: Session) -> None:
         self.lost.append(s)
+
+    def detached(self, s: Session, on: bool, counted: bool = True) -> None:
+        self.away.append((s, on))
+
+    def handed_off(self, s: Session) -> None:
+        self.live.remove(s)
 
 
 REQ = ClientRequest("/ws", "/ws", "", [], b"k", [], "h")
@@ -203,7 +210,7 @@ async def test_client_close_handshake_rule_1() -> None:
 async def test_worker_lost_rule_2(admin_state: Any, code: int) -> None:
     host = FakeHost(asyncio.get_running_loop())
     s, ct, _wt, pool = make(host)
-    pool.backends["w"].admin_state = admin_state
+    pool.backends["w"].set_admin(admin_state)
     s.connection_lost(ConnectionResetError())
     assert closes(ct, False) == [code]
     assert s.worker is Leg.LOST and s.client is Leg.CLOSING

@@ -30,8 +30,10 @@ from balancer.session_core import (
     Mode,
     Op,
     Phase,
+    ResumeRefused,
     SessionCore,
     Side,
+    walk,
 )
 
 
@@ -398,3 +400,164 @@ def test_restore_keeps_the_mode_and_the_close_states() -> None:
     r = SessionCore.restore(json.loads(json.dumps(c.snapshot())))
     assert (r.mode, r.phase, r.pending_client_close) == (c.mode, c.phase, c.pending_client_close)
     assert r.cs.error is not None and r.cs.error.code == CloseCode.PROTOCOL_ERROR
+
+
+# -- Rule 8: client resume ----------------------------------------------------------------------
+
+
+def resumable(buffer: int = 1 << 16, grace: float = 30.0) -> SessionCore:
+    return SessionCore(
+        "sid",
+        "w1",
+        max_frame_size=1 << 20,
+        max_message_size=1 << 20,
+        replay_limit=4096,
+        resume_buffer=buffer,
+        grace=grace,
+        rand=lambda n: b"p" * n,
+    )
+
+
+def written(c: SessionCore, *payloads: bytes) -> bytes:
+    """Worker messages relayed to the client (and kept in the window, as the shell does)."""
+    out = b""
+    for p in payloads:
+        data = c.ws.feed(text(p, mask=False))
+        assert c.window is not None
+        c.window.buf += data
+        out += data
+    return out
+
+
+def test_rule8_a_client_lost_between_messages_is_detached_not_closed() -> None:
+    c = resumable()
+    written(c, b"t0", b"t1")
+    out = c.client_lost(now=100.0)
+    assert c.mode is Mode.DETACHED and c.client is Leg.OPEN and c.worker is Leg.OPEN
+    assert ops(out) == [(Op.SCHEDULE, None)] and out[0][2] == 30.0  # the grace timer
+    assert close_code(out, Side.WORKER) is None
+
+
+def test_rule8_not_without_resume_nor_inside_a_client_message() -> None:
+    assert close_code(core().client_lost(), Side.WORKER) == 1001
+    c = resumable()
+    c.cs.feed(build_frame(OP_TEXT, b"half", mask=True, fin=False))
+    assert close_code(c.client_lost(), Side.WORKER) == 1001
+
+
+def test_rule8_attach_gives_what_the_client_missed() -> None:
+    c = resumable()
+    frames = [text(f"t{i}".encode(), mask=False) for i in range(5)]
+    written(c, *(f"t{i}".encode() for i in range(5)))
+    c.client_lost(now=1.0)
+    assert c.attach(3) == b"".join(frames[3:])
+    assert mode_of(c) is Mode.RELAYING and c.resumes == 1 and not c.detached_at
+
+
+def test_rule8_a_count_beyond_or_before_the_window_is_refused() -> None:
+    c = resumable(buffer=4096)
+    written(c, *(b"x" * 300 for _ in range(40)))  # 12 KB through a 4 KiB window
+    assert c.window is not None
+    c.window.trim()
+    c.client_lost(now=1.0)
+    with pytest.raises(ResumeRefused, match="wslb sent 40"):
+        c.attach(41)
+    with pytest.raises(ResumeRefused, match="no longer kept"):
+        c.attach(0)
+    assert c.mode is Mode.DETACHED  # a refusal changes nothing
+    assert c.attach(40) == b""
+
+
+def test_rule8_the_grace_expiring_is_rule_2() -> None:
+    c = resumable(grace=5.0)
+    c.client_lost(now=100.0)
+    assert ops(tick(c, 104.0))[-1] == (Op.SCHEDULE, None)  # still waiting (the worker pinged)
+    out = c.tick(
+        105.5, 0, ping_interval=10, ping_timeout=5, idle=0, backpressure=0,
+        first_tick=10, journal=False,
+    )  # fmt: skip
+    assert close_code(out, Side.WORKER) == 1001 and c.ended == "client went away"
+    assert c.client is Leg.LOST and mode_of(c) is Mode.RELAYING
+
+
+def test_rule8_a_detached_session_pings_its_worker_only() -> None:
+    c = resumable()
+    c.client_lost(now=1.0)
+    out = tick(c, 10.0)
+    assert [side for op, side, _ in out if op is Op.WRITE] == [Side.WORKER]
+
+
+def test_rule8_a_worker_lost_while_detached_fails_over_and_waits_again() -> None:
+    c = resumable()
+    written(c, b"t0")
+    c.client_lost(now=1.0)
+    out = c.worker_lost(journal=True, draining=False)
+    assert (Op.FAIL_OVER, None) in ops(out) and c.mode is Mode.FAILING_OVER
+    c.new_leg("w2", c.cs.messages, moved=False)
+    assert mode_of(c) is Mode.DETACHED and c.backend_id == "w2"
+    assert c.attach(1) == b""
+
+
+def test_rule8_a_close_while_detached_loses_the_client() -> None:
+    c = resumable()
+    c.client_lost(now=1.0)
+    out = c.close(CloseCode.SERVICE_RESTART, "worker draining")
+    assert close_code(out, Side.WORKER) == 1001 and c.client is Leg.LOST
+    with pytest.raises(ResumeRefused):
+        c.attach(0)
+
+
+def test_rule8_without_a_count_the_unacknowledged_messages_are_written_again() -> None:
+    c = resumable()
+    frames = written(c, b"a", b"b", b"c")
+    last = len(text(b"c", mask=False))
+    c.client_lost(now=1.0, unsent=last + 1)  # the last message and a byte of the one before
+    assert c.best_effort_count() == 1
+    assert c.attach(c.best_effort_count()) == frames[len(text(b"a", mask=False)) :]
+
+
+def test_rule8_the_window_survives_a_snapshot() -> None:
+    c = resumable()
+    written(c, b"a", b"b")
+    c.client_lost(now=50.0)
+    r = SessionCore.restore(json.loads(json.dumps(c.snapshot())), now_offset=10.0)
+    assert r.mode is Mode.DETACHED and r.detached_at == 60.0
+    assert r.attach(1) == text(b"b", mask=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 400), min_size=1, max_size=60), n=st.integers(0, 70))
+def test_the_window_walk_agrees_with_the_scanner(sizes: list[int], n: int) -> None:
+    """``walk`` finds the same message ends the frame scanner does, fragments and pings
+    included, and ``after(n)`` is exactly the bytes from message n on."""
+    c = resumable(buffer=1 << 20)
+    ends = [0]
+    for i, size in enumerate(sizes):
+        if i % 7 == 3:
+            data = build_frame(OP_TEXT, b"f" * size, mask=False, fin=False)
+            data += build_frame(OP_PING, b"x", mask=False) + build_frame(0x0, b"g", mask=False)
+        else:
+            data = text(b"m" * size, mask=False)
+        assert c.window is not None
+        c.window.buf += c.ws.feed(data)
+        ends.append(len(c.window.buf))
+    assert c.window is not None
+    assert walk(c.window.buf) == (ends[-1], len(sizes))
+    got = c.window.after(n)
+    assert got == (bytes(c.window.buf[ends[n] :]) if n <= len(sizes) else None)
+
+
+def test_rule8_a_ping_the_lost_connection_left_unanswered_is_forgotten() -> None:
+    """The heartbeat pinged the client, the client was cut before its pong: the resumed
+    connection is not closed for the old ping (it once was, with 1011, a beat later)."""
+    c = resumable()
+    assert [s for op, s, _ in tick(c, 10.0) if op is Op.WRITE] == [Side.CLIENT, Side.WORKER]
+    c.client_lost(now=11.0)
+    worker_sends(c, build_frame(OP_PONG, b"p" * 8, mask=False))
+    c.attach(0)
+    for now in (20.0, 25.0, 30.0, 35.0):
+        out = tick(c, now)
+        assert close_code(out, Side.CLIENT) is None, now
+        if any(op is Op.WRITE and side is Side.CLIENT for op, side, _ in out):
+            client_sends(c, build_frame(OP_PONG, b"p" * 8, mask=True))
+            worker_sends(c, build_frame(OP_PONG, b"p" * 8, mask=False))

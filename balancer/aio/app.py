@@ -46,6 +46,7 @@ from balancer.aio.drain import Drainer
 from balancer.aio.failover import Failover
 from balancer.aio.fanout import FanoutControl
 from balancer.aio.handoff import HandoffClient
+from balancer.aio.handover import Handover
 from balancer.aio.loops import GcPacer
 from balancer.aio.monitors import BoardFollower, LocalMonitors, Monitors
 from balancer.aio.multi import ProcessGroup
@@ -153,9 +154,9 @@ class Runtime:
     cluster: Cluster | None = None
     group: ProcessGroup | None = None
     board: Board | None = None
-    # Loops that run while serving: the event feed's state watcher, a supervisor's follow of
-    # its serving processes' events.
+    # Loops that run while serving: a supervisor's follow of its serving processes' events.
     background: tuple[Callable[[], Coroutine[Any, Any, None]], ...] = ()
+    handover: Handover | None = None  # workers: N: sessions move between serving processes
 
     def __post_init__(self) -> None:
         self.gc_pacer = GcPacer(self.state.loop)
@@ -170,6 +171,8 @@ class Runtime:
         await self.monitors.start(self.state.pools)
         if self.cluster is not None:  # etcd's backends replace the file's, before listening
             await self.cluster.start()
+        if self.handover is not None:  # before the listeners: a reconnect may come at once
+            await self.handover.start()
         if self.listeners is not None:
             await self.listeners.start()
         if self.listeners is not None and self.state.config.relay.thread and offload.AVAILABLE:
@@ -189,6 +192,7 @@ class Runtime:
         if self.group is not None:
             self._publisher = self.state.loop.create_task(self.group.publish(self.state.pools))
             await self.group.start()
+        self.local.watch_states()  # the feed's ``state`` events, from here on
         self._background = [self.state.loop.create_task(run()) for run in self.background]
         await self.admin.start()
 
@@ -203,11 +207,12 @@ class Runtime:
             await self.group.stop(self.hurry)
         if self.listeners is not None:
             self.listeners.close()
-        if state.sessions:
+        if state.sessions or state.requests:
             log.info(
-                "shutdown: waiting up to %.1fs for %d sessions",
+                "shutdown: waiting up to %.1fs for %d sessions and %d HTTP requests",
                 t.shutdown_grace,
                 len(state.sessions),
+                len(state.requests),
             )
             waits = {
                 state.loop.create_task(state.idle()),
@@ -218,6 +223,9 @@ class Runtime:
             )
             for task in pending:
                 task.cancel()
+        for ex in list(state.requests):
+            ex.abort("balancer shutting down")
+        state.keepalive.close()
         for s in list(state.sessions):
             s.close(CloseCode.GOING_AWAY, "balancer shutting down")
         with contextlib.suppress(TimeoutError):
@@ -230,6 +238,8 @@ class Runtime:
         if self.listeners is not None:
             await self.listeners.wait_closed()
         await self.drainer.stop()
+        if self.handover is not None:
+            await self.handover.stop()
         await self.stop_monitors()
         await self.monitors.stop_workers()
         await self.admin.stop()
@@ -337,9 +347,13 @@ def build(
         link.admin_socket if link is not None else None,
         config.metrics.listen,
     )
-    background: list[Callable[[], Coroutine[Any, Any, None]]] = [local.watch_states]
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if isinstance(control, FanoutControl):
         background.append(control.follow)
+    handover = None
+    if link is not None and link.processes > 1:  # a reconnect may land on a sibling
+        handover = Handover(state, os.path.dirname(link.board), link.index, link.processes)
+        state.fetch_session = handover.fetch
     return Runtime(
         state,
         monitors,
@@ -352,6 +366,7 @@ def build(
         group=group,
         board=board if link is not None else None,
         background=tuple(background),
+        handover=handover,
     )
 
 

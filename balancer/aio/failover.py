@@ -180,8 +180,7 @@ class Failover:
         await self.handoff.drop(backend)  # its pooled connections lead nowhere now
         self._checkers.pop(backend.id, None)
         if backend.healthy:
-            backend.probe_oks = 0
-            backend.set_health(
+            backend.set_health(  # its checks must pass ``rise`` times in a row from here
                 False, f"lost mid-session; {result.reason}", result.kind, self.state.wall_time()
             )
             log.warning(

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import parse_qsl
 
 import h11
 
 from balancer import proxyproto
-from balancer.aio.session import ClientLeg, Session, pause_reading
+from balancer.aio.httpproxy import HttpClient, Routed
+from balancer.aio.session import ClientLeg, Leg, Session, pause_reading
 from balancer.aio.state import ServerState
 from balancer.auth import scoped_key
 from balancer.handshake import (
@@ -37,7 +39,19 @@ from balancer.handshake import (
     session_key,
     upstream_request,
 )
+from balancer.httpmsg import is_handshake
 from balancer.proxyproto import forwarded_client, is_trusted
+from balancer.resume import (
+    NO_RESUME,
+    RESUMED_HEADER,
+    TOKEN_HEADER,
+    Resume,
+    new_token,
+    read_resume,
+    same_token,
+    without_wslb_params,
+)
+from balancer.session_core import ResumeRefused
 
 if TYPE_CHECKING:
     from balancer.pool import Backend, Pool
@@ -60,6 +74,7 @@ _REASONS = {
     403: "Forbidden",
     404: "Not Found",
     408: "Request Timeout",
+    409: "Conflict",
     426: "Upgrade Required",
     429: "Too Many Requests",
     431: "Request Header Fields Too Large",
@@ -140,6 +155,8 @@ class ClientConnection(asyncio.Protocol):
         self.counted = False
         self.method = "-"  # the request's, once read (for the log line of a refusal)
         self.target = "-"
+        self.http: HttpClient | None = None  # serving plain HTTP (aio/httpproxy.py)
+        self.resume = NO_RESUME  # what the upgrade said about resuming (balancer/resume.py)
 
     # -- asyncio callbacks -----------------------------------------------------------------
 
@@ -177,6 +194,9 @@ class ClientConnection(asyncio.Protocol):
             self.peer = address
 
     def data_received(self, data: bytes) -> None:
+        if self.http is not None:
+            self.http.data_received(data)
+            return
         if self.proxy_buf is not None:
             self.proxy_buf += data
             try:
@@ -209,12 +229,24 @@ class ClientConnection(asyncio.Protocol):
             self.task = self.state.loop.create_task(self._upgrade(event))
 
     def eof_received(self) -> bool | None:
+        if self.http is not None:
+            return self.http.eof_received()
         if self.task is None:
             self._close()
         return None
 
+    def pause_writing(self) -> None:
+        if self.http is not None:
+            self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.http is not None:
+            self.http.resume_writing()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
+        if self.http is not None:
+            self.http.connection_lost(exc)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -282,33 +314,33 @@ class ClientConnection(asyncio.Protocol):
         st = self.state
         self.method = event.method.decode("latin-1", "replace")
         self.target = event.target.decode("latin-1", "replace").partition("?")[0][:200]
-        req = check_client_request(event)
-        # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
-        # client: that proxy is transparent), once, whatever worker legs the session opens.
-        # Forwarded and X-Real-IP are wslb's too: a client's own are its claims (handshake.py).
-        hop = self.peer
-        xff = req.header(b"x-forwarded-for")
-        if self.trusted and not self.proxied and xff is not None:
-            named = forwarded_client(xff.decode("latin-1"), st.trusted_proxies)
-            if named is not None:
-                self._client_is(named)
-                if self._over_limit_once_named():
+        if not is_handshake(event):  # plain HTTP: this connection's requests from now on
+            self._plain(event)
+            return
+        raw = check_client_request(event)
+        resume = self.resume = read_resume(raw)  # before route() strips the wslb_ parameters
+        routed = self.route(raw)
+        if routed is None:
+            return
+        pool, req, key, sid, _ = routed
+        if pool.cfg.resume.enabled and resume.token is not None:
+            live = st.find_session(sid)
+            if live is None and st.fetch_session is not None and resume.count is not None:
+                # workers: N: another serving process may hold it (handover.py)
+                assert self.transport is not None
+                live = await st.fetch_session(sid, resume.token, self.transport)
+                if self.gone:  # adopted, and still detached: it waits here for its client
                     return
-        req = req.forwarded_for(hop, trusted=self.trusted, client=self.peer)
-        model = requested_model(req.query)
-        pool = st.route(req.path, model)
-        if pool is None:
-            served = st.models(req.path)
-            if served:  # pools here serve models, and not this one: say which they serve
-                why = "no ?model= given" if model is None else f"model {model!r} is not served"
-                raise HandshakeReject(404, why, details={"models": served})
-            raise HandshakeReject(404, f"no pool serves {req.path}")
-        owner, claimed = st.authorize(req)
-        key = claimed or session_key(pool.cfg.session_key, req) or new_session_id()
-        # With JWT, a key the client names (or one made for it) is scoped to its owner: the
-        # worker sees the scoped one, the client its own (auth.py).
-        sid = key if owner is None or claimed else scoped_key(owner, key)
-        req = st.auth.strip(req)  # the token in ?access_token= is not the worker's business
+            if live is not None and same_token(live.resume_token, resume.token):
+                self._resume(live, req, key, resume)
+                return
+            if resume.count is not None:  # a reconnect, and nothing to resume
+                st.stats.resumes["unknown"] += 1
+                raise HandshakeReject(
+                    409,
+                    "no session to resume: unknown or expired token, or another key",
+                    details={"resume": "unknown"},
+                )
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"
@@ -356,6 +388,102 @@ class ClientConnection(asyncio.Protocol):
         # The client is told what happened, not which worker (ids are the operator's).
         raise HandshakeReject(status, "no worker could take the session" if tried else last_error)
 
+    def route(self, req: ClientRequest) -> Routed | None:
+        """A request's pool and session key, for an upgrade and a plain request alike: the
+        forwarding headers wslb vouches for, the pool by path and ``?model=``, the auth
+        checks, the key (named, claimed or made). None: refused here already (the per-client
+        limit, once a trusted proxy named the client).
+
+        Raises:
+            HandshakeReject: 404 (no pool), 401/403 (auth), 400 (a bad key).
+        """
+        st = self.state
+        # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
+        # client: that proxy is transparent), once, whatever worker legs the session opens.
+        # Forwarded and X-Real-IP are wslb's too: a client's own are its claims (handshake.py).
+        hop = self.peer
+        xff = req.header(b"x-forwarded-for")
+        if self.trusted and not self.proxied and xff is not None:
+            named = forwarded_client(xff.decode("latin-1"), st.trusted_proxies)
+            if named is not None:
+                self._client_is(named)
+                if self._over_limit_once_named():
+                    return None
+        req = req.forwarded_for(hop, trusted=self.trusted, client=self.peer)
+        model = requested_model(req.query)
+        pool = st.route(req.path, model)
+        if pool is None:
+            served = st.models(req.path)
+            if served:  # pools here serve models, and not this one: say which they serve
+                why = "no ?model= given" if model is None else f"model {model!r} is not served"
+                raise HandshakeReject(404, why, details={"models": served})
+            raise HandshakeReject(404, f"no pool serves {req.path}")
+        owner, claimed = st.authorize(req)
+        given = claimed or session_key(pool.cfg.session_key, req)
+        key = given or new_session_id()
+        # With JWT, a key the client names (or one made for it) is scoped to its owner: the
+        # worker sees the scoped one, the client its own (auth.py).
+        sid = key if owner is None or claimed else scoped_key(owner, key)
+        req = st.auth.strip(req)  # the token in ?access_token= is not the worker's business
+        req = without_wslb_params(req)  # wslb_resume, wslb_from: wslb's, not the worker's
+        return Routed(pool, req, key, sid, given is not None)
+
+    def _resume(self, s: Session, req: ClientRequest, key: str, resume: Resume) -> None:
+        """Rule 8: the reconnect of a session's client (its token matched). A half-open old
+        connection is taken over; the client gets a 101 with ``X-WSLB-Resumed: N``, what it
+        missed from message N on, then the live stream. 409 when that cannot be done."""
+        st = self.state
+        core = s.core
+        if not core.detached_at and s.client is Leg.OPEN and not s.closing:
+            s.take_over()  # the old connection still looked open (a network change)
+        if not core.detached_at:
+            st.stats.resumes["closed"] += 1
+            raise HandshakeReject(
+                409, "the session has ended; start a new one", details={"resume": "closed"}
+            )
+        n = resume.count if resume.count is not None else core.best_effort_count()
+        assert self.transport is not None and resume.token is not None
+        headers = accept_headers(req.key, s.subprotocol, key)
+        headers += [(RESUMED_HEADER, str(n).encode()), (TOKEN_HEADER, resume.token.encode())]
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.session = s
+        ct = self.transport
+        try:
+            missed = s.attach(ct, n, switching_protocols(headers))
+        except ResumeRefused as exc:
+            self.session = None
+            st.stats.resumes["refused"] += 1
+            raise HandshakeReject(
+                409, f"cannot resume: {exc.reason}", details={"resume": "refused"}
+            ) from None
+        s.peer = self.peer
+        st.stats.resumes["resumed"] += 1
+        st.stats.resume_pause.observe(st.loop.time() - self.opened)
+        st.emit("resumed", session=s.sid, backend=s.backend.id, count=n, replayed_bytes=missed)
+        log.info("session %s resumed from message %d (%d bytes replayed)", s.sid, n, missed)
+        if self.reader.trailing:
+            s.client_data(self.reader.trailing)
+
+    def _plain(self, event: h11.Request) -> None:
+        """Serve this connection's plain HTTP (``aio/httpproxy.py``) from this request on."""
+        assert self.transport is not None
+        if self.timer is not None:  # the first head is in: timeout_request and the rest
+            self.timer.cancel()
+            self.timer = None
+        self.http = HttpClient(
+            self.state, self, self.transport, self.reader.connection, self.secure
+        )
+        self.http.start(event)
+
+    def upgrade(self, event: h11.Request) -> None:
+        """A handshake after plain requests on this connection: the upgrade path takes it."""
+        self.http = None
+        self.method = event.method.decode("latin-1", "replace")
+        self.target = event.target.decode("latin-1", "replace").partition("?")[0][:200]
+        self.task = self.state.loop.create_task(self._upgrade(event))
+
     def _start_session(
         self,
         pool: Pool,
@@ -388,7 +516,13 @@ class ClientConnection(asyncio.Protocol):
         )
         self.session = session
         session.timing = (proto.connect_s, proto.answer_s)
-        ctransport.write(switching_protocols(accept_headers(req.key, subprotocol, client_key)))
+        session.subprotocol = subprotocol
+        headers = accept_headers(req.key, subprotocol, client_key)
+        if pool.cfg.resume.enabled:  # Rule 8: the client's secret for its reconnect
+            token = self.resume.token or new_token()
+            session.resume_token = token
+            headers.append((TOKEN_HEADER, token.encode()))
+        ctransport.write(switching_protocols(headers))
         state.stats.handshake_duration.observe(state.loop.time() - self.opened)
         ctransport.set_protocol(ClientLeg(session))
         wtransport.set_protocol(session)
@@ -429,7 +563,9 @@ async def open_upstream(
         worker_token=state.worker_token(backend),
     )
     timeouts = state.timeouts
-    dialled = state.loop.time()
+    # perf_counter, not loop.time(): uvloop's clock is cached per loop turn in milliseconds,
+    # so a loopback 101 arriving within one turn measured 0.0 ms.
+    dialled = time.perf_counter()
     transport, proto = await asyncio.wait_for(
         state.loop.create_connection(
             lambda: UpstreamHandshake(request),
@@ -440,12 +576,12 @@ async def open_upstream(
         ),
         timeouts.connect,
     )
-    connected = state.loop.time()
+    connected = time.perf_counter()
     proto.connect_s = connected - dialled
     state.stats.upstream_connect.observe(backend.id, proto.connect_s)
     try:
         response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
-        proto.answer_s = state.loop.time() - connected
+        proto.answer_s = time.perf_counter() - connected
         if response.status_code != 101:  # a refusal: ``trailing`` holds its body
             check_upstream_response(response, nonce, req.subprotocols, trailing)
         subprotocol = check_upstream_response(response, nonce, req.subprotocols)

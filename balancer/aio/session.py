@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import sys
+import termios
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 from balancer.aio.offload import NOMEM, OFFLOAD_AFTER, Offload
 from balancer.aio.wheel import Bucket, TimerWheel
-from balancer.config import Config, FailoverCfg, Limits, Timeouts
+from balancer.config import Config, FailoverCfg, Limits, ResumeCfg, Timeouts
 from balancer.frames import OP_CLOSE, CloseCode, FrameScanner, build_frame, close_payload
 from balancer.handshake import ClientRequest
 from balancer.journal import Journal
@@ -54,6 +57,7 @@ __all__ = [
     "ClientLeg",
     "Leg",
     "Mode",
+    "Parked",
     "Phase",
     "Retired",
     "Session",
@@ -79,16 +83,29 @@ class SessionSettings:
     replay_limit: int  # 0: no replay log (the pool does not migrate)
     first_tick: float  # the first heartbeat/idle/backpressure timer, 0 for none
     journal_limit: int = 0  # 0: no journal (the pool has no crash failover)
+    resume_buffer: int = 0  # 0: the pool's sessions are not resumed (Rule 8)
+    grace: float = 0.0
 
     @classmethod
     def of(
-        cls, config: Config, migrate: bool, failover: FailoverCfg | None = None
+        cls,
+        config: Config,
+        migrate: bool,
+        failover: FailoverCfg | None = None,
+        resume: ResumeCfg | None = None,
     ) -> SessionSettings:
         t = config.timeouts
         timers = [x for x in (t.ping_interval, t.idle, t.backpressure) if x > 0]
         journal = failover.journal_limit if failover is not None and failover.enabled else 0
+        on = resume is not None and resume.enabled
         return cls(
-            t, config.limits, REPLAY_LIMIT if migrate else 0, min(timers, default=0.0), journal
+            t,
+            config.limits,
+            REPLAY_LIMIT if migrate else 0,
+            min(timers, default=0.0),
+            journal,
+            resume.buffer if on and resume is not None else 0,
+            resume.grace if on and resume is not None else 0.0,
         )
 
 
@@ -106,6 +123,13 @@ class SessionHost(Protocol):
 
     def worker_lost(self, s: Session) -> None:
         """The worker leg was lost and the session is held for failover (``failover.py``)."""
+
+    def detached(self, s: Session, on: bool, counted: bool = True) -> None:
+        """The session's client left without a close (Rule 8), or came back (``on`` False);
+        ``counted``: its client connection was counted in this process."""
+
+    def handed_off(self, s: Session) -> None:
+        """The session lives on in another process (``handover.py``): forget it here."""
 
     def wall_time(self) -> float: ...
 
@@ -126,6 +150,20 @@ def plain_socket(transport: asyncio.BaseTransport) -> Any:
     return transport.get_extra_info("socket")
 
 
+def unsent_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport`` its peer has not acknowledged: its write buffer and the
+    socket's send queue (``SIOCOUTQ``), as far as they can still be read (best effort)."""
+    n = 0
+    with contextlib.suppress(Exception):
+        n = cast(asyncio.WriteTransport, transport).get_write_buffer_size()
+    sock = plain_socket(transport)
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            n += int.from_bytes(buf, sys.byteorder)
+    return n
+
+
 def pause_reading(transport: asyncio.BaseTransport | None, pause: bool) -> None:
     """Pause or resume reading a transport that may be closing (then: nothing)."""
     if transport is None or transport.is_closing():
@@ -136,6 +174,49 @@ def pause_reading(transport: asyncio.BaseTransport | None, pause: bool) -> None:
             transport.pause_reading()
         else:
             transport.resume_reading()
+
+
+class Parked(asyncio.Protocol):
+    """The protocol of a transport made around an adopted socket until its session takes it
+    (``Session.adopt``): it stops reading at once and keeps anything that came meanwhile, so
+    no byte goes to a protocol that drops it."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.eof = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.ReadTransport, transport).pause_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        return True  # keep the transport: its session decides
+
+
+class Gone(asyncio.Transport):
+    """The client leg of a detached session adopted by this process, until its client's new
+    connection is attached: closed, so nothing is written to it (the shell's writes check)."""
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
 
 
 class Retired(asyncio.Protocol):
@@ -162,7 +243,8 @@ class ClientLeg(asyncio.Protocol):
         return None  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.session.client_lost()
+        s = self.session
+        s.client_lost(unsent_bytes(s.ct) if s.core.window is not None else 0)
 
     def pause_writing(self) -> None:
         """The client does not keep up: stop reading the worker."""
@@ -188,18 +270,21 @@ class Session(asyncio.Protocol):
         "carry",
         "core",
         "ct",
+        "frame_waiter",
         "journal",
         "offload_at",
         "peer",
         "pool",
         "relay",
         "req",
+        "resume_token",
         "secure",
         "settings",
         "sid",
         "since",
         "started_wall",
         "state",
+        "subprotocol",
         "timer",
         "timing",
         "wt",
@@ -237,8 +322,12 @@ class Session(asyncio.Protocol):
             max_frame_size=limits.max_frame_size,
             max_message_size=limits.max_message_size,
             replay_limit=settings.replay_limit,
+            resume_buffer=settings.resume_buffer,
+            grace=settings.grace,
             now=self.since,
         )
+        self.resume_token: str | None = None  # Rule 8: the client's secret for its reconnect
+        self.subprotocol: str | None = None  # agreed in the first 101 (a reconnect's too)
         for t in (ct, wt):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
         self.req = req.for_resume()
@@ -254,6 +343,10 @@ class Session(asyncio.Protocol):
         self.relay: int | None = None
         self.offload_at = OFFLOAD_AFTER if state.offload is not None else NEVER
         self.carry = b""
+        # A migration step waiting for the worker leg's next frame (``migrate.wait_frames``):
+        # woken from ``_offload``, which ``offload_at`` brings in at that frame, so the hot
+        # path pays nothing for it.
+        self.frame_waiter: asyncio.Future[None] | None = None
         pool.attach(sid, backend, state.loop.time())
         state.session_started(self)
         self._schedule_tick(settings.first_tick)
@@ -314,6 +407,16 @@ class Session(asyncio.Protocol):
         return self.core.failovers
 
     @property
+    def resumes(self) -> int:
+        return self.core.resumes
+
+    @property
+    def window_full(self) -> bool:
+        """Rule 8: detached, and its worker not read since its window filled (mid-answer)."""
+        w = self.core.window
+        return w is not None and bool(self.core.detached_at) and len(w.buf) > w.high
+
+    @property
     def pauses(self) -> tuple[float, ...]:
         return self.core.pauses
 
@@ -326,9 +429,15 @@ class Session(asyncio.Protocol):
             data = self.carry + data
             self.carry = b""
         out = ws.feed(data)
-        if out and not self.ct.is_closing():  # uvloop raises on a write to a closed handle
-            self.ct.write(out)
-            if self.journal is not None:
+        if out:
+            window = self.core.window
+            if window is not None:  # Rule 8: kept for the client's reconnect
+                window.buf += out
+                if len(window.buf) > window.high:
+                    self._window_full()
+            if not self.ct.is_closing():  # uvloop raises on a write to a closed handle
+                self.ct.write(out)
+            if self.journal is not None:  # also while detached: the window has it for the client
                 self.journal.worker(out)
         if ws.notable:
             # The one scanner field the relay writes: it takes the event the flag announces
@@ -421,14 +530,22 @@ class Session(asyncio.Protocol):
     # -- the relay thread (Rule 7) ---------------------------------------------------------
 
     def _offload(self) -> None:
-        """Hand the session to the relay thread if it is in the steady state (``offload.py``)."""
+        """Hand the session to the relay thread if it is in the steady state (``offload.py``);
+        first wake a migration step waiting for this frame (``frame_waiter``)."""
+        waiter = self.frame_waiter
+        if waiter is not None:
+            self.frame_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
         core = self.core
         ws = core.ws
-        self.offload_at = ws.frames + OFFLOAD_AFTER
         off = self.state.offload
+        if off is None:
+            self.offload_at = NEVER
+            return
+        self.offload_at = ws.frames + OFFLOAD_AFTER
         if (
-            off is None
-            or not core.may_offload()
+            not core.may_offload()
             or self.carry
             or self.backend.admin_state != ACTIVE
             or self.ct.is_closing()
@@ -445,7 +562,8 @@ class Session(asyncio.Protocol):
         try:
             wfd = wsock.fileno()
             cfd = csock.fileno()
-            self.relay = off.take(self, wfd, cfd, limit, self.journal is not None)
+            record = self.journal is not None or core.window is not None
+            self.relay = off.take(self, wfd, cfd, limit, record)
         except (OSError, AttributeError) as exc:  # a transport without a socket (tests), EMFILE
             log.debug("session %s stays in the event loop: %s", self.sid, exc)
             self.offload_at = NEVER
@@ -468,18 +586,16 @@ class Session(asyncio.Protocol):
         ws = core.ws
         if r.frames or r.nbytes:
             ws.credit(r.frames, r.nbytes)
-        if r.record and self.journal is not None:
-            self.journal.worker(r.record)
+        if r.record:
+            self._recorded(r.record)
         # A session the thread relayed streams: offered again at its next data frame (after a
         # heartbeat or a pong, only that frame and the carry pass through Python).
         self.offload_at = ws.frames + 1
         if r.backlog and not self.ct.is_closing():
             self.ct.write(r.backlog)  # before anything the event loop writes to the client
-        if r.reason == NOMEM:  # the stream lost bytes: it cannot go on
-            core.end("relay out of memory")
-            self.ct.abort()
-            self.wt.abort()
-            return
+        if r.reason == NOMEM:  # every byte came back (carry, backlog): Python relays it on
+            log.warning("session %s: the relay thread ran out of memory; relayed here", self.sid)
+            self.offload_at = NEVER
         self.carry = r.carry
         # Read the worker again unless the client is the one not keeping up: ``paused_since``
         # is also set when the *worker* does not read (its leg's backpressure), and keeping the
@@ -497,14 +613,34 @@ class Session(asyncio.Protocol):
         if self.carry and self.core.phase is not Phase.FINISHED:
             self.data_received(b"")
 
+    def _recorded(self, record: bytes) -> None:
+        """What the relay thread forwarded: into the journal and the resume window."""
+        if self.journal is not None:
+            self.journal.worker(record)
+        window = self.core.window
+        if window is not None:
+            window.buf += record
+            if len(window.buf) > window.high:
+                self._window_full()
+
+    def _window_full(self) -> None:
+        """Rule 8's bound: an attached session forgets its oldest messages; a detached one
+        stops reading the worker (backpressure, never a drop) until its client is back."""
+        core = self.core
+        if core.detached_at:
+            pause_reading(self.wt, True)
+        else:
+            assert core.window is not None
+            core.window.trim()
+
     def flush_record(self) -> None:
-        """Move what the relay thread forwarded into the journal (failover pools)."""
-        if self.relay is not None and self.journal is not None:
+        """Move what the relay thread forwarded into the journal and the resume window."""
+        if self.relay is not None and (self.journal is not None or self.core.window is not None):
             off = self.state.offload
             assert off is not None
             record = off.take_record(self.relay)
             if record:
-                self.journal.worker(record)
+                self._recorded(record)
 
     def counts(self) -> tuple[int, int, int]:
         """Frames, data messages and bytes worker->client over all legs, including what the
@@ -516,9 +652,13 @@ class Session(asyncio.Protocol):
     # -- migration and failover: the mode's steps, as their state machines take them -------
 
     def begin_migration(self) -> bool:
-        """MIGRATING, from the relay thread if need be; False if the session is busy."""
+        """MIGRATING, from the relay thread if need be (or detached: Rule 8); False if the
+        session is busy, or detached with a full window (the flush would have to read past
+        ``resume.buffer``: it waits for its client)."""
         core = self.core
-        if core.closing or core.mode not in (Mode.RELAYING, Mode.OFFLOADED):
+        if core.closing or core.mode not in (Mode.RELAYING, Mode.OFFLOADED, Mode.DETACHED):
+            return False
+        if self.window_full:
             return False
         self.reclaim()  # the migration reads the worker scanner
         core.enter(Mode.MIGRATING)
@@ -537,7 +677,7 @@ class Session(asyncio.Protocol):
             if not core.finished:
                 pause_reading(self.ct, False)
         if core.mode is Mode.MIGRATING:
-            core.enter(Mode.RELAYING)
+            core.enter(core.settled)  # a detached session waits for its client again
 
     def hold(self) -> bool:
         """HELD: stop reading the client (its bytes wait in the kernel: bounded by the socket).
@@ -653,10 +793,48 @@ class Session(asyncio.Protocol):
             )
         )
 
-    def client_lost(self) -> None:
-        """The client leg closed (Rule 2)."""
+    def client_lost(self, unsent: int = 0) -> None:
+        """The client leg closed: detached (Rule 8) or Rule 2."""
         self.reclaim()
-        self._run(self.core.client_lost())
+        core = self.core
+        self._run(core.client_lost(self.state.loop.time(), unsent))
+        if core.detached_at:
+            log.info("session %s: client left without a close; kept %.0fs", self.sid, core.grace)
+            self.state.detached(self, True)
+
+    def attach(self, ct: asyncio.Transport, n: int, preamble: bytes) -> int:
+        """Rule 8: the client is back on ``ct`` with ``n`` messages; it gets ``preamble`` (the
+        101), what it missed, then the live stream. The bytes replayed, for the log. Raises
+        ``ResumeRefused`` before anything is written."""
+        core = self.core
+        missed = core.attach(n)  # refusals raise before anything changes
+        self.state.detached(self, False)
+        self.ct = ct
+        ct.set_write_buffer_limits(high=self.settings.limits.write_buffer_high)
+        ct.set_protocol(ClientLeg(self))
+        ct.write(preamble)
+        if missed:
+            ct.write(missed)
+        self.offload_at = core.ws.frames + OFFLOAD_AFTER if self.state.offload else NEVER
+        if not core.client_held:
+            pause_reading(ct, False)
+        if self.relay is None:
+            pause_reading(self.wt, False)  # a full window had paused it (or an adoption)
+        if self.carry:  # read before the session was attached here (``adopt``)
+            self.state.loop.call_soon(self._scan_carry)
+        if not core.closing:
+            self._schedule_tick(self.settings.first_tick)
+        return len(missed)
+
+    def take_over(self) -> None:
+        """A reconnect while the old client leg still looks open (half-open after a network
+        change): the old one is dropped as if lost without a close, so the session detaches."""
+        self.reclaim()
+        old = self.ct
+        unsent = unsent_bytes(old) if self.core.window is not None else 0
+        old.set_protocol(Retired())
+        old.abort()
+        self.client_lost(unsent)
 
     def close(self, code: int, reason: str) -> None:
         """End the session from wslb's side (shutdown, idle, drain)."""
@@ -700,6 +878,139 @@ class Session(asyncio.Protocol):
                 journal=self.journal is not None,
             )
         )
+
+    # -- as data (hot restart; ``SessionCore.snapshot`` is the rules' part) -----------------
+
+    def quiesce(self) -> None:
+        """Stop both legs' reads and bring every byte wslb holds into the core's scanners (the
+        relay thread's session taken back, its carry scanned), so ``snapshot`` is complete."""
+        self.reclaim()
+        self.offload_at = NEVER  # not offered to the thread again while described
+        pause_reading(self.ct, True)
+        pause_reading(self.wt, True)
+        if self.carry:
+            self.data_received(b"")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The live session as a JSON value: the core (scanners, legs, mode, replay log,
+        counters, heartbeat), the journal, its placement (pool, backend, key), what it keeps
+        of the client's request, its timer. Taken after ``quiesce``; ``adopt`` rebuilds it."""
+        self.quiesce()
+        now = self.state.loop.time()
+        req = self.req
+        return {
+            "v": 1,
+            "clock": now,
+            "core": self.core.snapshot(),
+            "journal": None if self.journal is None else self.journal.snapshot(),
+            "pool": self.pool.name,
+            "backend": self.backend.id,
+            "sid": self.sid,
+            "peer": self.peer,
+            "secure": self.secure,
+            "req": {
+                "path": req.path,
+                "query": req.query,
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in req.headers],
+                "subprotocols": list(req.subprotocols),
+                "host": req.host,
+            },
+            "age": now - self.since,
+            "started_wall": self.started_wall,
+            "timing": list(self.timing),
+            "timer": None if self.timer is None else max(0.0, self.timer.when - now),
+            "resume_token": self.resume_token,
+            "subprotocol": self.subprotocol,
+        }
+
+    @classmethod
+    def adopt(
+        cls,
+        state: SessionHost,
+        settings: SessionSettings,
+        pool: Pool,
+        data: dict[str, Any],
+        ct: asyncio.Transport,
+        wt: asyncio.Transport,
+    ) -> Session:
+        """The session ``snapshot`` described, around ``ct`` and ``wt`` (the same connections,
+        adopted by this process); both legs are read again. ``ct``'s protocol becomes the
+        session's ``ClientLeg``."""
+        if data.get("v") != 1:
+            raise ValueError(f"unknown session snapshot version {data.get('v')!r}")
+        backend = pool.backends.get(data["backend"])
+        if backend is None:
+            raise ValueError(f"backend {data['backend']!r} is not in pool {pool.name!r}")
+        now = state.loop.time()
+        core = SessionCore.restore(data["core"], now_offset=now - data["clock"])
+        journal = None
+        if data["journal"] is not None:
+            journal = Journal.restore(data["journal"])
+        r = data["req"]
+        req = ClientRequest(
+            "",
+            r["path"],
+            r["query"],
+            [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r["headers"]],
+            b"",
+            list(r["subprotocols"]),
+            r["host"],
+        )
+        s = cls(
+            state,
+            settings,
+            pool,
+            backend,
+            data["sid"],
+            data["peer"],
+            ct,
+            wt,
+            req,
+            data["secure"],
+            core=core,
+            journal=journal,
+        )
+        s.since = now - data["age"]
+        s.started_wall = data["started_wall"]
+        s.timing = (data["timing"][0], data["timing"][1])
+        s.resume_token = data["resume_token"]
+        s.subprotocol = data["subprotocol"]
+        if data["timer"] is not None:
+            s._schedule_tick(data["timer"] or 0.001)
+        parked = wt.get_protocol()
+        wt.set_protocol(s)
+        if isinstance(parked, Parked) and parked.buf:  # came before the session took it
+            s.carry = bytes(parked.buf)
+        if core.detached_at:
+            # Waiting for its client: ``ct`` is the reconnect, whose 101 ``attach`` writes
+            # first; until then nothing goes to it, and the worker is read from then on.
+            s.ct = Gone()
+            state.detached(s, True, counted=False)
+            return s
+        ct.set_protocol(ClientLeg(s))
+        if not core.client_held:
+            pause_reading(ct, False)
+        pause_reading(wt, False)
+        if s.carry:
+            state.loop.call_soon(s._scan_carry)
+        return s
+
+    def handed_off(self) -> None:
+        """The session was adopted by another process (its sockets are there now): let go of
+        it here without an event to either peer (the other process holds their connections)."""
+        self.state.wheel.cancel(self)
+        for t in (self.ct, self.wt):
+            t.set_protocol(Retired())
+            t.abort()  # this process's descriptor only: the adopter's keeps the connection
+        self.pool.detach(self.backend)
+        self.state.handed_off(self)
+
+    def resume_reading(self) -> None:
+        """After a ``snapshot`` that did not move the session: both legs are read again."""
+        if not self.core.detached_at and not self.core.client_held:
+            pause_reading(self.ct, False)
+        pause_reading(self.wt, False)
+        self.offload_at = self.core.ws.frames + OFFLOAD_AFTER if self.state.offload else NEVER
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -751,6 +1062,21 @@ class Session(asyncio.Protocol):
             "migrations": self.core.migrations,
             "migration_pauses_ms": [round(p * 1e3, 3) for p in self.core.pauses],
             "failover": self.failover_view(),
+            "resume": self.resume_view(),
+        }
+
+    def resume_view(self) -> dict[str, Any] | None:
+        """Rule 8 as operators see it: whether the client is away, since when, what is kept."""
+        core = self.core
+        w = core.window
+        if w is None:
+            return None
+        away = core.detached_at
+        return {
+            "detached": bool(away),
+            "detached_for_s": round(self.state.loop.time() - away, 3) if away else None,
+            "window_bytes": len(w.buf),
+            "resumes": core.resumes,
         }
 
     def failover_view(self) -> dict[str, Any] | None:

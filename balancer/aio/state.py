@@ -19,10 +19,11 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 from balancer import workerauth
+from balancer.aio.httpproxy import Exchange, Keepalive
 from balancer.aio.offload import Offload
 from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
@@ -69,6 +70,10 @@ class ServerState:
         # processes of workers: N by port, so each enforces its share.
         self.per_client_limit = -(-config.limits.max_connections_per_client // processes)
         self.sessions: dict[Session, None] = {}
+        self.by_sid: dict[str, Session] = {}  # the live session of each key (resume, admin)
+        self.detached_sessions: dict[Session, None] = {}  # waiting for their client (Rule 8)
+        # workers: N: a session another serving process holds, adopted here (handover.py).
+        self.fetch_session: Callable[[str, str, Any], Awaitable[Session | None]] | None = None
         self.connections = 0
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
@@ -87,6 +92,10 @@ class ServerState:
         # it a lost worker leg ends its session (1011).
         self.on_worker_lost: Callable[[Session], None] | None = None
         self.events = EventLog()  # the feed of GET /events (balancer/events.py)
+        # Plain HTTP (aio/httpproxy.py): idle worker connections, and the requests in flight
+        # (a drain waits for those on its worker, a shutdown for all of them).
+        self.keepalive = Keepalive()
+        self.requests: dict[Exchange, None] = {}
 
     # -- routing and admission -------------------------------------------------------------
 
@@ -126,7 +135,7 @@ class ServerState:
         s = self._settings.get(pool.name)
         if s is None:
             s = self._settings[pool.name] = SessionSettings.of(
-                self.config, pool.cfg.drain.migrate, pool.cfg.failover
+                self.config, pool.cfg.drain.migrate, pool.cfg.failover, pool.cfg.resume
             )
         return s
 
@@ -137,6 +146,8 @@ class ServerState:
     def worker_failed(self, pool: Pool, backend: Backend) -> None:
         """A connect or handshake to the worker failed: passive outlier detection."""
         if pool.failed(backend, self.loop.time()):
+            # Its return is a ``state`` event on time, not at the next selection's refresh.
+            self.loop.call_at(backend.ejected_until, pool.readmit, backend.ejected_until)
             self.stats.ejections[backend.id] += 1
             log.warning(
                 "backend %s ejected for %.0fs after repeated failures",
@@ -198,7 +209,20 @@ class ServerState:
 
     def session_started(self, s: Session) -> None:
         self.sessions[s] = None
+        self.by_sid[s.sid] = s
         self._idle.clear()
+
+    def detached(self, s: Session, on: bool, counted: bool = True) -> None:
+        """Rule 8: a session's client left without a close (``on``), or came back."""
+        if on:  # its client connection is gone: uncounted now, not when the session ends
+            self.detached_sessions[s] = None
+            if counted:
+                self.connection_closed(s.peer)
+        else:  # the reconnect's connection (counted when accepted) is the session's now
+            self.detached_sessions.pop(s, None)
+        self.stats.detached = len(self.detached_sessions)
+        if on and counted:
+            self.emit("detached", session=s.sid, backend=s.backend.id, grace_s=s.core.grace)
 
     def worker_lost(self, s: Session) -> None:
         if self.on_worker_lost is None or self.closing:
@@ -206,13 +230,41 @@ class ServerState:
         else:
             self.on_worker_lost(s)
 
+    def handed_off(self, s: Session) -> None:
+        """A session another serving process adopted: gone from here, not finished."""
+        self.sessions.pop(s, None)
+        if self.by_sid.get(s.sid) is s:
+            del self.by_sid[s.sid]
+        if s in self.detached_sessions:
+            del self.detached_sessions[s]
+            self.stats.detached = len(self.detached_sessions)
+        else:
+            self.connection_closed(s.peer)
+        if not self.sessions and not self.requests:
+            self._idle.set()
+
     def session_finished(self, s: Session) -> None:
         self.sessions.pop(s, None)
-        self.connection_closed(s.peer)
+        if self.by_sid.get(s.sid) is s:
+            del self.by_sid[s.sid]
+        if s in self.detached_sessions:  # its client never came back
+            del self.detached_sessions[s]
+            self.stats.detached = len(self.detached_sessions)
+        else:
+            self.connection_closed(s.peer)
         self.stats.session_done(s, self.loop.time())
         if self.config.log.access:
             log_access(s)
-        if not self.sessions:
+        if not self.sessions and not self.requests:
+            self._idle.set()
+
+    def request_started(self, ex: Exchange) -> None:
+        self.requests[ex] = None
+        self._idle.clear()
+
+    def request_finished(self, ex: Exchange) -> None:
+        self.requests.pop(ex, None)
+        if not self.sessions and not self.requests:
             self._idle.set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -222,13 +274,13 @@ class ServerState:
         task.add_done_callback(self._tasks.discard)
 
     async def idle(self) -> None:
-        """Until no session is live."""
+        """Until no session is live and no plain HTTP request in flight."""
         await self._idle.wait()
 
     # -- lookups ---------------------------------------------------------------------------
 
     def find_session(self, sid: str) -> Session | None:
-        return next((s for s in self.sessions if s.sid == sid), None)
+        return self.by_sid.get(sid)
 
     def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:
         for pool in self.pools:

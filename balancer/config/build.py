@@ -40,6 +40,7 @@ from balancer.config.model import (
     DrainCfg,
     FailoverCfg,
     HealthCfg,
+    HttpCfg,
     IPNetwork,
     JwtCfg,
     KeySource,
@@ -51,6 +52,7 @@ from balancer.config.model import (
     PlacementCfg,
     PoolCfg,
     RelayCfg,
+    ResumeCfg,
     Timeouts,
     Tls,
     UpstreamTls,
@@ -556,6 +558,7 @@ class _Builder(_Reader):
             outlier=self.outlier(self.section(item, "outlier", p), (*p, "outlier")),
             drain=self.drain(self.section(item, "drain", p), (*p, "drain")),
             failover=self.failover(self.section(item, "failover", p), (*p, "failover")),
+            resume=self.resume(self.section(item, "resume", p), (*p, "resume")),
             backends=self.backends(item, p),
             upstream_tls=self.upstream_tls(item, p),
             worker_auth=self.worker_auth(item, p),
@@ -563,6 +566,26 @@ class _Builder(_Reader):
             affinity_ceiling=self.number(item, "affinity_ceiling", p, 2.0),
             overload_ratio=self.number(item, "overload_ratio", p, 1.5),
             placement=self.placement(self.section(item, "placement", p), (*p, "placement")),
+            http=self.http(self.section(item, "http", p), (*p, "http")),
+        )
+
+    def http(self, raw: dict[object, object], p: _Path) -> HttpCfg:
+        d = HttpCfg()
+        pool_size = self.integer(raw, "pool_size", p, d.pool_size)
+        if pool_size < 0:
+            self.error((*p, "pool_size"), f"must be 0 or more, got {pool_size}")
+            pool_size = d.pool_size
+        return HttpCfg(
+            enabled=self.boolean(raw, "enabled", p, d.enabled),
+            max_body=self.size(raw, "max_body", p, d.max_body),
+            timeout_request=self.duration(
+                raw, "timeout_request", p, d.timeout_request, positive=True
+            ),
+            timeout_server=self.duration(raw, "timeout_server", p, d.timeout_server, positive=True),
+            timeout_keepalive=self.duration(
+                raw, "timeout_keepalive", p, d.timeout_keepalive, positive=True
+            ),
+            pool_size=pool_size,
         )
 
     def placement(self, m: dict[object, object], p: _Path) -> PlacementCfg:
@@ -714,6 +737,18 @@ class _Builder(_Reader):
             enabled=self.boolean(raw, "enabled", p, d.enabled),
             journal_limit=limit,
             attempts=attempts,
+        )
+
+    def resume(self, raw: dict[object, object], p: _Path) -> ResumeCfg:
+        d = ResumeCfg()
+        grace = self.duration(raw, "grace", p, d.grace)
+        if grace <= 0:
+            self.error((*p, "grace"), "must be more than 0 (how long a session waits)")
+        buffer = self.size(raw, "buffer", p, d.buffer)
+        if buffer < 4096:
+            self.error((*p, "buffer"), "must be at least 4KiB (a few messages of an answer)")
+        return ResumeCfg(
+            enabled=self.boolean(raw, "enabled", p, d.enabled), grace=grace, buffer=buffer
         )
 
     def backends(self, item: dict[object, object], p: _Path) -> tuple[BackendCfg, ...]:

@@ -27,6 +27,7 @@ __all__ = [
     "DrainCfg",
     "FailoverCfg",
     "HealthCfg",
+    "HttpCfg",
     "IPNetwork",
     "JwtCfg",
     "KeySource",
@@ -149,6 +150,35 @@ class FailoverCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class ResumeCfg:
+    """Client resume (SPEC section 13, docs/resume.md): a client whose connection drops
+    without a close reconnects within ``grace`` and gets what it missed (up to ``buffer``
+    bytes kept per session) and the live stream after it."""
+
+    enabled: bool = False
+    grace: float = 30.0
+    buffer: int = 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCfg:
+    """Plain HTTP requests to the pool (SPEC section 16; ``balancer/aio/httpproxy.py``).
+
+    Timeouts follow HAProxy's: ``timeout_request`` the whole request from the client (its
+    body included, from its head), ``timeout_server`` the worker's silence (before its answer
+    and between two reads of it), ``timeout_keepalive`` an idle client connection between two
+    requests. ``pool_size``: idle kept-alive connections wslb keeps to each worker.
+    """
+
+    enabled: bool = True
+    max_body: int = 64 * 1024**2
+    timeout_request: float = 60.0
+    timeout_server: float = 300.0
+    timeout_keepalive: float = 60.0
+    pool_size: int = 32
+
+
+@dataclass(frozen=True, slots=True)
 class WeightsCfg:
     """Live-weight scraping. ``metrics`` is a preset name or ``((signal, metric), ...)``.
 
@@ -242,6 +272,7 @@ class PoolCfg:
     outlier: OutlierCfg = OutlierCfg()
     drain: DrainCfg = DrainCfg()
     failover: FailoverCfg = FailoverCfg()
+    resume: ResumeCfg = ResumeCfg()
     backends: tuple[BackendCfg, ...] = ()
     upstream_tls: UpstreamTls | None = None
     worker_auth: WorkerAuthCfg | None = None
@@ -252,6 +283,7 @@ class PoolCfg:
     # Pressure (the median load factor / the worker's) at which a worker counts as overloaded.
     overload_ratio: float = 1.5
     placement: PlacementCfg = PlacementCfg()
+    http: HttpCfg = HttpCfg()
 
 
 @dataclass(frozen=True, slots=True)

@@ -766,6 +766,20 @@
           bad: !ok,
         };
       }
+      case "detached": {
+        const grace = isNum(e.grace_s) ? ` ${dur(e.grace_s)}` : "";
+        return {
+          text: `session ${s(e.session)}: client lost without a close; kept on ${s(e.backend)}${grace} for its resume`,
+          bad: false,
+        };
+      }
+      case "resumed": {
+        const replayed = isNum(e.replayed_bytes) ? `, ${num(e.replayed_bytes)} bytes replayed` : "";
+        return {
+          text: `session ${s(e.session)} resumed on ${s(e.backend)} from message ${s(e.count)}${replayed}`,
+          bad: false,
+        };
+      }
       case "state": {
         const reason = e.reason ? ` (${s(e.reason)})` : "";
         return {
