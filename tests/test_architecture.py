@@ -8,6 +8,7 @@ broken only at run time is still a circle to a reader). docs/architecture.md sta
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,3 +123,52 @@ def test_backends_import_only_the_contract_of_balancer() -> None:
     used = {d for m, deps in g.items() if m.startswith("backends") for d in deps}
     assert {d for d in used if d.startswith("balancer")} == {"balancer.contract"}
     assert g["balancer.contract"] == set()
+
+
+def table_rows() -> dict[str, int]:
+    """docs/architecture.md's module table: each listed name (``frames.py``, ``aio/wheel.py``,
+    ``config/``) and its row, bottom up."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    table = text.split("## The modules, bottom up", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith(("| row", "| ---"))
+    ]
+    rank: dict[str, int] = {}
+    for i, line in enumerate(rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`([\w/]+(?:\.py)?/?)`", cells[1]):
+            rank[name] = i
+    return rank
+
+
+def row_of(module: str, rank: dict[str, int]) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "balancer" or len(parts) == 1:
+        return None
+    rel = "/".join(parts[1:])
+    if rel + ".py" in rank:
+        return rank[rel + ".py"]
+    top = rel.split("/", 1)[0] + "/"
+    return rank.get(top) if "/" in rel or top in rank else None
+
+
+def test_every_module_has_a_row_and_imports_point_down_the_table() -> None:
+    """Rule 2, enforced: a module of ``balancer/`` imports only modules of its own row or of
+    rows above it in the table (the table lists them bottom up)."""
+    rank = table_rows()
+    g = graph()
+    unlisted = sorted(
+        m
+        for m in g
+        if m.startswith("balancer.") and m != "balancer.aio" and row_of(m, rank) is None
+    )
+    assert unlisted == [], f"modules missing from docs/architecture.md's table: {unlisted}"
+    up = [
+        f"{m} (row {row_of(m, rank)}) imports {d} (row {row_of(d, rank)})"
+        for m, deps in sorted(g.items())
+        for d in sorted(deps)
+        if (rm := row_of(m, rank)) is not None and (rd := row_of(d, rank)) is not None and rd > rm
+    ]
+    assert up == [], "imports that point up the table:\n" + "\n".join(up)
