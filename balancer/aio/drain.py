@@ -187,10 +187,20 @@ class Drainer:
 
         async def one(s: Session) -> None:
             if progress.migrate:
-                async with gate:
+                await gate.acquire()
+                held = [True]
+
+                def free() -> None:  # at the switch: the slot bounds the handoff's steps only
+                    if held[0]:
+                        held[0] = False
+                        gate.release()
+
+                try:
                     if s.backend is not backend or s.closing:
                         return
-                    result = await migrate(self.handoff, s)
+                    result = await migrate(self.handoff, s, on_switched=free)
+                finally:
+                    free()
                 if result.ok:
                     progress.migrated += 1
                     return

@@ -51,15 +51,23 @@ class MigrationResult:
     pause: float | None = None  # seconds from freeze to the first message on the new leg
 
 
-async def migrate(handoff: HandoffClient, s: Session, to: str | None = None) -> MigrationResult:
-    """Move a live session to another worker; see the module docstring."""
+async def migrate(
+    handoff: HandoffClient,
+    s: Session,
+    to: str | None = None,
+    on_switched: Callable[[], None] | None = None,
+) -> MigrationResult:
+    """Move a live session to another worker; see the module docstring. ``on_switched`` is
+    called once the new leg is in place, before the wait for its first message (a drain frees
+    its slot there: an idle session's first message never comes, and its 0.2 s wait held the
+    slot that the next session's freeze needed)."""
     state = handoff.state
     if not s.begin_migration():
         return MigrationResult(False, "busy")
     old = s.backend
     loop = asyncio.get_running_loop()
     try:
-        result = await _migrate(handoff, s, old, to, loop)
+        result = await _migrate(handoff, s, old, to, loop, on_switched)
     except HandoffError as exc:
         log.info("session %s: migration from %s failed: %s", s.sid, old.id, exc)
         result = MigrationResult(False, exc.reason)
@@ -128,6 +136,7 @@ async def _migrate(
     old: Backend,
     to: str | None,
     loop: asyncio.AbstractEventLoop,
+    on_switched: Callable[[], None] | None = None,
 ) -> MigrationResult:
     core = s.core
     if core.clog is None:
@@ -186,6 +195,8 @@ async def _migrate(
     # streaming) has none due, and its pause ends with the switch. A slower first message (an
     # engine re-prefilling the conversation) is timed by a watcher, off the drain's slot.
     state = handoff.state
+    if on_switched is not None:
+        on_switched()
     t_switch = loop.time()
     ws = core.ws
     first = await wait_frames(s, lambda: ws.messages > 0 or s.closing, FIRST_MESSAGE_INLINE)
