@@ -525,3 +525,48 @@ async def test_the_sdk_through_wslb(system: Wslb) -> None:
             )
         )
         assert second.response.usage.input_tokens_details.cached_tokens == 1 + 3
+
+
+async def test_through_wslb_a_key_is_its_owners_and_a_caller_needs_a_token(
+    tmp_path: Path,
+) -> None:
+    """Plain HTTP crosses wslb's auth as an upgrade does (SPEC section 12), tested as an
+    attacker would: the SDK without a valid JWT gets 401 and no worker is asked; bob, who
+    names alice's session key, gets a conversation of his own, not alice's cached one."""
+    from openai import AuthenticationError
+
+    from tests.procs import Worker as WorkerProcess
+    from tests.procs import pool_config
+    from tests.test_auth import SECRET
+    from tests.test_auth import token as jwt_for
+
+    w = WorkerProcess("jw").start()
+    # A path-less backend URL: the client's paths (/v1/..., /ws) reach the worker as sent.
+    cfg = pool_config([{"id": "jw", "url": f"ws://127.0.0.1:{w.port}"}])
+    cfg["auth"] = {"jwt": {"secret": SECRET, "algorithms": ["HS256"], "audience": "chat"}}
+    lb = Wslb(cfg, tmp_path).start()
+    base_url = f"http://127.0.0.1:{lb.port}"
+    try:
+        async with sdk(base_url) as anonymous:  # api_key "unused": not a JWT
+            with pytest.raises(AuthenticationError):
+                await anonymous.models.list()
+        sid = new_sid()
+        prompt = [{"role": "user", "content": "mine alone"}]
+        alice = AsyncOpenAI(
+            base_url=f"{base_url}/v1", api_key=jwt_for({"sub": "alice"}), max_retries=0
+        )
+        bob = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=jwt_for({"sub": "bob"}), max_retries=0)
+        async with alice, bob:
+            text, _ = await chat_stream(alice, sid, messages=prompt, max_tokens=3)
+            follow = [
+                *prompt,
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "go"},
+            ]
+            _, mine = await chat_stream(alice, sid, messages=follow, max_tokens=1)
+            _, theirs = await chat_stream(bob, sid, messages=follow, max_tokens=1)
+        assert mine.prompt_tokens_details.cached_tokens == 2 + 3  # her prompt and answer
+        assert theirs.prompt_tokens_details.cached_tokens == 0  # bob's key is another session
+    finally:
+        lb.stop()
+        w.stop()
