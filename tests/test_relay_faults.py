@@ -30,8 +30,9 @@ import pytest
 from websockets.asyncio.server import serve
 
 from balancer.aio import offload
-from balancer.frames import OP_BINARY, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT, FrameScanner
+from balancer.frames import OP_BINARY, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT
 from tests.servers.websockets_echo import echo
+from tests.test_offload import python_scan, read_available
 
 _relay: ModuleType | None
 try:
@@ -96,32 +97,6 @@ def frames_of(data: bytes) -> list[tuple[int, bytes]]:
         out.append((b0 & 0x0F, data[pos : pos + n]))
         pos += n
     return out
-
-
-def python_scan(data: bytes) -> FrameScanner:
-    sc = FrameScanner(masked=False, max_frame_size=16 << 20, max_message_size=1 << 62)
-    assert sc.feed(data) == data
-    return sc
-
-
-def read_available(sock: socket.socket, until_eof: bool = False, timeout: float = 2.0) -> bytes:
-    out = bytearray()
-    deadline = time.monotonic() + timeout
-    sock.setblocking(False)
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([sock], [], [], 0.02)
-        if not ready:
-            if not until_eof:
-                break
-            continue
-        try:
-            chunk = sock.recv(1 << 20)
-        except BlockingIOError:
-            continue
-        if not chunk:
-            break
-        out += chunk
-    return bytes(out)
 
 
 def returned(relay: Any, handles: set[int], timeout: float = 5.0) -> set[int]:
