@@ -282,5 +282,25 @@ async def test_workers_n_a_reconnect_to_another_process_finds_its_session(
         # 12 reconnects over 2 processes: all but a 2**-12 chance that one crossed over
         assert "adopted from another serving process" in log_text
         assert metric(lb, "wslb_resumes_total").get("resumed") == 12
+        # The sibling's handover socket gives a session to its token only: a wrong one, asked
+        # of whichever process the kernel picks, is 409 every time, the right one resumes.
+        c = Client(lb.url, "guarded")
+        await c.open()
+        await c.recv()
+        c.cut()
+        await asyncio.sleep(0.3)
+        for _ in range(6):
+            with pytest.raises(InvalidStatus) as err:
+                await connect(
+                    c.url,
+                    additional_headers={
+                        "X-WSLB-Resume-Token": "W" * 24,
+                        "X-WSLB-Resume-From": "1",
+                    },
+                )
+            assert err.value.response.status_code == 409
+        await c.open(resume=True)
+        assert c.resumed == "1" and c.ws is not None
+        await c.ws.close()
     finally:
         lb.stop()
