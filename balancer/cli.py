@@ -14,7 +14,7 @@ from balancer.version import version
 __all__ = ["main"]
 
 
-def _run(path: str) -> int:
+def _run(path: str, take_over: str | None = None) -> int:
     try:
         cfg = configmod.load(path)
     except configmod.ConfigError as exc:
@@ -23,15 +23,17 @@ def _run(path: str) -> int:
     logs.setup(logging.getLogger().level, cfg.log.format)
     from balancer.aio.app import run
 
-    return run(cfg, path)
+    return run(cfg, path, take_over)
 
 
-def _check(path: str) -> int:
+def _check(path: str, deep: bool = False) -> int:
     try:
         cfg = configmod.load(path)
     except configmod.ConfigError as exc:
         print(f"{path}: invalid\n{exc}", file=sys.stderr)
         return 2
+    if deep:  # a restart's proof that the code installed now loads (aio/restart.py)
+        import balancer.aio.app  # noqa: F401
     n = sum(len(p.backends) for p in cfg.pools)
     print(f"{path}: ok ({len(cfg.pools)} pool(s), {n} backend(s))")
     return 0
@@ -57,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a config: exit 0, or 2 with every error")
     check.add_argument("file", nargs="?", help="the config file (default: --config's)")
     check.add_argument("--config", "-c", dest="check_config", default=None)
+    check.add_argument(
+        "--deep",
+        action="store_true",
+        help="also import every module that serves (a restart's check)",
+    )
+    p.add_argument("--take-over", default=None, help=argparse.SUPPRESS)  # aio/restart.py
     sub.add_parser("ctl", help="operate a running wslb (wslb ctl --help)", add_help=False)
     return p
 
@@ -71,10 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(args)
     logs.setup(getattr(logging, ns.log_level.upper()), "text")  # the config may say json
     if ns.command == "check":
-        return _check(ns.file or ns.check_config or ns.config)
+        return _check(ns.file or ns.check_config or ns.config, ns.deep)
     if ns.test:
         return _check(ns.config)
-    return _run(ns.config)
+    return _run(ns.config, ns.take_over)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -203,6 +203,7 @@ COMMANDS = (
     ("undrain", "put a backend back to active"),
     ("migrate", "move one live session"),
     ("reload", "reread the config file"),
+    ("restart", "hand every listener and live session to the code installed now"),
     ("add", "add a backend (cluster mode: to every instance)"),
     ("remove", "remove a drained backend"),
 )
@@ -308,6 +309,18 @@ def main(argv: Sequence[str]) -> int:
                 return 0
         elif args.cmd == "reload":
             data = client.call("POST", "/reload", {})
+        elif args.cmd == "restart":
+            client.timeout = max(client.timeout, 120.0)  # it answers when the new code has all
+            data = client.call("POST", "/restart", {})
+            if not args.json:
+                moved = data["sessions"]
+                out.write(
+                    f"restarted: pid {data['old']['pid']} -> {data['new']['pid']}, "
+                    f"version {data['new']['version']}, {moved['moved']} sessions moved, "
+                    f"not moved {moved['not_moved'] or 'none'}, pause p99 "
+                    f"{data['pause_ms']['p99']} ms, {data['seconds']} s\n"
+                )
+                return 0
         elif args.cmd == "add":
             body = {"id": args.id, "url": args.url}
             if args.weight is not None:

@@ -170,6 +170,12 @@ class Stats:
     resumes: Counter[str] = field(default_factory=Counter)
     detached: int = 0
     resume_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
+    # Hot restart (SPEC 14): restarts by result, and what each did with the sessions, as this
+    # process saw them (counters start again in the new code; the old code's last figures
+    # are in the restart's answer and event).
+    restarts: Counter[str] = field(default_factory=Counter)
+    restart_sessions: Counter[str] = field(default_factory=Counter)
+    restart_pause: Histogram = field(default_factory=lambda: Histogram(PAUSE_BUCKETS))
     drain_duration: Histogram = field(default_factory=lambda: Histogram(DRAIN_BUCKETS))
     handshake_duration: Histogram = field(
         default_factory=lambda: Histogram(HANDSHAKE_BUCKETS, keep=False)
@@ -509,6 +515,28 @@ class BalancerCollector(Collector):
             "wslb_resume_pause_seconds",
             "From a resuming client's TCP accept to the first byte written back to it (the "
             "101, then what it missed)",
+        )
+        restarts = CounterMetricFamily(
+            "wslb_restarts",
+            "Restarts this process asked for (ok, or why the new code did not take over) or "
+            "took over (taken)",
+            labels=["result"],
+        )
+        for result, n in sorted(st.restarts.items()):
+            restarts.add_metric([result], n)
+        yield restarts
+        moved = CounterMetricFamily(
+            "wslb_restart_sessions",
+            "Sessions a restart handed to the new code (moved), or why not",
+            labels=["result"],
+        )
+        for result, n in sorted(st.restart_sessions.items()):
+            moved.add_metric([result], n)
+        yield moved
+        yield st.restart_pause.metric(
+            "wslb_restart_pause_seconds",
+            "Per session handed on by a restart: from its reads stopping in the old code to "
+            "its adoption by the new",
         )
         yield st.drain_duration.metric(
             "wslb_drain_duration_seconds", "From drain start to the worker drained"

@@ -6,6 +6,7 @@ restart it says when the code now serving was loaded (``GET /version``, ``wslb_b
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import time
 
@@ -18,3 +19,8 @@ def version() -> str:
         return importlib.metadata.version("wslb")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def started_iso() -> str:
+    """``STARTED`` as ISO 8601 in UTC (``GET /version``; a restart's answer)."""
+    return datetime.datetime.fromtimestamp(STARTED, datetime.UTC).isoformat()

@@ -23,7 +23,6 @@ other origins and, on loopback, rebinding names. Errors are JSON ``{"error": ...
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hmac
 import ipaddress
 import json
@@ -40,9 +39,10 @@ from balancer import admintoken
 from balancer.aio import ui
 from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
+from balancer.aio.spawn import KEEPER_PID_ENV
 from balancer.config import Admin as AdminCfg
 from balancer.config import Listener, is_loopback
-from balancer.version import STARTED, version
+from balancer.version import started_iso, version
 
 __all__ = ["Admin"]
 
@@ -112,6 +112,10 @@ class Admin:
         token = cfg.token or os.environ.get("WSLB_ADMIN_TOKEN") or None
         self._token = f"Bearer {token}".encode() if token and unix_socket is None else None
         self._generated: str | None = None  # the token start() made, removed at stop()
+        # A restart's listeners: the admin and metrics sockets the old code listened on.
+        self._adopted: tuple[socket.socket | None, socket.socket | None] | None = None
+        self._sock: socket.socket | None = None
+        self._metrics_sock: socket.socket | None = None
         self._guarded = unix_socket is None  # Origin, Host and Content-Type checks
         self._check_host = is_loopback(cfg.host)
 
@@ -132,6 +136,7 @@ class Admin:
         r.add_post("/backends/{id}/undrain", self.undrain)
         r.add_post("/sessions/{sid}/migrate", self.migrate)
         r.add_post("/reload", self.reload)
+        r.add_post("/restart", self.restart)
         r.add_get("/openapi.json", self.openapi)
         r.add_get("/debug/stats", self.debug_stats)
         r.add_get("/events", self.events)
@@ -150,7 +155,12 @@ class Admin:
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         # Bound before the token file is written (the file names an API that is there), and the
         # file written before requests are served (a client that gets an answer finds it).
-        sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=128)
+        adopted = self._adopted
+        if adopted is not None and adopted[0] is not None:
+            sock = adopted[0]
+        else:
+            sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=128)
+        self._sock = sock
         if self._token is None:
             token, path = admintoken.generate(cfg.port)
             self._generated = token
@@ -173,8 +183,47 @@ class Admin:
         self._metrics_runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._metrics_runner.setup()
         family = socket.AF_INET6 if ":" in at.host else socket.AF_INET
-        sock = socket.create_server((at.host, at.port), family=family, backlog=128)
+        adopted = self._adopted
+        if adopted is not None and adopted[1] is not None:
+            sock = adopted[1]
+        else:
+            sock = socket.create_server((at.host, at.port), family=family, backlog=128)
+        self._metrics_sock = sock
         await web.SockSite(self._metrics_runner, sock).start()
+
+    # -- a hot restart ---------------------------------------------------------------------
+
+    def adopt(
+        self,
+        sock: socket.socket | None,
+        metrics: socket.socket | None,
+        token: str | None,
+        generated: bool,
+    ) -> None:
+        """Before ``start``: listen on the old code's sockets, with its token."""
+        self._adopted = (sock, metrics)
+        if token is not None and self.unix_socket is None:
+            self._token = f"Bearer {token}".encode()
+            if generated:
+                self._generated = token  # its file is this process's to remove now
+
+    def handed(self) -> tuple[socket.socket | None, socket.socket | None, str | None, bool]:
+        """The listening sockets and the token a restart hands on; from here on the token
+        file is the new code's (not removed at this process's stop)."""
+        token = self._token.decode()[len("Bearer ") :] if self._token is not None else None
+        generated = self._generated is not None
+        return self._sock, self._metrics_sock, token, generated
+
+    def release_token(self) -> None:
+        self._generated = None
+
+    async def stop_listening(self) -> None:
+        """A restart handed the listeners on: accept nothing more here (requests being
+        answered still are)."""
+        for runner in (self._runner, self._metrics_runner):
+            if runner is not None:
+                for site in list(runner.sites):
+                    await site.stop()
 
     async def stop(self) -> None:
         for task in list(self._streams):
@@ -259,9 +308,15 @@ class Admin:
 
     async def version(self, request: web.Request) -> web.Response:
         """What code serves: its version, when it was loaded (ISO 8601, UTC) and the pid."""
-        started = datetime.datetime.fromtimestamp(STARTED, datetime.UTC)
+        keeper = os.environ.get(KEEPER_PID_ENV)
         return web.json_response(
-            {"version": version(), "started": started.isoformat(), "pid": os.getpid()}
+            {
+                "version": version(),
+                "started": started_iso(),
+                "pid": os.getpid(),
+                # After a hot restart: the pid a supervisor tracks (the keeper), else null.
+                "keeper": int(keeper) if keeper and keeper.isdigit() else None,
+            }
         )
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -305,6 +360,10 @@ class Admin:
 
     async def reload(self, request: web.Request) -> web.Response:
         return self._reply(await self.control.reload())
+
+    async def restart(self, request: web.Request) -> web.Response:
+        """The new code takes over (``aio/restart.py``); answered when it has."""
+        return self._reply(await self.control.restart())
 
     async def debug_stats(self, request: web.Request) -> web.Response:
         return web.json_response(await self.control.debug_stats())

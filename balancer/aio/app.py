@@ -29,7 +29,9 @@ import functools
 import logging
 import os
 import signal
+import socket
 import ssl
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,7 @@ from balancer.aio.loops import GcPacer
 from balancer.aio.monitors import BoardFollower, LocalMonitors, Monitors
 from balancer.aio.multi import ProcessGroup
 from balancer.aio.proxy import ClientConnection
+from balancer.aio.restart import Handed, Restarter, RestartError, TakeOver, announce, exec_now
 from balancer.aio.state import ServerState
 from balancer.board import Board
 from balancer.config import Config, ConfigError, Listener
@@ -87,9 +90,12 @@ class Listeners:
         self.reuse_port = reuse_port
         self._servers: list[asyncio.Server] = []
         self._tls: list[tuple[ssl.SSLContext, str, str]] = []
+        self._factories: list[Callable[[], asyncio.BaseProtocol]] = []
+        self.adopted: list[socket.socket] | None = None  # a restart's: the old code's sockets
+        self._spare: list[socket.socket] = []  # copies kept while a restart hands on
 
     async def start(self) -> None:
-        for lst in self.listen:
+        for i, lst in enumerate(self.listen):
             ctx = None
             if lst.tls is not None:
                 ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -104,16 +110,43 @@ class Listeners:
             factory: Callable[[], asyncio.BaseProtocol] = app
             if ctx is not None:  # TLS by each connection's gate: failed handshakes are logged
                 factory = tls.gate_factory(ctx, app, self.state.timeouts.handshake, self._failed)
-            server = await self.state.loop.create_server(
-                factory,
-                lst.host,
-                lst.port,
-                backlog=4096,
-                reuse_address=True,
-                reuse_port=self.reuse_port,
-            )
+            self._factories.append(factory)
+            if self.adopted is not None and i < len(self.adopted):
+                server = await self.state.loop.create_server(
+                    factory, sock=self.adopted[i], backlog=4096
+                )
+                log.info("listening on %s:%d (the old code's socket)", lst.host, lst.port)
+            else:
+                server = await self.state.loop.create_server(
+                    factory,
+                    lst.host,
+                    lst.port,
+                    backlog=4096,
+                    reuse_address=True,
+                    reuse_port=self.reuse_port,
+                )
+                log.info("listening on %s:%d", lst.host, lst.port)
             self._servers.append(server)
-            log.info("listening on %s:%d", lst.host, lst.port)
+
+    def fds(self) -> list[int]:
+        """The listening sockets' descriptors, in the config's order (a restart hands them
+        on)."""
+        return [server.sockets[0].fileno() for server in self._servers]
+
+    def stop_accepting(self) -> None:
+        """A restart's taker listens on these sockets now: stop accepting here, keeping a
+        copy of each to listen again if it fails."""
+        self._spare = [socket.socket(fileno=os.dup(fd)) for fd in self.fds()]
+        for server in self._servers:
+            server.close()
+        self._servers = []
+
+    async def accept_again(self) -> None:
+        for factory, sock in zip(self._factories, self._spare, strict=False):
+            self._servers.append(
+                await self.state.loop.create_server(factory, sock=sock, backlog=4096)
+            )
+        self._spare = []
 
     def _failed(self, peer: str, exc: BaseException) -> None:
         """A client's TLS handshake failed: counted by reason and logged (at info: a scanner
@@ -157,12 +190,52 @@ class Runtime:
     # Loops that run while serving: a supervisor's follow of its serving processes' events.
     background: tuple[Callable[[], Coroutine[Any, Any, None]], ...] = ()
     handover: Handover | None = None  # workers: N: sessions move between serving processes
+    config_path: str | None = None
 
     def __post_init__(self) -> None:
         self.gc_pacer = GcPacer(self.state.loop)
         self.hurry = asyncio.Event()  # set by a second signal: skip the grace period
+        self.stop = asyncio.Event()  # SIGTERM, SIGINT, or a restart's end
+        self.then_exec: list[str] | None = None  # a restart's end: become the keeper
+        self.handed_on = False  # a restart's end: the sessions live in the new code
+        self.successor = 0  # and the pid of the process that has them
         self._publisher: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
+
+    # -- a hot restart (``aio/restart.py``'s ``Host``) ---------------------------------------
+
+    def handed(self) -> Handed:
+        sock, metrics, token, generated = self.admin.handed()
+        return Handed(
+            self.listeners.fds() if self.listeners is not None else [],
+            sock,
+            metrics,
+            token,
+            generated,
+        )
+
+    def stop_accepting(self) -> None:
+        if self.listeners is not None:
+            self.listeners.stop_accepting()
+
+    async def accept_again(self) -> None:
+        if self.listeners is not None:
+            await self.listeners.accept_again()
+
+    def done(self, then_exec: list[str] | None, successor: int) -> None:
+        self.handed_on = True
+        self.then_exec = then_exec
+        self.successor = successor
+        self.admin.release_token()
+        self.state.spawn(self._hand_admin_on())
+
+    async def _hand_admin_on(self) -> None:
+        """The restart's own answer is being written: accept no admin request more here (the
+        new code answers them), then stop."""
+        await asyncio.sleep(0)
+        await self.admin.stop_listening()
+        await asyncio.sleep(0.2)
+        self.stop.set()
 
     async def start(self) -> None:
         """Everything, the admin API last: once it answers, wslb serves."""
@@ -202,6 +275,9 @@ class Runtime:
         if state.closing:
             return
         state.closing = True
+        if self.handed_on:
+            await self._after_restart()
+            return
         t = state.timeouts
         if self.group is not None:
             await self.group.stop(self.hurry)
@@ -247,6 +323,26 @@ class Runtime:
             self.board.close()
         if self.group is not None:
             self.group.close()
+
+    async def _after_restart(self) -> None:
+        """The new code has the listeners, the sessions and the spawned workers: stop the
+        rest here, touching none of them (a session that was closing ends first, bounded)."""
+        state = self.state
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle(), state.timeouts.close + 0.5)
+        for s in list(state.sessions):
+            s.abort()
+        if state.offload is not None:
+            state.offload.close()
+            state.offload = None
+        await self.drainer.stop()
+        if self.handover is not None:
+            await self.handover.stop()
+        await self.stop_monitors()
+        await self.monitors.release_workers()
+        await self.admin.stop()
+        if self.board is not None:
+            self.board.close()
 
     async def stop_monitors(self) -> None:
         self.gc_pacer.stop()
@@ -354,7 +450,7 @@ def build(
     if link is not None and link.processes > 1:  # a reconnect may land on a sibling
         handover = Handover(state, os.path.dirname(link.board), link.index, link.processes)
         state.fetch_session = handover.fetch
-    return Runtime(
+    rt = Runtime(
         state,
         monitors,
         drainer,
@@ -367,36 +463,93 @@ def build(
         board=board if link is not None else None,
         background=tuple(background),
         handover=handover,
+        config_path=config_path,
     )
+    if listeners is not None and link is None:  # standalone or cluster mode: it restarts
+        restarter = Restarter(rt)
+
+        async def restart() -> dict[str, Any]:
+            try:
+                return await restarter.restart()
+            except RestartError as exc:
+                status = 409 if exc.reason == "busy" else 500
+                raise ControlError(status, f"restart failed ({exc.reason}): {exc.detail}") from None
+
+        local.restarter = restart
+    return rt
 
 
 async def serve(
-    config: Config, config_path: str | None = None, link: ProcessLink | None = None
+    config: Config,
+    config_path: str | None = None,
+    link: ProcessLink | None = None,
+    take_over: str | None = None,
 ) -> int:
     """Run a balancer until SIGTERM or SIGINT; return the exit status.
 
     With ``workers: N`` above 1 this process is the supervisor of N serving processes
-    (``multi.py``); ``link`` is given to each of those.
+    (``multi.py``); ``link`` is given to each of those. ``take_over``: a restart's new code,
+    taking the listeners and sessions of the process serving that Unix socket.
     """
     loop = asyncio.get_running_loop()
     rt = build(config, config_path, link)
-    stop = asyncio.Event()
+    stop = rt.stop
+
+    def passed_on(sig: int) -> bool:
+        """After a restart handed everything on, a signal is for the new code."""
+        if rt.handed_on and rt.successor:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rt.successor, sig)
+            return True
+        return False
+
+    def stop_signal(sig: int) -> None:
+        if not passed_on(sig):
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reloads: set[asyncio.Task[None]] = set()
+        loop.add_signal_handler(sig, stop_signal, sig)
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def background(coro: Coroutine[Any, Any, None]) -> None:
+        task = loop.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def reload() -> None:
+        if passed_on(signal.SIGHUP):
+            return
+
         async def run() -> None:
             try:
                 await rt.control.reload()
             except ControlError as exc:
                 log.error("reload failed, configuration unchanged:\n%s", exc.message)
 
-        task = loop.create_task(run())
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+        background(run())
+
+    def restart() -> None:
+        if passed_on(signal.SIGUSR2):
+            return
+
+        async def run() -> None:
+            try:
+                await rt.control.restart()
+            except ControlError as exc:
+                log.error("SIGUSR2: %s", exc.message)
+
+        background(run())
 
     loop.add_signal_handler(signal.SIGHUP, reload)
+    loop.add_signal_handler(signal.SIGUSR2, restart)
+    taker: TakeOver | None = None
+    if take_over is not None:
+        taker = TakeOver(take_over)
+        try:
+            await take_listeners(rt, taker)
+        except (OSError, ValueError, KeyError) as err:
+            log.error("restart: could not take over from the running wslb: %r", err)
+            return 1
     # A signal during the start (etcd or a spawned worker slow to come) stops it there.
     starting = loop.create_task(rt.start())
     stopping = loop.create_task(stop.wait())
@@ -416,18 +569,66 @@ async def serve(
     if exc is not None:
         await rt.failed_start()
         raise exc
+    if taker is not None:
+        await taker.listening()
+        background(taker.sessions(rt.state, lambda: took_over(rt, taker.body)))
     await stop.wait()
-    log.info("shutting down")
+    log.info("handed on to the new code" if rt.handed_on else "shutting down")
     # A second signal skips the grace period.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, rt.hurry.set)
+    if not rt.handed_on:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, rt.hurry.set)
     await rt.shutdown()
+    if rt.then_exec is not None:
+        exec_now(rt.then_exec)  # the keeper, in this pid (does not return)
     return 0
 
 
-def run(config: Config, config_path: str | None = None) -> int:
-    """Run a balancer on a uvloop event loop (the process's main job)."""
-    return run_loop(serve(config, config_path))
+async def take_listeners(rt: Runtime, taker: TakeOver) -> None:
+    """A restart's new code, before it starts: the old code's listeners and states."""
+    body, socks = await taker.listeners()
+    n = int(body["listen"])
+    if rt.listeners is not None:
+        rt.listeners.adopted = socks[:n]
+    rest = socks[n:]
+    admin_sock = rest.pop(0) if body.get("admin") else None
+    metrics_sock = rest.pop(0) if body.get("metrics") else None
+    rt.admin.adopt(admin_sock, metrics_sock, body.get("token"), bool(body.get("generated")))
+    if isinstance(rt.monitors, LocalMonitors):
+        rt.monitors.adopt = {str(k): int(v) for k, v in body.get("spawned", {}).items()}
+    now = time.time()
+    for _, b in rt.state.backends():
+        was = body.get("backends", {}).get(b.id)
+        if was is None:
+            continue
+        b.set_health(bool(was["healthy"]), was.get("reason"), "restart", now)
+        if was.get("admin") in ("draining", "drained"):
+            b.set_admin("drained" if was["admin"] == "drained" else "draining")
+
+
+def took_over(rt: Runtime, body: dict[str, Any]) -> None:
+    """Every session is here: the drains go on here, and the keeper learns who serves."""
+    announce(os.getpid())
+    frm = body.get("from", {})
+    rt.state.emit("restart", phase="taken", old_pid=frm.get("pid"), old_version=frm.get("version"))
+    for bid, d in body.get("drains", {}).items():
+        found = rt.state.find_backend(bid)
+        if found is None:
+            continue
+        pool, b = found
+        rt.drainer.start(
+            pool,
+            b,
+            bool(d["migrate"]),
+            float(d["timeout_left"]),
+            by_worker=bool(d.get("by_worker")),
+        )
+
+
+def run(config: Config, config_path: str | None = None, take_over: str | None = None) -> int:
+    """Run a balancer on a uvloop event loop (the process's main job); ``take_over``: a
+    restart's new code (``aio/restart.py``)."""
+    return run_loop(serve(config, config_path, take_over=take_over))
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -720,6 +720,9 @@ class ClusterControl:
     async def reload(self) -> Reply:
         return await self.local.reload(backends=False)
 
+    async def restart(self) -> Reply:
+        return await self.local.restart()  # the new code keeps this instance's place
+
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         """This instance's events (the shared drain states show as its ``state`` events)."""
         return await self.local.events(since, wait)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -92,6 +92,10 @@ class Control(Protocol):
     async def migrate(self, sid: str, body: dict[str, Any]) -> Reply: ...
 
     async def reload(self) -> Reply: ...
+
+    async def restart(self) -> Reply:
+        """The code installed now takes over every listener and session (``aio/restart.py``)."""
+        ...
 
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         """Events after ``since`` (waiting up to ``wait`` s for one) and the last sequence."""
@@ -174,6 +178,9 @@ class LocalControl:
         self.registry = registry
         self.config_path = config_path
         self.reload_tls = reload_tls
+        # Set by the composition root: the hot restart of this process (``aio/restart.py``);
+        # it raises ``ControlError`` with the reason when the new code did not take over.
+        self.restarter: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     # -- primitives ------------------------------------------------------------------------
 
@@ -409,6 +416,11 @@ class LocalControl:
 
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         return await wait_events(self.state.events, since, wait)
+
+    async def restart(self) -> Reply:
+        if self.restarter is None:
+            raise ControlError(501, "this process cannot restart itself")
+        return Reply(await self.restarter())
 
     async def reload(self, backends: bool = True) -> Reply:
         """``reread`` as the admin API's answer, with its event; ``backends``: as there."""

@@ -93,6 +93,7 @@ class Drainer:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.progress: dict[str, DrainProgress] = {}
         self._self_drained: set[str] = set()  # drained because the worker said "draining"
+        self.suspended = False  # a restart hands the drains on: start no more migrations
 
     def start(
         self,
@@ -167,6 +168,26 @@ class Drainer:
             self.state.emit("undrain", backend=backend.id)
         backend.set_admin(ACTIVE)
 
+    def suspend(self) -> dict[str, dict[str, Any]]:
+        """A restart is handing this process's sessions on: start no migration from now on
+        (those in flight finish), and leave the drains' sessions alone. The drains running,
+        by backend id, with what the new code needs to go on with each."""
+        self.suspended = True
+        now = time.time()
+        out = {}
+        for bid in self.tasks:
+            p = self.progress[bid]
+            out[bid] = {
+                "migrate": p.migrate,
+                "timeout_left": max(0.0, p.timeout - (now - p.started)),
+                "by_worker": bid in self._self_drained,
+            }
+        return out
+
+    def resume(self) -> None:
+        """The restart failed: the drains go on here."""
+        self.suspended = False
+
     async def stop(self) -> None:
         for task in list(self.tasks.values()):
             task.cancel()
@@ -205,7 +226,7 @@ class Drainer:
                         gate.release()
 
                 try:
-                    if s.backend is not backend or s.closing:
+                    if s.backend is not backend or s.closing or self.suspended:
                         return
                     result = await migrate(self.handoff, s, on_switched=free)
                 finally:
@@ -223,6 +244,8 @@ class Drainer:
                 await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
                 for t in tasks:
                     t.cancel()
+            if self.suspended:  # the sessions are handed on, and the drain with them
+                return
             while self._requests(backend) and loop.time() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             for ex in self._requests(backend):
@@ -236,7 +259,7 @@ class Drainer:
             while backend.sessions > 0 and loop.time() < close_by:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         finally:
-            if backend.admin_state == DRAINING:
+            if backend.admin_state == DRAINING and not self.suspended:
                 backend.set_admin(DRAINED)
                 progress.finished = time.time()
                 self.state.stats.drain_duration.observe(loop.time() - t0)

@@ -344,6 +344,13 @@ class FanoutControl:
                 report.setdefault("errors", []).append(child_report)
         return Reply(report)
 
+    async def restart(self) -> Reply:
+        raise ControlError(
+            501,
+            "hot restart with workers: N is not built yet: restart wslb, or run workers: 1 "
+            "(docs/restart.md)",
+        )
+
 
 def _backend_body(b: Backend) -> dict[str, Any]:
     cfg = b.cfg

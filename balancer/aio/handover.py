@@ -22,16 +22,15 @@ instance in cluster mode.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import json
 import logging
 import os
 import socket
-import struct
 from typing import Any
 
+from balancer.aio.fdpass import LEN, read_exact, read_line, recv_head, send_head
 from balancer.aio.session import Mode, Parked, Session, plain_socket
 from balancer.aio.state import ServerState
 from balancer.resume import same_token
@@ -41,7 +40,7 @@ __all__ = ["Handover", "handover_path"]
 log = logging.getLogger("wslb.multi")
 
 TIMEOUT = 5.0
-_LEN = struct.Struct("!Q")
+_LEN = LEN
 _MAX_REQUEST = 4096
 
 
@@ -98,7 +97,7 @@ class Handover:
     async def _serve(self, conn: socket.socket) -> None:
         loop = self.state.loop
         try:
-            line = await asyncio.wait_for(_read_line(loop, conn), TIMEOUT)
+            line = await asyncio.wait_for(read_line(loop, conn, _MAX_REQUEST), TIMEOUT)
             ask = json.loads(line)
             s = self._movable(str(ask["sid"]), str(ask["token"]))
             if s is None:
@@ -107,7 +106,7 @@ class Handover:
             wsock = plain_socket(s.wt)
             assert wsock is not None
             data = json.dumps(s.snapshot()).encode()
-            await _send_fd(loop, conn, b"Y" + _LEN.pack(len(data)), wsock.fileno())
+            await send_head(conn, b"Y" + _LEN.pack(len(data)), [wsock.fileno()])
             await loop.sock_sendall(conn, data)
             ack = await asyncio.wait_for(loop.sock_recv(conn, 1), TIMEOUT)
             if ack == b"K":
@@ -173,14 +172,14 @@ class Handover:
         try:
             await loop.sock_connect(conn, path)
             await loop.sock_sendall(conn, json.dumps({"sid": sid, "token": token}).encode() + b"\n")
-            head, fds = await _recv_fd(loop, conn, 1 + _LEN.size)
+            head, fds = await recv_head(loop, conn, 1 + _LEN.size)
             if head[:1] != b"Y" or not fds:
                 for fd in fds:
                     os.close(fd)
                 conn.close()
                 return None
             (size,) = _LEN.unpack(head[1 : 1 + _LEN.size])
-            body = await _read_exact(loop, conn, size)
+            body = await read_exact(loop, conn, size)
             return json.loads(body), socket.socket(fileno=fds[0]), conn
         except BaseException:
             conn.close()
@@ -198,68 +197,3 @@ class Handover:
         s = Session.adopt(st, st.settings(pool), pool, data, ct, wt)
         log.info("session %s adopted from another serving process", s.sid)
         return s
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(sock.fileno(), ready)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(sock.fileno())
-
-
-async def _read_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
-    buf = b""
-    while b"\n" not in buf:
-        chunk = await loop.sock_recv(sock, _MAX_REQUEST)
-        if not chunk or len(buf) + len(chunk) > _MAX_REQUEST:
-            raise ValueError("bad handover request")
-        buf += chunk
-    return buf.partition(b"\n")[0]
-
-
-async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await loop.sock_recv(sock, min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ValueError("handover cut short")
-        buf += chunk
-    return bytes(buf)
-
-
-async def _send_fd(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes, fd: int
-) -> None:
-    """``data`` with ``fd`` attached: a few bytes into an empty socket buffer, so it does not
-    block; retried when the socket says it would."""
-    fds = array.array("i", [fd])
-    while True:
-        try:
-            sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            return
-        except BlockingIOError:
-            await asyncio.sleep(0.001)
-
-
-async def _recv_fd(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int
-) -> tuple[bytes, list[int]]:
-    """``n`` bytes (or fewer, the answer "N") and the descriptors that came with them."""
-    while True:
-        await _readable(loop, sock)
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, n, 1)
-        except BlockingIOError:
-            continue
-        if not data:
-            raise ValueError("handover peer closed")
-        if data[:1] == b"Y" and len(data) < n:
-            data += await _read_exact(loop, sock, n - len(data))
-        return data, list(fds)

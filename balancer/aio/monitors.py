@@ -46,6 +46,15 @@ class Monitors(Protocol):
 
     async def stop_workers(self) -> None: ...
 
+    def spawned(self) -> dict[str, int]:
+        """The spawned workers running now, by backend id (a restart hands them on)."""
+        ...
+
+    async def release_workers(self) -> None:
+        """Let go of the spawned workers without stopping them (a restart's new code has
+        them)."""
+        ...
+
 
 class LocalMonitors:
     """Spawned workers, probes and scrapes run by this process (module docstring)."""
@@ -61,6 +70,8 @@ class LocalMonitors:
         # Set by the composition root: probe results (self-drains), good scrapes (cluster).
         self.on_probe: Callable[[Backend, bool, bool], object] = lambda b, ok, draining: None
         self.on_scrape: Callable[[Backend], None] | None = None
+        # Spawned workers a restart handed on, by backend id: adopted, not started again.
+        self.adopt: dict[str, int] = {}
 
     async def start(self, pools: list[Pool]) -> None:
         # One pooled HTTP client for scrapes and probes; limit_per_host keeps a slow worker
@@ -81,7 +92,7 @@ class LocalMonitors:
     def watch(self, pool: Pool, b: Backend) -> None:
         """Start what a backend needs: its worker process, scrapes, health checks."""
         if b.cfg.spawn == "reference":
-            self.spawner.start(b)
+            self.spawner.start(b, self.adopt.pop(b.id, None))
         if self.scraper is not None:
             self.scraper.start(pool, b)
         if self.health is not None and pool.cfg.health.enabled:
@@ -109,6 +120,12 @@ class LocalMonitors:
 
     async def stop_workers(self) -> None:
         await self.spawner.stop()
+
+    def spawned(self) -> dict[str, int]:
+        return self.spawner.pids()
+
+    async def release_workers(self) -> None:
+        await self.spawner.release()
 
     def _scrape_failed(self, b: Backend) -> None:
         self.stats.scrape_failures[b.id] += 1
@@ -148,6 +165,12 @@ class BoardFollower:
             self._task = None
 
     async def stop_workers(self) -> None:
+        pass
+
+    def spawned(self) -> dict[str, int]:
+        return {}  # the supervisor's
+
+    async def release_workers(self) -> None:
         pass
 
     async def _follow(self) -> None:

@@ -162,6 +162,13 @@ OPENAPI: dict[str, Any] = {
                 "Reread the config file (backends and weights apply)", errors=("400", "401")
             )
         },
+        "/restart": {
+            "post": _op(
+                "Hot restart: the code installed now takes over the listeners and every live "
+                "session; answered when it has (what moved, what did not and why)",
+                errors=("401", "409", "500", "501"),
+            )
+        },
         "/openapi.json": {"get": _op("This document")},
         "/debug/stats": {"get": _op("Process figures: asyncio tasks, sessions, RSS, open FDs")},
         "/events": {

@@ -218,6 +218,9 @@ class Gone(asyncio.Transport):
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        pass  # a detached session handed on again (a restart): nothing reads this leg
+
 
 class Retired(asyncio.Protocol):
     """The old worker leg after a migration: its bytes are discarded, its end is no event."""

@@ -21,7 +21,15 @@ from pathlib import Path
 from balancer import workerauth
 from balancer.pool import Backend
 
-__all__ = ["Backoff", "Spawner", "child_env", "die_with_parent", "python_module"]
+__all__ = [
+    "KEEPER_ENV",
+    "KEEPER_PID_ENV",
+    "Backoff",
+    "Spawner",
+    "child_env",
+    "die_with_parent",
+    "python_module",
+]
 
 log = logging.getLogger("wslb.spawn")
 
@@ -65,8 +73,20 @@ def child_env() -> dict[str, str]:
     return env
 
 
+KEEPER_ENV = "WSLB_KEEPER_FD"
+"""Set in a wslb that a restart's keeper watches (``balancer/keeper.py``): the write end of the
+keeper's pipe, where the process serving now says so."""
+KEEPER_PID_ENV = "WSLB_KEEPER_PID"  # and the keeper's pid (``GET /version``)
+
+
 def die_with_parent() -> None:
-    """In the child: get SIGTERM if the balancer dies, so no worker is orphaned (Linux)."""
+    """In the child: get SIGTERM if the balancer dies, so no worker is orphaned (Linux).
+
+    Not under a keeper: there the serving process that started a worker exits at the next
+    restart while the worker lives on (its successor adopts it), and the keeper, the parent
+    that stays, stops what is left when it exits."""
+    if os.environ.get(KEEPER_ENV):
+        return
     try:
         import ctypes
 
@@ -81,6 +101,7 @@ class Spawner:
     def __init__(self, on_state: Callable[[Backend, bool], None] | None = None) -> None:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._adopted: dict[str, int] = {}  # backend id -> pid of a worker a restart handed on
         self._stopping = False
         self._on_state = on_state
         self.restarts: dict[str, int] = {}
@@ -106,17 +127,64 @@ class Spawner:
         env.pop(workerauth.SPAWN_ENV, None)
         return env
 
-    def start(self, backend: Backend) -> None:
-        """Start supervising a backend's worker process."""
+    def start(self, backend: Backend, adopt: int | None = None) -> None:
+        """Start supervising a backend's worker process; ``adopt``: the pid of the one a
+        restart handed on (running already, with its sessions), watched until it exits and
+        then restarted as one this process started."""
         if backend.id not in self._tasks:
-            backend.set_health(False, "worker process starting", "process", time.time())
+            if adopt is None:
+                backend.set_health(False, "worker process starting", "process", time.time())
             self._tasks[backend.id] = asyncio.get_running_loop().create_task(
-                self._supervise(backend), name=f"spawn-{backend.id}"
+                self._supervise(backend, adopt), name=f"spawn-{backend.id}"
             )
 
     def pid(self, backend_id: str) -> int | None:
         p = self._procs.get(backend_id)
-        return p.pid if p is not None and p.returncode is None else None
+        if p is not None and p.returncode is None:
+            return p.pid
+        return self._adopted.get(backend_id)
+
+    def pids(self) -> dict[str, int]:
+        """The running workers by backend id (what a restart hands on)."""
+        out = {}
+        for bid in self._tasks:
+            pid = self.pid(bid)
+            if pid is not None:
+                out[bid] = pid
+        return out
+
+    async def release(self) -> None:
+        """Stop supervising without stopping the workers: a restart's new code has them."""
+        self._stopping = True
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        self._procs.clear()
+        self._adopted.clear()
+
+    async def _watch_adopted(self, backend: Backend, pid: int) -> None:
+        """Until the adopted worker ``pid`` exits (a pidfd: it is not this process's child)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _resolve, done)
+        try:
+            self._adopted[backend.id] = pid
+            log.info("adopted worker %s (pid %d)", backend.id, pid)
+            if not backend.healthy and await self._accepts(backend):
+                self._set(backend, True)
+            await done
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._adopted.pop(backend.id, None)
+        self._set(backend, False, "worker process exited")
 
     def _set(self, backend: Backend, healthy: bool, reason: str | None = None) -> None:
         if backend.set_health(healthy, reason, "process", time.time()):
@@ -127,9 +195,13 @@ class Spawner:
         if self._on_state is not None:
             self._on_state(backend, healthy)
 
-    async def _supervise(self, backend: Backend) -> None:
+    async def _supervise(self, backend: Backend, adopt: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         backoff = Backoff()
+        if adopt is not None:
+            await self._watch_adopted(backend, adopt)
+            if self._stopping:
+                return
         while True:
             started = loop.time()
             proc = await asyncio.create_subprocess_exec(
@@ -182,6 +254,9 @@ class Spawner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             proc = self._procs.pop(bid, None)
+            adopted = self._adopted.pop(bid, None)
+            if adopted is not None:
+                await _stop_pid(adopted, timeout)
             if proc is None or proc.returncode is not None:
                 continue
             with contextlib.suppress(ProcessLookupError):
@@ -192,3 +267,30 @@ class Spawner:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _stop_pid(pid: int, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after ``timeout``, to a process that is not this one's child."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _resolve, done)
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

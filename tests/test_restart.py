@@ -1,0 +1,283 @@
+"""Hot restart (issue 28, SPEC section 14): ``POST /restart``, SIGUSR2 and ``wslb ctl restart``
+hand the listeners and every live session to the code installed now, and the pid a supervisor
+tracks stays.
+
+Every test runs the repo's ``balancer.yaml`` as a user does (``tests.test_failover``'s
+``default_system``: three spawned reference workers), with real clients on loopback; each
+answer is checked token by token (every token once, in order, the text the model gives it, one
+``done``), and no client sees a close or has to reconnect. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.procs import ROOT, Wslb, free_port
+from tests.test_failover import default_system
+from tests.test_resume import Client
+from tests.test_resume_compose import rest_of_answer, start_answer
+
+TOKENS = 250  # at balancer.yaml's workers' 50 tokens/s: 5 s per answer
+N = int(os.environ.get("RESTART_N", "100"))
+
+
+def restart(lb: Wslb) -> dict[str, Any]:
+    """``POST /restart``; its answer (raises with the body on an error status)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{lb.admin_port}/restart",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json", **lb.auth},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return dict(json.loads(r.read()))
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{exc.code}: {exc.read().decode()}") from None
+
+
+def restart_error(lb: Wslb) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{lb.admin_port}/restart",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json", **lb.auth},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(json.loads(r.read()))
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(json.loads(exc.read()))
+
+
+async def stream_through(lb: Wslb, n: int, restarts: int, gap: float) -> list[dict[str, Any]]:
+    """``n`` answers streaming, ``restarts`` restarts ``gap`` s apart while they do; each
+    answer checked; the restarts' answers."""
+    clients = [Client(lb.url, f"r{i}") for i in range(n)]
+    seen = await asyncio.gather(*(start_answer(c, TOKENS, 3) for c in clients))
+    answers = []
+    for k in range(restarts):
+        if k:
+            await asyncio.sleep(gap)
+        answer = await asyncio.to_thread(restart, lb)
+        answer["version_after"] = await asyncio.to_thread(lb.admin, "/version")
+        answers.append(answer)
+    dones = await asyncio.gather(
+        *(rest_of_answer(c, s) for c, s in zip(clients, seen, strict=True))
+    )
+    for c, s, done in zip(clients, seen, dones, strict=True):
+        assert s == list(range(TOKENS)), (c.sid, s[:5], len(s))
+        assert done["tokens"] == TOKENS
+        assert c.ws is not None and c.ws.close_code is None
+    for c in clients:
+        assert c.ws is not None
+        await c.ws.close()
+    return answers
+
+
+@pytest.fixture
+def system(tmp_path: Path) -> Any:
+    lb, _ = default_system(tmp_path)
+    yield lb
+    lb.stop()
+
+
+async def test_answers_stream_through_two_restarts_and_the_tracked_pid_stays(system: Wslb) -> None:
+    lb = system
+    before = lb.admin("/version")
+    assert before["pid"] == lb.pid and before["keeper"] is None
+    workers = {p.pid for p in lb.children() if "backends.worker" in " ".join(p.cmdline())}
+    answers = await stream_through(lb, N, 2, 2.0)
+    versions = [before]
+    for a in answers:
+        assert a["ok"] is True
+        assert a["sessions"]["moved"] == N, a
+        assert a["sessions"]["not_moved"] == {}, a
+        assert a["sessions"]["adopted"] == N, a
+        versions.append(a["version_after"])
+    after = lb.admin("/version")
+    # The pid a supervisor tracks is alive and is the keeper; the serving code is new.
+    assert lb.proc is not None and lb.proc.poll() is None
+    assert after["keeper"] == lb.pid and after["pid"] != lb.pid
+    starts = [v["started"] for v in versions]
+    assert len(set(starts)) == 3, starts
+    assert answers[0]["new"]["pid"] == answers[1]["old"]["pid"]
+    # The spawned workers kept running (their sessions with them).
+    alive = {p.pid for p in psutil.process_iter() if p.pid in workers}
+    assert alive == workers
+    # The old serving processes are gone within 5 s of their answer.
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(answers[1]["old"]["pid"]) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    assert not psutil.pid_exists(answers[1]["old"]["pid"])
+    # Stopping the keeper stops wslb as before: workers too.
+    assert lb.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in workers) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    assert not any(psutil.pid_exists(p) for p in workers)
+
+
+async def test_a_restart_during_a_drain_and_with_detached_clients(system: Wslb) -> None:
+    """A drain that migrates is handed on with the time it has left and finishes in the new
+    code; clients away (cut without a close) resume from the new code."""
+    lb = system
+    clients = [Client(lb.url, f"d{i}") for i in range(30)]
+    seen = await asyncio.gather(*(start_answer(c, TOKENS, 3) for c in clients))
+    away = clients[:5]
+    for c in away:
+        c.cut()
+    busiest = max(lb.admin("/backends"), key=lambda b: b["sessions"])["id"]
+    lb.admin_post(f"/backends/{busiest}/drain", {"migrate": True})
+    answer = await asyncio.to_thread(restart, lb)
+    assert answer["sessions"]["not_moved"] == {}, answer
+    assert answer["sessions"]["moved"] == 30, answer
+    for c in away:
+        await c.open(resume=True)
+        assert c.resumed == str(c.count)
+    dones = await asyncio.gather(
+        *(rest_of_answer(c, s) for c, s in zip(clients, seen, strict=True))
+    )
+    for c, s, d in zip(clients, seen, dones, strict=True):
+        assert s == list(range(TOKENS)), c.sid
+        assert d["tokens"] == TOKENS
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        state = lb.admin(f"/backends/{busiest}")["state"]
+        if state == "drained":
+            break
+        await asyncio.sleep(0.1)
+    assert state == "drained"
+    assert lb.admin(f"/backends/{busiest}")["sessions"] == 0
+
+
+async def test_an_invalid_config_leaves_the_old_code_serving(system: Wslb) -> None:
+    lb = system
+    before = lb.admin("/version")
+    c = Client(lb.url, "bad-config")
+    seen = await start_answer(c, TOKENS, 3)
+    good = lb.path.read_text()
+    cfg = yaml.safe_load(good)
+    cfg["pools"][0]["balance"] = "no-such-balance"
+    lb.path.write_text(yaml.safe_dump(cfg))
+    try:
+        status, body = await asyncio.to_thread(restart_error, lb)
+    finally:
+        lb.path.write_text(good)
+    assert status == 500, body
+    assert "config" in body["error"] and "pools[0].balance" in body["error"], body
+    assert lb.admin("/version") == before
+    await rest_of_answer(c, seen)
+    assert seen == list(range(TOKENS))
+    assert "restart failed (config)" in lb.output()
+    # The next restart, with the config fixed, works.
+    assert (await asyncio.to_thread(restart, lb))["ok"] is True
+
+
+async def test_connects_during_restarts_all_succeed_and_signals_restart_too(system: Wslb) -> None:
+    """A client dialling in a loop through three restarts (POST, SIGUSR2 to the pid a
+    supervisor knows, ``wslb ctl restart``): every connect and handshake succeeds."""
+    lb = system
+    stop = asyncio.Event()
+    results: list[str] = []
+
+    async def dial() -> None:
+        n = 0
+        while not stop.is_set():
+            c = Client(lb.url, f"dial-{n}")
+            n += 1
+            try:
+                await c.open()
+                msg = await c.recv()
+                results.append("ok" if msg["type"] == "hello" else f"bad {msg}")
+                assert c.ws is not None
+                await c.ws.close()
+            except Exception as exc:  # counted, not raised: the test reports them all
+                results.append(f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(0.005)
+
+    dialer = asyncio.create_task(dial())
+    try:
+        started = {lb.admin("/version")["started"]}
+        await asyncio.to_thread(restart, lb)
+        started.add(lb.admin("/version")["started"])
+        assert lb.proc is not None
+        os.kill(lb.pid, signal.SIGUSR2)  # now the keeper: it passes the signal on
+        deadline = time.monotonic() + 30
+        while len(started) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            started.add(lb.admin("/version")["started"])
+        assert len(started) == 3
+        ctl = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "balancer",
+                "ctl",
+                "--admin",
+                f"127.0.0.1:{lb.admin_port}",
+                "restart",
+            ],
+            env=lb.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ctl.returncode == 0, ctl.stderr
+        assert "sessions moved" in ctl.stdout
+        started.add(lb.admin("/version")["started"])
+        assert len(started) == 4
+    finally:
+        stop.set()
+        await dialer
+    assert len(results) > 20
+    assert [r for r in results if r != "ok"] == []
+
+
+async def test_an_upgrade_serves_the_new_code(tmp_path: Path) -> None:
+    """The package is changed on disk between two restarts (as ``pip install`` of a new
+    version does): the second restart's code says the new version."""
+    src = tmp_path / "src"
+    for part in ("balancer", "backends"):
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = yaml.safe_load((ROOT / "balancer.yaml").read_text())
+    del cfg["listen"], cfg["admin"]
+    ports = [free_port() for _ in range(3)]
+    env = {f"WSLB_WORKER_PORT{n + 1}": str(p) for n, p in enumerate(ports)}
+    lb = Wslb(cfg, tmp_path, src=src, extra_env=env)
+    lb.start()
+    try:
+        lb.wait_ready(timeout=30)
+        c = Client(lb.url, "upgrade")
+        seen = await start_answer(c, TOKENS, 3)
+        first = await asyncio.to_thread(restart, lb)
+        version = src / "balancer" / "version.py"
+        version.write_text(
+            version.read_text().replace(
+                'return importlib.metadata.version("wslb")', 'return "99.0.0+upgrade"'
+            )
+        )
+        second = await asyncio.to_thread(restart, lb)
+        assert first["new"]["version"] != "99.0.0+upgrade"
+        assert second["new"]["version"] == "99.0.0+upgrade"
+        assert lb.admin("/version")["version"] == "99.0.0+upgrade"
+        await rest_of_answer(c, seen)
+        assert seen == list(range(TOKENS))
+    finally:
+        lb.stop()
