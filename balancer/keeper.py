@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the exec's caller
     os.set_blocking(ns.pipe, False)
+    # poll, not select: the pipe was made by a process holding thousands of sockets, so its
+    # number is often above select's 1024.
+    poller = select.poll()
+    poller.register(ns.pipe, select.POLLIN)
     buf = b""
     status = 0
     exited: dict[int, int] = {}
@@ -76,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(serving, pending.pop(0))
         with contextlib.suppress(InterruptedError):
-            ready, _, _ = select.select([ns.pipe], [], [], 0.2)
-            if ready:
+            if poller.poll(200):
                 with contextlib.suppress(BlockingIOError):
                     chunk = os.read(ns.pipe, 4096)
                     buf += chunk

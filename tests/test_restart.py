@@ -281,3 +281,42 @@ async def test_an_upgrade_serves_the_new_code(tmp_path: Path) -> None:
         assert seen == list(range(TOKENS))
     finally:
         lb.stop()
+
+
+def test_the_keeper_passes_signals_on_and_exits_as_the_serving_process_did() -> None:
+    """The keeper alone, its pipe above select's 1024 (an old process with thousands of
+    sockets made it): SIGUSR2 reaches the process serving now, a successor announced on the
+    pipe is followed, and SIGTERM ends it with the status of the last one."""
+    script = r"""
+import os, subprocess, sys
+r, w = os.pipe()
+os.dup2(r, 1500); os.close(r)
+os.set_inheritable(1500, True)
+handler = "import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('usr2', flush=True)); time.sleep(30)"
+first = subprocess.Popen([sys.executable, "-c", handler])
+second = subprocess.Popen([sys.executable, "-c", handler])
+os.write(w, f"serving {second.pid}\n".encode())
+print(first.pid, second.pid, flush=True)
+os.execv(sys.executable, [sys.executable, "-m", "balancer.keeper", "--pipe", "1500", "--serving", str(first.pid)])
+"""
+    keeper = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert keeper.stdout is not None
+        first, second = map(int, keeper.stdout.readline().split())
+        time.sleep(1.0)
+        keeper.send_signal(signal.SIGUSR2)
+        assert keeper.stdout.readline().strip() == "usr2"  # the announced successor's
+        os.kill(first, signal.SIGKILL)  # the old one exits: the keeper stays for the new
+        time.sleep(0.5)
+        assert keeper.poll() is None
+        keeper.send_signal(signal.SIGTERM)
+        assert keeper.wait(10) == 128 + signal.SIGTERM
+        assert not psutil.pid_exists(second) or psutil.Process(second).status() == "zombie"
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait()
+        if keeper.stdout is not None:
+            keeper.stdout.close()
