@@ -211,6 +211,15 @@ async def test_connects_during_restarts_all_succeed_and_signals_restart_too(syst
                 results.append(f"{type(exc).__name__}: {exc}")
             await asyncio.sleep(0.005)
 
+    # Operators' changes survive: a backend added and one drained at run time.
+    lb.admin_post("/backends", {"id": "w9", "url": f"ws://127.0.0.1:{free_port()}"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{lb.admin_port}/backends/w3/drain",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json", **lb.auth},
+    )
+    await asyncio.to_thread(lambda: urllib.request.urlopen(req, timeout=10).close())
     dialer = asyncio.create_task(dial())
     try:
         started = {lb.admin("/version")["started"]}
@@ -243,6 +252,8 @@ async def test_connects_during_restarts_all_succeed_and_signals_restart_too(syst
         assert "sessions moved" in ctl.stdout
         started.add(lb.admin("/version")["started"])
         assert len(started) == 4
+        backends = {b["id"]: b["state"] for b in lb.admin("/backends")}
+        assert "w9" in backends and backends["w3"] in ("draining", "drained"), backends
     finally:
         stop.set()
         await dialer
@@ -292,12 +303,16 @@ import os, subprocess, sys
 r, w = os.pipe()
 os.dup2(r, 1500); os.close(r)
 os.set_inheritable(1500, True)
-handler = "import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('usr2', flush=True)); time.sleep(30)"
+handler = (
+    "import signal, sys, time; "
+    "signal.signal(signal.SIGUSR2, lambda *a: print('usr2', flush=True)); time.sleep(30)"
+)
 first = subprocess.Popen([sys.executable, "-c", handler])
 second = subprocess.Popen([sys.executable, "-c", handler])
 os.write(w, f"serving {second.pid}\n".encode())
 print(first.pid, second.pid, flush=True)
-os.execv(sys.executable, [sys.executable, "-m", "balancer.keeper", "--pipe", "1500", "--serving", str(first.pid)])
+keeper = ["-m", "balancer.keeper", "--pipe", "1500", "--serving", str(first.pid)]
+os.execv(sys.executable, [sys.executable, *keeper])
 """
     keeper = subprocess.Popen(
         [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -320,3 +335,48 @@ os.execv(sys.executable, [sys.executable, "-m", "balancer.keeper", "--pipe", "15
             keeper.wait()
         if keeper.stdout is not None:
             keeper.stdout.close()
+
+
+async def test_with_two_serving_processes_each_hands_on_and_the_supervisor_stays(
+    tmp_path: Path,
+) -> None:
+    """``workers: 2``: the supervisor restarts each serving process in turn; its own pid, and
+    its spawned workers, stay; answers stream through two restarts, clients away resume."""
+    cfg = yaml.safe_load((ROOT / "balancer.yaml").read_text())
+    del cfg["listen"], cfg["admin"]
+    cfg["workers"] = 2
+    ports = [free_port() for _ in range(3)]
+    env = {f"WSLB_WORKER_PORT{n + 1}": str(p) for n, p in enumerate(ports)}
+    lb = Wslb(cfg, tmp_path, extra_env=env)
+    lb.start()
+    try:
+        lb.wait_ready(timeout=30)
+        serving = {p.pid for p in lb.children() if "balancer.aio.serving" in " ".join(p.cmdline())}
+        assert len(serving) == 2
+        clients = [Client(lb.url, f"m{i}") for i in range(40)]
+        seen = await asyncio.gather(*(start_answer(c, TOKENS, 3) for c in clients))
+        for c in clients[:4]:
+            c.cut()
+        answers = []
+        for k in range(2):
+            if k:
+                await asyncio.sleep(2.0)
+            answers.append(await asyncio.to_thread(restart, lb))
+        for a in answers:
+            assert a["sessions"]["moved"] == 40 and a["sessions"]["not_moved"] == {}, a
+            assert len(a["new"]) == 2
+        for c in clients[:4]:
+            await c.open(resume=True)
+        dones = await asyncio.gather(
+            *(rest_of_answer(c, s) for c, s in zip(clients, seen, strict=True))
+        )
+        for c, s, d in zip(clients, seen, dones, strict=True):
+            assert s == list(range(TOKENS)), c.sid
+            assert d["tokens"] == TOKENS
+        now = {p.pid for p in lb.children() if "balancer.aio.serving" in " ".join(p.cmdline())}
+        assert now == {n["pid"] for n in answers[1]["new"]}
+        assert not now & serving
+        assert lb.proc is not None and lb.proc.poll() is None
+        assert lb.admin("/version")["pid"] == lb.pid  # the supervisor answers, and stays
+    finally:
+        lb.stop()

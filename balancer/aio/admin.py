@@ -363,7 +363,8 @@ class Admin:
 
     async def restart(self, request: web.Request) -> web.Response:
         """The new code takes over (``aio/restart.py``); answered when it has."""
-        return self._reply(await self.control.restart())
+        body = await self._body(request) if self.unix_socket is not None else None
+        return self._reply(await self.control.restart(body))
 
     async def debug_stats(self, request: web.Request) -> web.Response:
         return web.json_response(await self.control.debug_stats())

@@ -43,7 +43,7 @@ from balancer import frames
 from balancer.aio import offload, tls
 from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster, ClusterControl
-from balancer.aio.control import Control, ControlError, LocalControl
+from balancer.aio.control import Control, ControlError, LocalControl, new_backend
 from balancer.aio.drain import Drainer
 from balancer.aio.failover import Failover
 from balancer.aio.fanout import FanoutControl
@@ -340,7 +340,9 @@ class Runtime:
             await self.handover.stop()
         await self.stop_monitors()
         await self.monitors.release_workers()
-        await self.admin.stop()
+        # The admin API is not stopped: it accepts nothing since the hand-on, and a clean stop
+        # would wait for a supervisor's long poll (or remove a Unix socket's path, the new
+        # code's now); the process's exit ends what is left.
         if self.board is not None:
             self.board.close()
 
@@ -465,12 +467,14 @@ def build(
         handover=handover,
         config_path=config_path,
     )
-    if listeners is not None and link is None:  # standalone or cluster mode: it restarts
+    if listeners is not None:  # a process with sessions restarts (its supervisor's asks it)
         restarter = Restarter(rt)
 
-        async def restart() -> dict[str, Any]:
+        async def restart(path: str | None) -> dict[str, Any]:
+            if link is not None and path is None:
+                raise ControlError(409, "a serving process is restarted by its supervisor")
             try:
-                return await restarter.restart()
+                return await restarter.restart(path)
             except RestartError as exc:
                 status = 409 if exc.reason == "busy" else 500
                 raise ControlError(status, f"restart failed ({exc.reason}): {exc.detail}") from None
@@ -597,6 +601,18 @@ async def take_listeners(rt: Runtime, taker: TakeOver) -> None:
     if isinstance(rt.monitors, LocalMonitors):
         rt.monitors.adopt = {str(k): int(v) for k, v in body.get("spawned", {}).items()}
     now = time.time()
+    for bid, was in body.get("backends", {}).items():
+        if rt.state.find_backend(bid) is None and "spec" in was:  # added at run time
+            try:
+                pool, cfg = new_backend(rt.state, {**was["spec"], "pool": was["pool"]})
+            except ControlError as exc:
+                log.warning("restart: backend %s cannot be added here: %s", bid, exc.message)
+                continue
+            rt.local.add(pool, cfg)
+    known = body.get("backends", {})
+    for pool, b in list(rt.state.backends()):
+        if known and b.id not in known:  # removed at run time: not back from the file
+            await rt.local.remove(pool, b)
     for _, b in rt.state.backends():
         was = body.get("backends", {}).get(b.id)
         if was is None:

@@ -720,7 +720,7 @@ class ClusterControl:
     async def reload(self) -> Reply:
         return await self.local.reload(backends=False)
 
-    async def restart(self) -> Reply:
+    async def restart(self, body: dict[str, Any] | None = None) -> Reply:
         return await self.local.restart()  # the new code keeps this instance's place
 
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:

@@ -42,7 +42,7 @@ from balancer.metrics import BackendView
 from balancer.pool import ACTIVE, DRAINED, Backend, Change, Pool
 from balancer.selection import MOVED, REFUSED
 
-__all__ = ["Control", "ControlError", "LocalControl", "Reply"]
+__all__ = ["Control", "ControlError", "LocalControl", "Reply", "backend_body", "new_backend"]
 
 log = logging.getLogger("wslb")
 
@@ -93,8 +93,9 @@ class Control(Protocol):
 
     async def reload(self) -> Reply: ...
 
-    async def restart(self) -> Reply:
-        """The code installed now takes over every listener and session (``aio/restart.py``)."""
+    async def restart(self, body: dict[str, Any] | None = None) -> Reply:
+        """The code installed now takes over every listener and session (``aio/restart.py``);
+        ``body``: a supervisor's request to one of its serving processes (``socket``)."""
         ...
 
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
@@ -148,6 +149,20 @@ def new_backend(state: ServerState, body: dict[str, Any]) -> tuple[Pool, Backend
         raise ControlError(400, "; ".join(exc.errors)) from None
 
 
+def backend_body(b: Backend) -> dict[str, Any]:
+    """The ``POST /backends`` body that adds ``b`` as it is configured (a serving process
+    that restarted, a restart's new code)."""
+    cfg = b.cfg
+    body: dict[str, Any] = {"id": cfg.id, "url": cfg.url, "weight": cfg.weight}
+    if cfg.spawn:
+        body["spawn"] = cfg.spawn
+    if cfg.args:
+        body["args"] = list(cfg.args)
+    if cfg.metrics_url:
+        body["metrics_url"] = cfg.metrics_url
+    return body
+
+
 def drain_args(pool: Pool, body: dict[str, Any]) -> tuple[bool, float]:
     """``migrate`` and ``timeout`` of a drain request, the pool's defaults where absent."""
     migrate_ = body.get("migrate", pool.cfg.drain.migrate)
@@ -180,7 +195,7 @@ class LocalControl:
         self.reload_tls = reload_tls
         # Set by the composition root: the hot restart of this process (``aio/restart.py``);
         # it raises ``ControlError`` with the reason when the new code did not take over.
-        self.restarter: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self.restarter: Callable[[str | None], Awaitable[dict[str, Any]]] | None = None
 
     # -- primitives ------------------------------------------------------------------------
 
@@ -417,10 +432,13 @@ class LocalControl:
     async def events(self, since: int, wait: float) -> tuple[list[dict[str, Any]], int]:
         return await wait_events(self.state.events, since, wait)
 
-    async def restart(self) -> Reply:
+    async def restart(self, body: dict[str, Any] | None = None) -> Reply:
         if self.restarter is None:
             raise ControlError(501, "this process cannot restart itself")
-        return Reply(await self.restarter())
+        path = (body or {}).get("socket")
+        if path is not None and not isinstance(path, str):
+            raise ControlError(400, "socket must be a path")
+        return Reply(await self.restarter(path))
 
     async def reload(self, backends: bool = True) -> Reply:
         """``reread`` as the admin API's answer, with its event; ``backends``: as there."""

@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.aio.control import ControlError, LocalControl, Reply, new_backend, wait_events
+from balancer.aio.control import (
+    ControlError,
+    LocalControl,
+    Reply,
+    backend_body,
+    new_backend,
+    wait_events,
+)
+from balancer.aio.restart import UNCHANGED, RestartError, check_new_code
 from balancer.events import EventLog
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend
+from balancer.version import version
 
 __all__ = ["FanoutControl", "merge_metrics"]
 
@@ -42,6 +54,8 @@ class Child(Protocol):
     async def call(
         self, method: str, path: str, body: Any = None, *, timeout: float = 30.0
     ) -> tuple[int, Any]: ...
+
+    async def replace(self, timeout: float = 120.0) -> dict[str, Any]: ...
 
 
 # Gauges that count things each process holds: summed. Other gauges are the supervisor's own.
@@ -142,6 +156,7 @@ class FanoutControl:
         """``local``: the supervisor's mirror (its pools, probes, drains; no sessions)."""
         self.local = local
         self.children = children
+        self._restarting = False
         # The merged feed: the supervisor's own events of what it alone sees, and the serving
         # processes' of what they alone do (their sessions' moves, and their drains, which
         # hold the counts; the supervisor's drain is a mirror without sessions).
@@ -214,7 +229,7 @@ class FanoutControl:
         have = {v["id"] for v in views} if status == 200 else set()
         for pool, b in self.local.state.backends():
             if b.id not in have:
-                body = _backend_body(b)
+                body = backend_body(b)
                 body["pool"] = pool.name
                 await child.call("POST", "/backends", body)
             if b.admin_state != ACTIVE:
@@ -344,24 +359,64 @@ class FanoutControl:
                 report.setdefault("errors", []).append(child_report)
         return Reply(report)
 
-    async def restart(self) -> Reply:
-        raise ControlError(
-            501,
-            "hot restart with workers: N is not built yet: restart wslb, or run workers: 1 "
-            "(docs/restart.md)",
-        )
-
-
-def _backend_body(b: Backend) -> dict[str, Any]:
-    cfg = b.cfg
-    body: dict[str, Any] = {"id": cfg.id, "url": cfg.url, "weight": cfg.weight}
-    if cfg.spawn:
-        body["spawn"] = cfg.spawn
-    if cfg.args:
-        body["args"] = list(cfg.args)
-    if cfg.metrics_url:
-        body["metrics_url"] = cfg.metrics_url
-    return body
+    async def restart(self, body: dict[str, Any] | None = None) -> Reply:
+        """Each serving process in turn hands everything to a new one with the code installed
+        now (``ServingProcess.replace``); this supervisor stays, with its spawned workers."""
+        if self._restarting:
+            raise ControlError(409, "restart failed (busy): a restart is running already")
+        if self.local.config_path is None:
+            raise ControlError(500, "restart failed (no_config): no config file was given")
+        self._restarting = True
+        t0 = time.monotonic()
+        st = self.local.state
+        st.emit("restart", phase="started", pid=os.getpid())
+        try:
+            try:
+                await check_new_code(self.local.config_path)
+            except RestartError as exc:
+                st.stats.restarts[exc.reason] += 1
+                st.emit("restart", phase="failed", reason=exc.reason, error=exc.detail)
+                raise ControlError(500, f"restart failed ({exc.reason}): {exc.detail}") from None
+            answers = []
+            for child in self.children:
+                try:
+                    answers.append(await child.replace())
+                except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as exc:
+                    st.stats.restarts["child"] += 1
+                    st.emit("restart", phase="failed", reason="child", error=str(exc))
+                    raise ControlError(
+                        500,
+                        f"restart failed (child): {exc}; {len(answers)} of "
+                        f"{len(self.children)} serving processes restarted",
+                    ) from None
+        finally:
+            self._restarting = False
+        st.stats.restarts["ok"] += 1
+        not_moved: Counter[str] = Counter()
+        for a in answers:
+            not_moved.update(a["sessions"]["not_moved"])
+        p99s = [a["pause_ms"]["p99"] for a in answers if a["pause_ms"]["p99"] is not None]
+        out: dict[str, Any] = {
+            "ok": True,
+            "supervisor": {"pid": os.getpid(), "version": version()},
+            "old": [a["old"] for a in answers],
+            "new": [a["new"] for a in answers],
+            "sessions": {
+                "moved": sum(a["sessions"]["moved"] for a in answers),
+                "not_moved": dict(not_moved),
+                "adopted": sum(a["sessions"]["adopted"] or 0 for a in answers),
+            },
+            "pause_ms": {"p99": max(p99s) if p99s else None},
+            "seconds": round(time.monotonic() - t0, 3),
+            "processes": answers,
+            "unchanged": [
+                *UNCHANGED[1:],
+                "the supervisor (spawning, probes, the admin API's fan-out) keeps its code: "
+                "stop and start wslb for a new supervisor",
+            ],
+        }
+        st.emit("restart", phase="finished", moved=out["sessions"]["moved"], seconds=out["seconds"])
+        return Reply(out)
 
 
 def _combine_state(states: list[str]) -> str:

@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 
-__all__ = ["LEN", "read_exact", "read_line", "readable", "recv_head", "send_head"]
+__all__ = ["LEN", "Truncated", "read_exact", "read_line", "readable", "recv_head", "send_head"]
 
 LEN = struct.Struct("!Q")  # a body's length, after a message's one-byte kind
 
@@ -70,17 +70,33 @@ async def send_head(sock: socket.socket, data: bytes, fds: list[int]) -> None:
         return
 
 
+class Truncated(OSError):
+    """Descriptors sent with a message did not all arrive (this process is at its open-file
+    limit: the kernel drops what it cannot install). ``data`` is the message's head."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__("descriptors lost in transit: at the open-file limit (ulimit -n)?")
+        self.data = data
+
+
 async def recv_head(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, maxfds: int = 1
 ) -> tuple[bytes, list[int]]:
     """``n`` bytes (or fewer if the peer's answer is one byte shorter by design: "N") and the
-    descriptors that came with them. ValueError when the peer closed."""
+    descriptors that came with them. ValueError when the peer closed; ``Truncated`` (the
+    head read whole, the descriptors that came closed) when some did not come."""
     while True:
         await readable(loop, sock)
         try:
-            data, fds, _, _ = socket.recv_fds(sock, n, maxfds)
+            data, fds, flags, _ = socket.recv_fds(sock, n, maxfds)
         except BlockingIOError:
             continue
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            if len(data) < n:
+                data += await read_exact(loop, sock, n - len(data))
+            raise Truncated(data)
         for fd in fds:
             # Not inherited by a child started later (recvmsg leaves received descriptors
             # inheritable, and uvloop's spawn keeps those): a copy of a client's socket in

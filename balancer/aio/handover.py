@@ -78,9 +78,12 @@ class Handover:
         for t in list(self._served):
             t.cancel()
         if self._sock is not None:
+            # Unlinked only while the path is still this socket's: after a restart it is the
+            # new code's (aio/restart.py), bound again at the same path.
+            with contextlib.suppress(OSError):
+                if os.stat(self.path).st_ino == os.fstat(self._sock.fileno()).st_ino:
+                    os.unlink(self.path)
             self._sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
 
     # -- the owner's side ------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class ServingProcess:
         self.ready = asyncio.Event()
         self.restarts = 0
         self.task: asyncio.Task[None] | None = None
+        self._next: asyncio.subprocess.Process | None = None  # a restart's new code
 
     @property
     def is_ready(self) -> bool:
@@ -90,23 +91,29 @@ class ServingProcess:
             connector=aiohttp.UnixConnector(path=self.socket), base_url="http://wslb"
         )
         while True:
-            self.group.board.clear_row(self.index)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket)
             started = loop.time()
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.command(), preexec_fn=die_with_parent, env=child_env()
-            )
-            log.info("serving process %d started (pid %d)", self.index, self.proc.pid)
-            waiter = loop.create_task(self.proc.wait())
-            while not waiter.done() and loop.time() - started < CHILD_READY_TIMEOUT:
-                if await self._answers():
-                    if self.restarts and self.group.on_restart is not None:
-                        await self.group.on_restart(self)
-                    self.ready.set()
-                    break
-                await asyncio.wait({waiter}, timeout=0.05)
+            if self._next is not None:  # a restart's new code, ready (``replace``)
+                self.proc, self._next = self._next, None
+                waiter = loop.create_task(self.proc.wait())
+            else:
+                self.group.board.clear_row(self.index)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket)
+                self.proc = await asyncio.create_subprocess_exec(
+                    *self.command(), preexec_fn=die_with_parent, env=child_env()
+                )
+                log.info("serving process %d started (pid %d)", self.index, self.proc.pid)
+                waiter = loop.create_task(self.proc.wait())
+                while not waiter.done() and loop.time() - started < CHILD_READY_TIMEOUT:
+                    if await self._answers():
+                        if self.restarts and self.group.on_restart is not None:
+                            await self.group.on_restart(self)
+                        self.ready.set()
+                        break
+                    await asyncio.wait({waiter}, timeout=0.05)
             code = await waiter
+            if self.replaced():  # it handed on to a restart's new code and exited
+                continue
             self.ready.clear()
             if self.group.closing:
                 return
@@ -116,6 +123,54 @@ class ServingProcess:
                 "serving process %d exited with %s; restarting in %.1fs", self.index, code, delay
             )
             await asyncio.sleep(delay)
+
+    def replaced(self) -> bool:
+        """A restart's new code is starting in this slot (the old process's exit is no
+        crash)."""
+        return self._next is not None
+
+    async def replace(self, timeout: float = 120.0) -> dict[str, Any]:
+        """A hot restart of this serving process (``aio/restart.py``): it is asked to hand
+        everything to a new one started here, with the code installed now, on a socket in the
+        run directory; the answer is the old one's. The new one is watched from then on."""
+        loop = asyncio.get_running_loop()
+        take = os.path.join(self.group.run_dir, f"take-{self.index}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(take)
+        asked = loop.create_task(self.call("POST", "/restart", {"socket": take}, timeout=timeout))
+        deadline = loop.time() + 10.0
+        exists = os.path.exists  # a tmpfs lookup, not blocking I/O
+        while not exists(take) and not asked.done() and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        if not exists(take):
+            asked.cancel()
+            status, body = (await asked) if asked.done() and not asked.cancelled() else (0, None)
+            raise RuntimeError(f"serving process {self.index} did not get ready: {status} {body}")
+        # The old process has its admin connection; its path is the new one's from now on.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        new = await asyncio.create_subprocess_exec(
+            *self.command(), "--take-over", take, preexec_fn=die_with_parent, env=child_env()
+        )
+        log.info("serving process %d: new code starting (pid %d)", self.index, new.pid)
+        self._next = new  # before the old one exits: its exit is not a crash
+        try:
+            status, body = await asked
+        except BaseException:
+            self._next = None
+            new.kill()
+            raise
+        if status != 200:
+            self._next = None
+            if new.returncode is None:
+                new.kill()
+            raise RuntimeError(f"serving process {self.index}: {body}")
+        if self.http is not None:  # its kept connections went to the old process
+            await self.http.close()
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=self.socket), base_url="http://wslb"
+        )
+        return dict(body)
 
     async def _answers(self) -> bool:
         try:

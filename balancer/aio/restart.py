@@ -46,8 +46,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from balancer.aio.control import backend_body
 from balancer.aio.drain import Drainer
-from balancer.aio.fdpass import LEN, read_exact, read_line, recv_head, send_head
+from balancer.aio.fdpass import LEN, Truncated, read_exact, read_line, recv_head, send_head
 from balancer.aio.monitors import Monitors
 from balancer.aio.session import Gone, Mode, Parked, Session, plain_socket
 from balancer.aio.spawn import KEEPER_ENV, KEEPER_PID_ENV, child_env, python_module
@@ -56,11 +57,13 @@ from balancer.frames import CloseCode
 from balancer.version import started_iso, version
 
 __all__ = [
+    "UNCHANGED",
     "Handed",
     "Host",
     "RestartError",
     "Restarter",
     "TakeOver",
+    "check_new_code",
     "keeper_command",
 ]
 
@@ -135,7 +138,10 @@ class Restarter:
         self.host = host
         self.running = False
 
-    async def restart(self) -> dict[str, Any]:
+    async def restart(self, socket_path: str | None = None) -> dict[str, Any]:
+        """Restart this process; ``socket_path``: a serving process of ``workers: N``, whose
+        supervisor checked the new code and starts it (``multi.ServingProcess.replace``) to
+        connect there."""
         if self.running:
             raise RestartError("busy", "a restart is running already")
         if self.host.config_path is None:
@@ -145,7 +151,10 @@ class Restarter:
         st.emit("restart", phase="started", pid=os.getpid())
         t0 = time.monotonic()
         try:
-            answer = await self._restart(t0)
+            if socket_path is None:
+                answer = await self._restart(t0)
+            else:
+                answer = await self._give_at(socket_path, t0)
         except RestartError as exc:
             st.stats.restarts[exc.reason] += 1
             st.emit("restart", phase="failed", reason=exc.reason, error=exc.detail)
@@ -160,7 +169,7 @@ class Restarter:
     async def _restart(self, t0: float) -> dict[str, Any]:
         host = self.host
         assert host.config_path is not None
-        await _check(host.config_path)
+        await check_new_code(host.config_path)
         run_dir = tempfile.mkdtemp(prefix="wslb-restart-", dir=_shm())
         path = os.path.join(run_dir, "take.sock")
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -206,10 +215,38 @@ class Restarter:
         host.done(then, proc.pid)
         return answer
 
+    async def _give_at(self, path: str, t0: float) -> dict[str, Any]:
+        """The supervisor's restart of this serving process: the taker it starts connects to
+        ``path``; its pid comes in the hello."""
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            lsock.bind(path)
+            lsock.listen(1)
+            lsock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            try:
+                conn, _ = await asyncio.wait_for(loop.sock_accept(lsock), TAKER_TIMEOUT)
+            except TimeoutError:
+                raise RestartError("start", "the new code did not connect") from None
+            conn.setblocking(False)
+            try:
+                answer = await self._give(conn, 0, t0)
+            finally:
+                conn.close()
+        finally:
+            lsock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.host.done(None, int(answer["new"]["pid"]))
+        return answer
+
     async def _give(self, conn: socket.socket, taker_pid: int, t0: float) -> dict[str, Any]:
         host, st = self.host, self.host.state
         loop = st.loop
         hello = json.loads(await _step(read_line(loop, conn, _MAX_LINE), "hello"))
+        taker_pid = taker_pid or int(hello["pid"])
         log.info(
             "restart: new code %s (pid %d) is ready; finishing migrations and failovers",
             hello.get("version"),
@@ -402,9 +439,17 @@ async def _requests_done(st: ServerState) -> None:
 
 
 def _backend_states(st: ServerState) -> dict[str, dict[str, Any]]:
+    """Each backend as the new code needs it: its health and state, and how to add it (one
+    added with ``POST /backends`` is not in the config file)."""
     return {
-        b.id: {"healthy": b.healthy, "reason": b.health_reason, "admin": str(b.admin_state)}
-        for _, b in st.backends()
+        b.id: {
+            "healthy": b.healthy,
+            "reason": b.health_reason,
+            "admin": str(b.admin_state),
+            "pool": pool.name,
+            "spec": backend_body(b),
+        }
+        for pool, b in st.backends()
     }
 
 
@@ -418,8 +463,9 @@ def _shm() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-async def _check(config_path: str) -> None:
-    """Rule 1."""
+async def check_new_code(config_path: str) -> None:
+    """Rule 1: ``wslb check --deep`` with the code installed now; ``RestartError`` with its
+    own words when it fails."""
     proc = await asyncio.create_subprocess_exec(
         *python_module("balancer", "check", "--deep", config_path),
         env=child_env(),
@@ -518,7 +564,15 @@ class TakeOver:
         assert conn is not None
         try:
             while True:
-                kind, body, fds = await self._recv(2)
+                try:
+                    kind, body, fds = await self._recv(2)
+                except Truncated as exc:  # its body still follows: read it, refuse it
+                    (size,) = LEN.unpack(exc.data[1 : 1 + LEN.size])
+                    await read_exact(loop, conn, size)
+                    log.error("restart: a session could not be adopted: %s", exc)
+                    self.failed += 1
+                    await loop.sock_sendall(conn, b"F")
+                    continue
                 if kind == b"E":
                     break
                 t = time.perf_counter()

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--take-over", default=None, help="a restart's socket (aio/restart.py)")
     ns = p.parse_args(argv)
     logs.setup(getattr(logging, ns.log_level.upper(), logging.INFO), "text", str(ns.index))
     try:
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         os.path.join(ns.run_dir, "board"),
         os.path.join(ns.run_dir, f"admin-{ns.index}.sock"),
     )
-    return run_loop(serve(config, ns.config, link))
+    return run_loop(serve(config, ns.config, link, take_over=ns.take_over))
 
 
 if __name__ == "__main__":
