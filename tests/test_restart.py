@@ -26,11 +26,13 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from websockets.exceptions import ConnectionClosed
 
-from tests.procs import ROOT, Wslb, free_port
-from tests.test_failover import default_system
+from balancer.aio import offload
+from tests.procs import ROOT, Procs, Wslb, free_port
+from tests.test_failover import default_system, relay_thread
 from tests.test_resume import Client
-from tests.test_resume_compose import rest_of_answer, start_answer
+from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
 
 TOKENS = 250  # at balancer.yaml's workers' 50 tokens/s: 5 s per answer
 N = int(os.environ.get("RESTART_N", "100"))
@@ -380,3 +382,44 @@ async def test_with_two_serving_processes_each_hands_on_and_the_supervisor_stays
         assert lb.admin("/version")["pid"] == lb.pid  # the supervisor answers, and stays
     finally:
         lb.stop()
+
+
+@pytest.mark.parametrize("scheme", ["ws", "wss"])
+async def test_over_each_transport_with_the_relay_thread(tmp_path: Path, scheme: str) -> None:
+    """``ws://`` with the relay thread relaying every answer at the restart: each session is
+    handed back first and moves. ``wss://``: a TLS client session cannot move (its crypto state
+    is in the old process), so it is closed with 1012 and its client resumes from the new code,
+    nothing lost or repeated."""
+    with Procs(tmp_path) as procs:
+        lb, url, ctx = transport_stack(tmp_path, procs, scheme, True)
+        try:
+            clients = [TlsClient(url, f"{scheme}-r{i}", ctx) for i in range(6)]
+            seens = await asyncio.gather(*(start_answer(c, 400, 5) for c in clients))
+            if scheme == "ws" and offload.AVAILABLE:
+                await asyncio.sleep(0.3)
+                assert relay_thread(lb)["taken"] >= 6, relay_thread(lb)
+            answer = await asyncio.to_thread(restart, lb)
+            if scheme == "ws":
+                assert answer["sessions"]["moved"] == 6, answer
+                assert answer["sessions"]["not_moved"] == {}, answer
+            else:
+                # Detached with a 1012 to the client, then moved without their TLS legs.
+                assert answer["sessions"]["resume_asked"] == 6, answer
+                assert answer["sessions"]["moved"] == 6, answer
+                assert answer["sessions"]["not_moved"] == {}, answer
+                for c, seen in zip(clients, seens, strict=True):
+                    with pytest.raises(ConnectionClosed) as closed:
+                        while True:
+                            msg = await c.recv()
+                            assert msg["type"] == "token"
+                            seen.append(msg["i"])
+                    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+                    await c.open(resume=True)
+                    assert c.resumed == str(c.count)
+            for c, seen in zip(clients, seens, strict=True):
+                await rest_of_answer(c, seen)
+                assert seen == list(range(400)), c.sid
+                assert c.ws is not None
+                await c.ws.close()
+        finally:
+            lb.stop()

@@ -405,6 +405,7 @@ class FanoutControl:
                 "moved": sum(a["sessions"]["moved"] for a in answers),
                 "not_moved": dict(not_moved),
                 "adopted": sum(a["sessions"]["adopted"] or 0 for a in answers),
+                "resume_asked": sum(a["sessions"].get("resume_asked", 0) for a in answers),
             },
             "pause_ms": {"p99": max(p99s) if p99s else None},
             "seconds": round(time.monotonic() - t0, 3),

@@ -126,6 +126,7 @@ def keeper_command(read_fd: int, serving: int) -> list[str]:
 @dataclass
 class Outcome:
     moved: int = 0
+    sent_away: int = 0  # TLS client legs closed with 1012, their sessions moved detached
     not_moved: Counter[str] = field(default_factory=Counter)
     pauses: list[float] = field(default_factory=list)
 
@@ -307,6 +308,7 @@ class Restarter:
             },
             "sessions": {
                 "moved": outcome.moved,
+                "resume_asked": outcome.sent_away,
                 "not_moved": dict(outcome.not_moved),
                 "adopted": summary.get("adopted"),
             },
@@ -334,6 +336,16 @@ class Restarter:
                     waiting = True
                     continue
                 why = _unmovable(s)
+                if why == "tls_client" and s.core.window is not None:
+                    # Resumable: detached with a 1012 to its client, then moved without it.
+                    if not s.ct.is_closing() and s.send_away(
+                        CloseCode.SERVICE_RESTART, "wslb restarting: resume"
+                    ):
+                        out.sent_away += 1
+                        await _drained(s.ct)
+                        s.drop_client()
+                    waiting = True
+                    continue
                 if why is not None:
                     s.close(CloseCode.SERVICE_RESTART, "wslb restarting: reconnect to resume")
                     out.not_moved[why] += 1
@@ -388,7 +400,8 @@ class Restarter:
 
 UNCHANGED = (
     "the keeper process (the pid a supervisor tracks) keeps its own small code",
-    "TLS client sessions are closed with 1012 and resume (their crypto state cannot move)",
+    "TLS client legs get 1012 and resume (their crypto state cannot move): their sessions "
+    "move detached, so a client with its resume token loses nothing",
     "sessions with a TLS worker leg (upstream_tls) are closed with 1012 likewise",
     "counters and histograms of /metrics start again in the new code",
     "the admin API's generated token and the listen addresses stay as they were",
@@ -420,6 +433,14 @@ async def _flushed(s: Session) -> bool:
             return True
     s.resume_reading()
     return False
+
+
+async def _drained(t: Any) -> None:
+    """Until ``t``'s write buffer is in the kernel (bounded by ``FLUSH_TIMEOUT``)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + FLUSH_TIMEOUT
+    while t.get_write_buffer_size() and loop.time() < until:  # noqa: ASYNC110
+        await asyncio.sleep(0.001)
 
 
 async def _settle(st: ServerState) -> None:

@@ -805,6 +805,24 @@ class Session(asyncio.Protocol):
             log.info("session %s: client left without a close; kept %.0fs", self.sid, core.grace)
             self.state.detached(self, True)
 
+    def send_away(self, code: int, reason: str) -> bool:
+        """A restart cannot move this client leg (TLS: its crypto state stays here): tell the
+        client to come back (a close frame with ``code``); ``drop_client`` then drops its
+        connection, so the session detaches (Rule 8) and moves without it. False (nothing
+        done) unless it may detach now, between frames towards the client."""
+        self.reclaim()
+        core = self.core
+        if not core.may_detach() or not core.ws.at_frame_boundary:
+            return False
+        pause_reading(self.wt, True)  # nothing more towards the client on this connection
+        self.ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
+        return True
+
+    def drop_client(self) -> None:
+        """After ``send_away``'s frame is flushed: the connection goes (no TLS shutdown to
+        wait for), and its ``connection_lost`` detaches the session."""
+        self.ct.abort()
+
     def attach(self, ct: asyncio.Transport, n: int, preamble: bytes) -> int:
         """Rule 8: the client is back on ``ct`` with ``n`` messages; it gets ``preamble`` (the
         101), what it missed, then the live stream. The bytes replayed, for the log. Raises
