@@ -30,7 +30,7 @@ from websockets.exceptions import ConnectionClosed
 
 from balancer.aio import offload
 from tests.procs import ROOT, Procs, Wslb, free_port
-from tests.test_failover import default_system, relay_thread
+from tests.test_failover import default_system, failovers, relay_thread, worker_proc
 from tests.test_resume import Client
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
 
@@ -423,3 +423,28 @@ async def test_over_each_transport_with_the_relay_thread(tmp_path: Path, scheme:
                 await c.ws.close()
         finally:
             lb.stop()
+
+
+async def test_a_restart_during_a_failover(system: Wslb) -> None:
+    """A worker is killed (``kill -9``) and the restart asked at once: its sessions finish
+    their failover first (``FAILING_OVER`` is waited out), then move; every answer completes
+    once, in order. The killed worker's process is restarted by the new code, which adopted
+    the workers."""
+    lb = system
+    clients = [Client(lb.url, f"f{i}") for i in range(20)]
+    seen = await asyncio.gather(*(start_answer(c, TOKENS, 3) for c in clients))
+    victim = max(lb.admin("/backends"), key=lambda b: b["sessions"])["id"]
+    worker_proc(lb, victim).kill()
+    answer = await asyncio.to_thread(restart, lb)
+    assert answer["sessions"]["not_moved"] == {}, answer
+    dones = await asyncio.gather(
+        *(rest_of_answer(c, s) for c, s in zip(clients, seen, strict=True))
+    )
+    for c, s, d in zip(clients, seen, dones, strict=True):
+        assert s == list(range(TOKENS)), c.sid
+        assert d["tokens"] == TOKENS
+    assert sum(failovers(lb).values()) > 0 or "resumed on" in lb.output()
+    deadline = time.monotonic() + 20
+    while lb.admin(f"/backends/{victim}")["state"] != "active" and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    assert lb.admin(f"/backends/{victim}")["state"] == "active"
