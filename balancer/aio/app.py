@@ -60,6 +60,7 @@ from balancer.config import Config, ConfigError, Listener
 from balancer.frames import CloseCode
 from balancer.metrics import BalancerCollector, Stats
 from balancer.pool import Pool
+from balancer.version import version
 
 __all__ = ["ProcessLink", "Runtime", "build", "run", "run_loop", "serve"]
 
@@ -575,7 +576,7 @@ async def serve(
         raise exc
     if taker is not None:
         await taker.listening()
-        background(taker.sessions(rt.state, lambda: took_over(rt, taker.body)))
+        background(taker.sessions(rt.state, lambda: took_over(rt, taker.body, taker.adopted)))
     await stop.wait()
     log.info("handed on to the new code" if rt.handed_on else "shutting down")
     # A second signal skips the grace period.
@@ -622,11 +623,18 @@ async def take_listeners(rt: Runtime, taker: TakeOver) -> None:
             b.set_admin("drained" if was["admin"] == "drained" else "draining")
 
 
-def took_over(rt: Runtime, body: dict[str, Any]) -> None:
+def took_over(rt: Runtime, body: dict[str, Any], adopted: int) -> None:
     """Every session is here: the drains go on here, and the keeper learns who serves."""
     announce(os.getpid())
     frm = body.get("from", {})
-    rt.state.emit("restart", phase="taken", old_pid=frm.get("pid"), old_version=frm.get("version"))
+    rt.state.emit(
+        "restart",
+        phase="taken",
+        sessions=adopted,
+        version=version(),
+        old_pid=frm.get("pid"),
+        old_version=frm.get("version"),
+    )
     for bid, d in body.get("drains", {}).items():
         found = rt.state.find_backend(bid)
         if found is None:

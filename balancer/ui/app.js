@@ -795,6 +795,18 @@
           .map((k) => `${k} ${list(r[k])}`);
         return { text: `config reloaded${parts.length ? `: ${parts.join("; ")}` : ", no change"}`, bad: false };
       }
+      case "restart": {
+        if (e.phase === "failed") return { text: `restart failed (${s(e.reason)}): ${s(e.error)}`, bad: true };
+        if (e.phase === "started") return { text: `restart: starting the code installed now`, bad: false };
+        if (e.phase === "taken") {
+          return {
+            text: `restart: new code ${s(e.version)} took over ${s(e.sessions)} sessions from pid ${s(e.old_pid)} (${s(e.old_version)})`,
+            bad: false,
+          };
+        }
+        const sessions = e.sessions && typeof e.sessions === "object" ? e.sessions : {};
+        return { text: `restart finished: ${s(sessions.moved ?? e.moved)} sessions moved in ${s(e.seconds)} s`, bad: false };
+      }
       case "backend_added":
         return { text: `backend ${s(e.backend)} added to pool ${s(e.pool)}`, bad: false };
       case "backend_removed":
