@@ -280,6 +280,16 @@ async def test_an_upgrade_serves_the_new_code(tmp_path: Path) -> None:
         c = Client(lb.url, "upgrade")
         seen = await start_answer(c, TOKENS, 3)
         first = await asyncio.to_thread(restart, lb)
+        # A new version that does not import: the old code serves on, the reason in the answer.
+        broken = src / "balancer" / "aio" / "drain.py"
+        good = broken.read_text()
+        broken.write_text(good + "\nimport no_such_module_for_wslb\n")
+        status, body = await asyncio.to_thread(restart_error, lb)
+        broken.write_text(good)
+        assert status == 500, body
+        assert "restart failed (code)" in body["error"], body
+        assert "no_such_module_for_wslb" in body["error"], body
+        assert lb.admin("/version")["pid"] == first["new"]["pid"]
         version = src / "balancer" / "version.py"
         version.write_text(
             version.read_text().replace(
