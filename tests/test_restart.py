@@ -29,7 +29,9 @@ import yaml
 from websockets.exceptions import ConnectionClosed
 
 from balancer.aio import offload
-from tests.procs import ROOT, Procs, Wslb, free_port
+from tests.etcd import Etcd
+from tests.procs import ROOT, Procs, Worker, Wslb, free_port
+from tests.test_cluster_etcd import cluster_config
 from tests.test_failover import default_system, failovers, relay_thread, worker_proc
 from tests.test_resume import Client
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
@@ -458,3 +460,30 @@ async def test_a_restart_during_a_failover(system: Wslb) -> None:
     while lb.admin(f"/backends/{victim}")["state"] != "active" and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
     assert lb.admin(f"/backends/{victim}")["state"] == "active"
+
+
+async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
+    """Cluster mode over a real etcd: after a restart the instance is the same one (its id,
+    its drain reports), not a second instance with the first one's keys expiring."""
+    etcd = Etcd(tmp_path / "etcd").start()
+    workers = [Worker(f"w{i}", ["--tokens-per-s", "80"]).start() for i in range(2)]
+    resume = {"enabled": True, "grace": "30s", "buffer": "1MiB"}
+    lb = Wslb(cluster_config(etcd, workers, resume=resume), tmp_path)
+    try:
+        lb.start()
+        lb.wait_ready()
+        before = lb.admin("/readyz")["cluster"]["instances"]
+        assert len(before) == 1
+        c = Client(lb.url, "cluster-restart")
+        seen = await start_answer(c, 200, 3)
+        answer = await asyncio.to_thread(restart, lb)
+        assert answer["sessions"]["moved"] == 1, answer
+        await rest_of_answer(c, seen)
+        assert seen == list(range(200))
+        await asyncio.sleep(1.0)  # past the old process's exit and lease revocation
+        assert lb.admin("/readyz")["cluster"]["instances"] == before
+    finally:
+        lb.stop()
+        for w in workers:
+            w.stop()
+        etcd.stop()

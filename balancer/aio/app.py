@@ -215,6 +215,9 @@ class Runtime:
             generated,
         )
 
+    def cluster_instance(self) -> str | None:
+        return self.cluster.instance if self.cluster is not None else None
+
     def stop_accepting(self) -> None:
         if self.listeners is not None:
             self.listeners.stop_accepting()
@@ -599,6 +602,8 @@ async def take_listeners(rt: Runtime, taker: TakeOver) -> None:
     admin_sock = rest.pop(0) if body.get("admin") else None
     metrics_sock = rest.pop(0) if body.get("metrics") else None
     rt.admin.adopt(admin_sock, metrics_sock, body.get("token"), bool(body.get("generated")))
+    if rt.cluster is not None and body.get("cluster_instance"):
+        rt.cluster.instance = str(body["cluster_instance"])  # its place in etcd, kept
     if isinstance(rt.monitors, LocalMonitors):
         rt.monitors.adopt = {str(k): int(v) for k, v in body.get("spawned", {}).items()}
     now = time.time()

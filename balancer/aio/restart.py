@@ -109,6 +109,10 @@ class Host(Protocol):
 
     def handed(self) -> Handed: ...
 
+    def cluster_instance(self) -> str | None:
+        """Cluster mode: this instance's id in etcd (the new code keeps it)."""
+        ...
+
     def stop_accepting(self) -> None: ...
 
     async def accept_again(self) -> None: ...
@@ -270,6 +274,7 @@ class Restarter:
                 "backends": _backend_states(st),
                 "drains": drains,
                 "spawned": host.monitors.spawned(),
+                "cluster_instance": host.cluster_instance(),
                 "from": {"pid": os.getpid(), "version": version(), "started": started_iso()},
             }
             await _send(conn, b"L", body, fds)
