@@ -75,6 +75,7 @@ STEP_TIMEOUT = 10.0  # each answer of the taker
 FINISH_TIMEOUT = 15.0  # migrations and failovers in flight
 FLUSH_TIMEOUT = 1.0  # a session's write buffers reaching the kernel
 MOVE_TIMEOUT = 30.0  # every session moved, or the rest closed with 1012
+LATE = 0.5  # how long sessions still in their handshake at the hand-over have to appear
 _BUSY = (Mode.MIGRATING, Mode.HELD, Mode.FAILING_OVER)
 _MAX_LINE = 1 << 16
 
@@ -331,9 +332,13 @@ class Restarter:
         st = self.host.state
         loop = st.loop
         out = Outcome()
-        deadline = loop.time() + MOVE_TIMEOUT
+        start = loop.time()
+        deadline = start + MOVE_TIMEOUT
         while True:
-            waiting = False
+            # A connection accepted here just before the taker took the listeners becomes a
+            # session a little later (its handshake, its worker's connect): rounds go on for
+            # ``LATE`` after the listeners were handed.
+            waiting = loop.time() - start < LATE
             for s in list(st.sessions):
                 if s.closing or s.finished:
                     continue
