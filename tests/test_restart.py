@@ -146,6 +146,13 @@ async def test_a_restart_during_a_drain_and_with_detached_clients(system: Wslb) 
     away = clients[:5]
     for c in away:
         c.cut()
+    # Detached before the drain starts (a client lost mid-migration is not detached: Rule 8).
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        modes = [v["mode"] for v in lb.admin("/sessions")]
+        if modes.count("detached") == len(away):
+            break
+        await asyncio.sleep(0.05)
     busiest = max(lb.admin("/backends"), key=lambda b: b["sessions"])["id"]
     lb.admin_post(f"/backends/{busiest}/drain", {"migrate": True})
     answer = await asyncio.to_thread(restart, lb)
@@ -472,6 +479,9 @@ async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
     try:
         lb.start()
         lb.wait_ready()
+        deadline = time.monotonic() + 10
+        while not lb.admin("/readyz")["cluster"]["instances"] and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
         before = lb.admin("/readyz")["cluster"]["instances"]
         assert len(before) == 1
         c = Client(lb.url, "cluster-restart")
@@ -481,7 +491,12 @@ async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
         await rest_of_answer(c, seen)
         assert seen == list(range(200))
         await asyncio.sleep(1.0)  # past the old process's exit and lease revocation
-        assert lb.admin("/readyz")["cluster"]["instances"] == before
+        after = lb.admin("/readyz")["cluster"]["instances"]
+        deadline = time.monotonic() + 10
+        while after != before and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            after = lb.admin("/readyz")["cluster"]["instances"]
+        assert after == before
     finally:
         lb.stop()
         for w in workers:

@@ -595,6 +595,7 @@ async def serve(
 async def take_listeners(rt: Runtime, taker: TakeOver) -> None:
     """A restart's new code, before it starts: the old code's listeners and states."""
     body, socks = await taker.listeners()
+    rt.state.arriving = asyncio.Event()  # until the last session came (TakeOver.sessions)
     n = int(body["listen"])
     if rt.listeners is not None:
         rt.listeners.adopted = socks[:n]

@@ -13,6 +13,7 @@ tunnelled. Once the worker's 101 is checked, both transports are handed to a ``S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -68,6 +69,8 @@ def requested_model(query: str) -> str | None:
             return value or None
     return None
 
+
+ARRIVAL_WAIT = 35.0  # a resume during a restart: the old code's sessions moving (30 s at most)
 
 _REASONS = {
     400: "Bad Request",
@@ -325,6 +328,11 @@ class ClientConnection(asyncio.Protocol):
         pool, req, key, sid, _ = routed
         if pool.cfg.resume.enabled and resume.token is not None:
             live = st.find_session(sid)
+            arriving = st.arriving
+            if live is None and arriving is not None and resume.count is not None:
+                with contextlib.suppress(TimeoutError):  # a restart is handing it on
+                    await asyncio.wait_for(arriving.wait(), ARRIVAL_WAIT)
+                live = st.find_session(sid)
             if live is None and st.fetch_session is not None and resume.count is not None:
                 # workers: N: another serving process may hold it (handover.py)
                 assert self.transport is not None

@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -143,6 +144,7 @@ class Restarter:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.running = False
+        self.taker: Any = None  # the last new process started (a Popen: kept, not collected)
 
     async def restart(self, socket_path: str | None = None) -> dict[str, Any]:
         """Restart this process; ``socket_path``: a serving process of ``workers: N``, whose
@@ -199,7 +201,7 @@ class Restarter:
             cmd = python_module(
                 "balancer", "--config", host.config_path, "--log-level", level, "--take-over", path
             )  # fmt: skip
-            proc = await asyncio.create_subprocess_exec(*cmd, env=env, pass_fds=pass_fds)
+            proc = self.taker = _spawn(cmd, env, pass_fds)
             if keeper_r is not None:
                 os.close(pass_fds[0])
             conn = await _accept_taker(lsock, proc)
@@ -494,20 +496,28 @@ def _shm() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def _spawn(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = (), **kw: Any) -> Any:
+    """``subprocess.Popen``, not the loop's spawn: uvloop leaves every inheritable descriptor
+    of the parent open in the child, so each restart's new process held a few more (its
+    stdio's copies) than the one before; Popen closes all but ``pass_fds``."""
+    return subprocess.Popen(cmd, env=env, pass_fds=pass_fds, close_fds=True, **kw)
+
+
 async def check_new_code(config_path: str) -> None:
     """Rule 1: ``wslb check --deep`` with the code installed now; ``RestartError`` with its
     own words when it fails."""
-    proc = await asyncio.create_subprocess_exec(
-        *python_module("balancer", "check", "--deep", config_path),
-        env=child_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+    proc = _spawn(
+        python_module("balancer", "check", "--deep", config_path),
+        child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
+    loop = asyncio.get_running_loop()
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), CHECK_TIMEOUT)
-    except TimeoutError:
+        out, _ = await loop.run_in_executor(None, proc.communicate, None, CHECK_TIMEOUT)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        await proc.wait()
+        await loop.run_in_executor(None, proc.communicate)
         raise RestartError(
             "check", f"the new code's check took over {CHECK_TIMEOUT:.0f}s"
         ) from None
@@ -517,10 +527,15 @@ async def check_new_code(config_path: str) -> None:
         raise RestartError(reason, text[-4000:] or f"the check exited with {proc.returncode}")
 
 
-async def _accept_taker(lsock: socket.socket, proc: asyncio.subprocess.Process) -> socket.socket:
+async def _exited(proc: Any) -> None:
+    while proc.poll() is None:  # noqa: ASYNC110 (a Popen: no loop watcher)
+        await asyncio.sleep(0.05)
+
+
+async def _accept_taker(lsock: socket.socket, proc: Any) -> socket.socket:
     loop = asyncio.get_running_loop()
     accept = loop.create_task(loop.sock_accept(lsock))
-    exited = loop.create_task(proc.wait())
+    exited = loop.create_task(_exited(proc))
     done, _ = await asyncio.wait(
         {accept, exited}, timeout=TAKER_TIMEOUT, return_when="FIRST_COMPLETED"
     )
@@ -624,6 +639,9 @@ class TakeOver:
             await loop.sock_sendall(conn, json.dumps(summary).encode() + b"\n")
         finally:
             conn.close()
+            if st.arriving is not None:  # resumes waiting for a session look again
+                st.arriving.set()
+                st.arriving = None
         st.stats.restarts["taken"] += 1
         log.info(
             "restart: took over %d sessions (%d could not be adopted)", self.adopted, self.failed

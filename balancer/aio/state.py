@@ -74,6 +74,9 @@ class ServerState:
         self.detached_sessions: dict[Session, None] = {}  # waiting for their client (Rule 8)
         # workers: N: a session another serving process holds, adopted here (handover.py).
         self.fetch_session: Callable[[str, str, Any], Awaitable[Session | None]] | None = None
+        # A restart's new code while the old one is still handing its sessions on: a resume
+        # for one not here yet waits for it (aio/restart.py) instead of a 409.
+        self.arriving: asyncio.Event | None = None
         self.connections = 0
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
