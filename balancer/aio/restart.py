@@ -25,7 +25,7 @@ The rules, in order (the old code is the *giver*, the new one the *taker*):
 6. **The end.** Plain HTTP requests in flight finish in the giver; then the giver answers the
    restart with what moved and what did not (and why), and exits. The process a supervisor
    (systemd, Kubernetes) tracks must stay: if the giver is that process it becomes the keeper
-   (``balancer/keeper.py``, by ``exec``: same pid, a few MiB) and the taker serves under it.
+   (``balancer/keeper.py``, by ``exec``: same pid, 14 MB) and the taker serves under it.
 """
 
 from __future__ import annotations
