@@ -4,8 +4,8 @@ hot restart (``aio/restart.py``).
 A restart's new code runs in a new process, but the pid a supervisor watches must stay: it is
 the one systemd's ``MainPID`` names, a container's PID 1, the one ``kill`` and ``wslb ctl`` users
 signal. So the old process, once it has handed everything on, ``exec``s this small program in
-its place (same pid; a bare interpreter, 14 MB) instead of exiting, as HAProxy's master process stays while its
-workers are replaced. The keeper:
+its place (same pid; a bare interpreter, 14 MB) instead of exiting, as HAProxy's master process
+stays while its workers are replaced. The keeper:
 
 - is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): each later restart's old process exits
   and its children (the new serving process, spawned workers) become the keeper's, so nothing

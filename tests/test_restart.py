@@ -42,20 +42,13 @@ N = int(os.environ.get("RESTART_N", "100"))
 
 def restart(lb: Wslb) -> dict[str, Any]:
     """``POST /restart``; its answer (raises with the body on an error status)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{lb.admin_port}/restart",
-        data=b"{}",
-        method="POST",
-        headers={"Content-Type": "application/json", **lb.auth},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return dict(json.loads(r.read()))
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{exc.code}: {exc.read().decode()}") from None
+    status, body = restart_error(lb)
+    assert status == 200, f"{status}: {body}"
+    return body
 
 
 def restart_error(lb: Wslb) -> tuple[int, dict[str, Any]]:
+    """``POST /restart``: its status and JSON body, whatever the status."""
     req = urllib.request.Request(
         f"http://127.0.0.1:{lb.admin_port}/restart",
         data=b"{}",

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from balancer import workerauth
@@ -166,24 +166,18 @@ class Spawner:
         self._adopted.clear()
 
     async def _watch_adopted(self, backend: Backend, pid: int) -> None:
-        """Until the adopted worker ``pid`` exits (a pidfd: it is not this process's child)."""
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _resolve, done)
-        try:
+        """Until the adopted worker ``pid`` exits (it is not this process's child)."""
+        with _exit_of(pid) as exited:
+            if exited is None:
+                return
             self._adopted[backend.id] = pid
             log.info("adopted worker %s (pid %d)", backend.id, pid)
-            if not backend.healthy and await self._accepts(backend):
-                self._set(backend, True)
-            await done
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-            self._adopted.pop(backend.id, None)
+            try:
+                if not backend.healthy and await self._accepts(backend):
+                    self._set(backend, True)
+                await exited
+            finally:
+                self._adopted.pop(backend.id, None)
         self._set(backend, False, "worker process exited")
 
     def _set(self, backend: Backend, healthy: bool, reason: str | None = None) -> None:
@@ -269,28 +263,34 @@ class Spawner:
                 await proc.wait()
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+@contextlib.contextmanager
+def _exit_of(pid: int) -> Iterator[asyncio.Future[None] | None]:
+    """A future done when ``pid`` exits (a pidfd: it need not be this process's child), or
+    None if it is gone already."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        yield None
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: None if done.done() else done.set_result(None))
+    try:
+        yield done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 async def _stop_pid(pid: int, timeout: float) -> None:
     """SIGTERM, then SIGKILL after ``timeout``, to a process that is not this one's child."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, _resolve, done)
-    try:
+    with _exit_of(pid) as exited:
+        if exited is None:
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(done, timeout)
+            await asyncio.wait_for(exited, timeout)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
