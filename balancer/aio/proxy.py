@@ -584,12 +584,12 @@ async def open_upstream(
         ),
         timeouts.connect,
     )
-    connected = time.perf_counter()
+    connected = proto.sent_at or time.perf_counter()
     proto.connect_s = connected - dialled
     state.stats.upstream_connect.observe(backend.id, proto.connect_s)
     try:
         response, trailing = await asyncio.wait_for(proto.done, timeouts.handshake)
-        proto.answer_s = time.perf_counter() - connected
+        proto.answer_s = (proto.answered_at or time.perf_counter()) - connected
         if response.status_code != 101:  # a refusal: ``trailing`` holds its body
             check_upstream_response(response, nonce, req.subprotocols, trailing)
         subprotocol = check_upstream_response(response, nonce, req.subprotocols)
@@ -618,15 +618,21 @@ class UpstreamHandshake(asyncio.Protocol):
         # Seconds: the TCP (and TLS) connect, then the worker's answer (the access log).
         self.connect_s = 0.0
         self.answer_s = 0.0
+        # When the request went and the answer came, taken in the callbacks themselves: the
+        # awaits resume a loop turn later, and on a busy loop the 101 is often in by then.
+        self.sent_at = 0.0
+        self.answered_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.sent_at = time.perf_counter()
         self.transport.write(self.h11.send(self.request) or b"")
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
             self.extra += data
             return
+        self.answered_at = time.perf_counter()
         try:
             self.h11.receive_data(data)
             while not self.done.done():
