@@ -152,15 +152,9 @@ class Admin:
             # Answers its supervisor only, in the supervisor's private (0700) run directory.
             await web.UnixSite(self._runner, self.unix_socket).start()
             return
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         # Bound before the token file is written (the file names an API that is there), and the
         # file written before requests are served (a client that gets an answer finds it).
-        adopted = self._adopted
-        if adopted is not None and adopted[0] is not None:
-            sock = adopted[0]
-        else:
-            sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=128)
-        self._sock = sock
+        sock = self._sock = self._listening(0, cfg.host, cfg.port)
         if self._token is None:
             token, path = admintoken.generate(cfg.port)
             self._generated = token
@@ -182,14 +176,17 @@ class Admin:
         app.router.add_get("/metrics", self.metrics)
         self._metrics_runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._metrics_runner.setup()
-        family = socket.AF_INET6 if ":" in at.host else socket.AF_INET
-        adopted = self._adopted
-        if adopted is not None and adopted[1] is not None:
-            sock = adopted[1]
-        else:
-            sock = socket.create_server((at.host, at.port), family=family, backlog=128)
-        self._metrics_sock = sock
+        sock = self._metrics_sock = self._listening(1, at.host, at.port)
         await web.SockSite(self._metrics_runner, sock).start()
+
+    def _listening(self, which: int, host: str, port: int) -> socket.socket:
+        """The old code's socket a restart passed (``which``: 0 admin, 1 metrics), else one
+        bound now."""
+        adopted = None if self._adopted is None else self._adopted[which]
+        if adopted is not None:
+            return adopted
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=128)
 
     # -- a hot restart ---------------------------------------------------------------------
 
