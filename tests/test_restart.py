@@ -33,7 +33,7 @@ from tests.etcd import Etcd
 from tests.procs import ROOT, Procs, Worker, Wslb, free_port
 from tests.test_cluster_etcd import cluster_config
 from tests.test_failover import default_system, failovers, relay_thread, worker_proc
-from tests.test_resume import Client
+from tests.test_resume import WORDS, Client, stock_system
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
 
 TOKENS = 250  # at balancer.yaml's workers' 50 tokens/s: 5 s per answer
@@ -495,3 +495,50 @@ async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
         for w in workers:
             w.stop()
         etcd.stop()
+
+
+async def test_a_stock_fastapi_apps_answer_streams_through_a_restart(tmp_path: Path) -> None:
+    """In front of a server nobody wrote for wslb (the article's FastAPI app under uvicorn's
+    CLI), with a new user's config: an answer streaming word by word through a restart arrives
+    whole, on the same client connection."""
+    with Procs(tmp_path) as procs:
+        lb = stock_system(tmp_path, procs, "article", "/ws/chat")
+        c = Client(lb.url, "fa-restart", path="/ws/chat")
+        await c.open()
+        assert c.ws is not None
+        await c.ws.send("hello")
+        words = [(await c.recv())["text"] for _ in range(2)]
+        answer = await asyncio.to_thread(restart, lb)
+        assert answer["sessions"]["moved"] == 1, answer
+        while True:
+            msg = await c.recv()
+            if msg["type"] == "done":
+                break
+            words.append(msg["text"])
+        assert words == list(WORDS)
+        assert c.ws.close_code is None
+        await c.ws.close()
+
+
+def test_restart_refuses_a_caller_without_the_admin_token_and_a_cross_origin_page(
+    system: Wslb,
+) -> None:
+    """``POST /restart`` as an attacker would send it: no token, a wrong one, and a page of
+    another origin with the right one (a browser's CSRF). Each is refused and nothing
+    restarts."""
+    lb = system
+    before = lb.admin("/version")
+    url = f"http://127.0.0.1:{lb.admin_port}/restart"
+    attempts = [
+        {"Content-Type": "application/json"},
+        {"Content-Type": "application/json", "Authorization": "Bearer not-the-token-at-all"},
+        {"Content-Type": "application/json", "Origin": "http://evil.example", **lb.auth},
+        {"Content-Type": "text/plain", **lb.auth},  # a form a page may post without CORS
+    ]
+    for headers in attempts:
+        req = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code in (401, 403, 415), (headers, refused.value.code)
+        refused.value.close()
+    assert lb.admin("/version") == before
