@@ -193,6 +193,42 @@ async def test_an_invalid_config_leaves_the_old_code_serving(system: Wslb) -> No
     assert (await asyncio.to_thread(restart, lb))["ok"] is True
 
 
+async def test_the_new_code_killed_mid_restart_leaves_the_old_code_listening(
+    system: Wslb,
+) -> None:
+    """The new code dies after it took the listeners (SIGKILL, once its admin API answers): the
+    restart fails with the reason, and the old code accepts again on every listener, the admin
+    API's too; the next restart works."""
+    lb = system
+    before = lb.admin("/version")
+    c = Client(lb.url, "kill-taker")
+    await c.open()
+    assert (await c.recv())["type"] == "hello"
+    restarting = asyncio.create_task(asyncio.to_thread(restart_error, lb))
+    taker = 0
+    deadline = time.monotonic() + 60
+    while not taker and time.monotonic() < deadline and not restarting.done():
+        pid = int((await asyncio.to_thread(lb.admin, "/version"))["pid"])
+        if pid != before["pid"]:
+            taker = pid
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.01)
+    assert taker, "the new code's admin API never answered"
+    status, body = await restarting
+    assert status == 500, body
+    assert "restart failed (taker)" in body["error"], body
+    # The old code answers on both listeners again, as it was.
+    assert lb.admin("/version") == before
+    again = Client(lb.url, "after-kill")
+    seen = await start_answer(again, 20, 3)
+    await rest_of_answer(again, seen)
+    assert seen == list(range(20))
+    for cl in (c, again):
+        if cl.ws is not None:
+            await cl.ws.close()
+    assert (await asyncio.to_thread(restart, lb))["ok"] is True
+
+
 async def test_connects_during_restarts_all_succeed_and_signals_restart_too(system: Wslb) -> None:
     """A client dialling in a loop through three restarts (POST, SIGUSR2 to the pid a
     supervisor knows, ``wslb ctl restart``): every connect and handshake succeeds."""
@@ -232,10 +268,15 @@ async def test_connects_during_restarts_all_succeed_and_signals_restart_too(syst
         assert lb.proc is not None
         os.kill(lb.pid, signal.SIGUSR2)  # now the keeper: it passes the signal on
         deadline = time.monotonic() + 30
+        newest = ""
         while len(started) < 3 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            started.add(lb.admin("/version")["started"])
+            newest = lb.admin("/version")["started"]
+            started.add(newest)
         assert len(started) == 3
+        # Once the new code answered, the old never does (it would say a restart is running).
+        for _ in range(30):
+            assert lb.admin("/version")["started"] == newest
         ctl = await asyncio.to_thread(
             subprocess.run,
             [

@@ -116,6 +116,7 @@ class Admin:
         self._adopted: tuple[socket.socket | None, socket.socket | None] | None = None
         self._sock: socket.socket | None = None
         self._metrics_sock: socket.socket | None = None
+        self._spare: list[tuple[web.AppRunner, socket.socket]] = []  # stop_listening(keep=True)
         self._guarded = unix_socket is None  # Origin, Host and Content-Type checks
         self._check_host = is_loopback(cfg.host)
 
@@ -214,13 +215,34 @@ class Admin:
     def release_token(self) -> None:
         self._generated = None
 
-    async def stop_listening(self) -> None:
+    async def stop_listening(self, keep: bool = False) -> None:
         """A restart handed the listeners on: accept nothing more here (requests being
-        answered still are)."""
+        answered still are). ``keep``: the new code may yet fail; keep a copy of each TCP
+        socket to ``listen_again`` on. A Unix socket stays: the new code binds its path anew,
+        which sends new connects there, and the old one answers its supervisor if that fails."""
+        if keep and self.unix_socket is not None:
+            return
+        if keep:
+            for runner, sock in (
+                (self._runner, self._sock),
+                (self._metrics_runner, self._metrics_sock),
+            ):
+                if runner is not None and sock is not None:
+                    self._spare.append((runner, socket.socket(fileno=os.dup(sock.fileno()))))
         for runner in (self._runner, self._metrics_runner):
             if runner is not None:
                 for site in list(runner.sites):
                     await site.stop()
+
+    async def listen_again(self) -> None:
+        """The restart failed after the new code took the listeners: answer here again."""
+        spare, self._spare = self._spare, []
+        for runner, sock in spare:
+            if runner is self._runner:
+                self._sock = sock
+            else:
+                self._metrics_sock = sock
+            await web.SockSite(runner, sock).start()
 
     async def stop(self) -> None:
         for task in list(self._streams):

@@ -218,13 +218,17 @@ class Runtime:
     def cluster_instance(self) -> str | None:
         return self.cluster.instance if self.cluster is not None else None
 
-    def stop_accepting(self) -> None:
+    async def stop_accepting(self) -> None:
+        """The new code accepts from here on, the admin API's connects too: a request after
+        the new code answered one must not reach the old (it would see a restart running)."""
         if self.listeners is not None:
             self.listeners.stop_accepting()
+        await self.admin.stop_listening(keep=True)
 
     async def accept_again(self) -> None:
         if self.listeners is not None:
             await self.listeners.accept_again()
+        await self.admin.listen_again()
 
     def done(self, then_exec: list[str] | None, successor: int) -> None:
         self.handed_on = True

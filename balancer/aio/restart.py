@@ -15,8 +15,10 @@ The rules, in order (the old code is the *giver*, the new one the *taker*):
 4. **Listeners.** The giver passes the taker its listening sockets (client, admin, metrics:
    ``SCM_RIGHTS``, not rebound, so no connect is refused or reset), with the backends' health
    and states, the drains, the spawned workers' pids and the admin token. Once the taker is
-   accepting, the giver stops accepting on the client listeners (it keeps a copy of each until
-   the end, to listen again if the taker dies).
+   accepting, the giver stops accepting on all of them, the admin API's too (it keeps a copy of
+   each until the end, to listen again if the taker dies): a request after one the new code
+   answered never reaches the old. A restart asked of the taker before its last session came
+   waits for it.
 5. **Sessions, one at a time.** Each is quiesced (the relay thread's sessions are taken back
    first), its write buffers flushed to the kernel, described as data (``Session.snapshot``) and
    passed with both its sockets; the taker adopts it and says so; only then does the giver let
@@ -115,7 +117,7 @@ class Host(Protocol):
         """Cluster mode: this instance's id in etcd (the new code keeps it)."""
         ...
 
-    def stop_accepting(self) -> None: ...
+    async def stop_accepting(self) -> None: ...
 
     async def accept_again(self) -> None: ...
 
@@ -150,7 +152,13 @@ class Restarter:
         """Restart this process; ``socket_path``: a serving process of ``workers: N``, whose
         supervisor checked the new code and starts it (``multi.ServingProcess.replace``) to
         connect there."""
-        if self.running:
+        arriving = self.host.state.arriving
+        if arriving is not None:
+            # This code is still taking over from the last restart (the old code no longer
+            # answers): this restart follows once the last session is here.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arriving.wait(), MOVE_TIMEOUT + STEP_TIMEOUT)
+        if self.running or self.host.state.arriving is not None:
             raise RestartError("busy", "a restart is running already")
         if self.host.config_path is None:
             raise RestartError("no_config", "a restart rereads the config file: none was given")
@@ -287,9 +295,12 @@ class Restarter:
         except BaseException:
             host.drainer.resume()
             raise
-        host.stop_accepting()
+        await host.stop_accepting()
         try:
             outcome = await self._sessions(conn)
+            await _requests_done(st)
+            await _send(conn, b"E", {}, [])
+            summary = json.loads(await _step(read_line(loop, conn, _MAX_LINE), "end"))
         except (OSError, ValueError, TimeoutError, RestartError) as exc:
             # The taker failed with the listeners: listen again, keep what was not handed on
             # (what it adopted goes with it: it is stopped).
@@ -299,9 +310,6 @@ class Restarter:
             host.drainer.resume()
             detail = exc.detail if isinstance(exc, RestartError) else repr(exc)
             raise RestartError("taker", f"the new code failed mid-restart: {detail}") from None
-        await _requests_done(st)
-        await _send(conn, b"E", {}, [])
-        summary = json.loads(await _step(read_line(loop, conn, _MAX_LINE), "end"))
         pauses = sorted(outcome.pauses)
         for reason, n in outcome.not_moved.items():
             st.stats.restart_sessions[reason] += n
