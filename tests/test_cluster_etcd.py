@@ -101,7 +101,11 @@ async def test_three_instances_one_balancer(tmp_path: Path) -> None:
     try:
         await asyncio.gather(*(asyncio.to_thread(lb.start) for lb in lbs))  # together: one seed
         for lb in lbs:
-            await until(lambda lb=lb: len(lb.admin("/backends")) == 3, 5, "backends from etcd")
+
+            def three(lb: Wslb = lb) -> bool:
+                return len(lb.admin("/backends")) == 3
+
+            await until(three, 5, "backends from etcd")
         seed = etcd.call("/v3/kv/range", {"key": _b64(PREFIX + "seed")})
         assert seed.get("count") == "1", seed
 

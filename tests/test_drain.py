@@ -121,7 +121,7 @@ async def test_worker_without_handoff_gets_graceful_1012_after_its_answer(tmp_pa
         assert b["drain"]["closed_after_answer"] == len(sids)
         assert 'wslb_migrations_total{result="no_api"}' in lb.admin("/metrics")
         # Reconnects with the same key land elsewhere and carry on.
-        where = Counter()
+        where: Counter[str] = Counter()
         for sid in sids:
             async with connect(f"{lb.url}/ws?session={sid}") as ws:
                 where[json.loads(await ws.recv())["worker"]] += 1
@@ -142,7 +142,8 @@ async def test_worker_sigterm_is_drained_automatically(tmp_path: Path) -> None:
     cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
     lb = Wslb(cfg, tmp_path).start()
     try:
-        sids, i = [], 0
+        sids: list[str] = []
+        i = 0
         while len(sids) < 4 and i < 100:
             async with connect(f"{lb.url}/ws?session=term-{i}") as ws:
                 if json.loads(await ws.recv())["worker"] == "quit":
