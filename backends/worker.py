@@ -598,6 +598,12 @@ class _Thawed:
     events: tuple[dict[str, Any], ...] = ()
     """Realtime client events of a transcript's ``queued``, acted on after the resume."""
     responses: ResponsesSession | None = None
+    thawed_at: float = 0.0
+    """``time.monotonic()`` of the thaw: the KV transfer starts there (the target pulls the KV
+    cache once it knows the session is coming), so a resume waits only for what is left."""
+
+    def transfer_left(self) -> float:
+        return max(0.0, self.transfer_s - (time.monotonic() - self.thawed_at))
 
 
 _State: TypeAlias = tuple[
@@ -782,8 +788,9 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
     def _install(self, sid: str, state: _State) -> None:
         snapshot, realtime, events, responses = state
         transfer = self.config.handoff_kv == "transfer"
-        transfer_s = self.model.thaw(snapshot, time.monotonic(), transfer_kv=transfer)
-        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events, responses)
+        now = time.monotonic()
+        transfer_s = self.model.thaw(snapshot, now, transfer_kv=transfer)
+        self._thawed[sid] = _Thawed(snapshot, transfer_s, realtime, events, responses, now)
         # Thaws never resumed would pile up: keep only those the model still holds (ttl).
         for stale in [s for s in self._thawed if self.model.session(s) is None]:
             del self._thawed[stale]
@@ -918,14 +925,14 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         """Set a resumed connection up to continue exactly where the old worker stopped."""
         snapshot = thawed.snapshot
         if snapshot.answer is not None:
-            turn = self.model.resume_turn(conn.sid, snapshot.answer, thawed.transfer_s)
+            turn = self.model.resume_turn(conn.sid, snapshot.answer, thawed.transfer_left())
             cancelled = snapshot.answer.cancelled
             if isinstance(conn, _RealtimeConnection):
                 cancelled = cancelled or conn.rt.cancel_requested  # a transcript's realtime
             conn.current, conn.cancelled = turn, cancelled
             conn.resumed = turn
         else:
-            conn.resume_delay = thawed.transfer_s
+            conn.resume_delay = thawed.transfer_left()
         for queued in snapshot.queued:
             conn.queue.put_nowait((queued.prompt, queued.max_tokens))
 

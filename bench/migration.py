@@ -22,10 +22,11 @@ After ``--warmup`` seconds it drains the worker holding the most sessions
 It then explains the pause from the processes' logs (wslb logs ``session X moved A -> B in N ms``,
 the workers log ``froze session X`` and ``thawed session X (kv ..., T ms)``, all at 1 ms
 resolution): request -> freeze handled, freeze handled -> thaw handled, thaw handled -> first
-message on the new leg, of which the simulated model accounts for one decode interval plus the KV
-transfer. Finally ``--probe`` sessions connected straight to two loaded workers are handed off one
-at a time with the step timed from outside (freeze POST, thaw POST, resume handshake, first
-token), which is the floor of the protocol on this machine under the same load.
+message on the new leg, of which the simulated model accounts for at most the KV transfer and
+the prefill (the transfer starts at the thaw and overlaps wslb's resume connect). Finally
+``--probe`` sessions connected straight to two loaded workers are handed off one at a time with
+the step timed from outside (freeze POST, thaw POST, resume handshake, first token), which is the
+floor of the protocol on this machine under the same load.
 
 Not a test: pytest collects only ``tests/``. Run ``python bench/migration.py --help``.
 """
@@ -106,7 +107,7 @@ class Steps:
     to_freeze: float  # wslb froze the client (start of the pause) -> old worker handled freeze
     to_thaw: float  # old worker handled freeze -> new worker handled thaw
     to_first: float  # new worker handled thaw -> first message on the new leg (end of pause)
-    model: float  # of ``to_first``: the simulated decode interval, KV transfer and prefill
+    model: float  # of ``to_first``, at most: the simulated KV transfer and prefill
     transfer: float  # the KV transfer alone
     prefill: float  # the prefill of the context not in the new worker's KV cache
 
@@ -114,10 +115,10 @@ class Steps:
 @dataclass(frozen=True)
 class ModelCost:
     """The reference worker's simulated times, to take out of the pause (see ``resume_turn``):
-    a resumed answer waits the KV transfer, the prefill of the context not transferred, then one
-    decode interval before its first token (at full rate: streams per worker <= max_batch)."""
+    a resumed answer waits what is left of the KV transfer (it starts at the thaw, so wslb's
+    resume connect overlaps it: the figure is an upper bound) and the prefill of the context
+    not transferred; its next token is then due at once (``run_turn``: no decode interval)."""
 
-    token_interval_ms: float
     prefill_ms_per_token: float
     kv_transfer_ms_per_token: float
 
@@ -125,7 +126,7 @@ class ModelCost:
         """(the whole model time, of which prefill) in ms."""
         cached = round(transfer_ms / self.kv_transfer_ms_per_token)
         prefill = max(0, context - cached) * self.prefill_ms_per_token
-        return self.token_interval_ms + transfer_ms + prefill, prefill
+        return transfer_ms + prefill, prefill
 
 
 def log_steps(
@@ -453,7 +454,7 @@ async def _measure(
         s = by_stream.get(sid)
         return None if s is None else s.context_at(sent)
 
-    cost = ModelCost(1e3 / args.rate, args.prefill_ms_per_token, args.kv_transfer_ms_per_token)
+    cost = ModelCost(args.prefill_ms_per_token, args.kv_transfer_ms_per_token)
     steps, failure_lines = log_steps(
         wslb.output(), [procs.log(w.name) for w in workers], cost, context_at
     )
@@ -555,7 +556,7 @@ def report(info: dict[str, Any], results: list[RunResult], args: argparse.Namesp
     w("")
     w(
         "| N | hold -> freeze handled | -> thaw handled | -> first msg on new leg | "
-        "of which model (decode interval + KV transfer + prefill) | rest of that step | pause | "
+        "of which model, at most (KV transfer + prefill) | rest of that step | pause | "
         "pause - model |"
     )
     w("|---:|---:|---:|---:|---:|---:|---:|---:|")
