@@ -67,8 +67,9 @@ which raises ``IllegalTransition`` on any step the table ``TRANSITIONS`` does no
                   resume window only; ``grace`` later it is Rule 2's after all
 
 Rule 8 (client resume, pools with ``resume.enabled``): a client leg lost without a close (RST,
-EOF, a ping without a pong) while both legs are OPEN, the session RELAYING and the client between
-messages is not Rule 2's: the session is DETACHED (``detached_at`` set). The worker leg stays
+EOF, a ping without a pong) while both legs are OPEN, the session RELAYING (or in a migration:
+MIGRATING, HELD) and the client between messages is not Rule 2's: the session is DETACHED
+(``detached_at`` set; a migration goes on and gives it back DETACHED). The worker leg stays
 open and heartbeated, and what it sends is kept in the ``ResumeWindow`` (at most ``buffer``
 bytes while detached: past that the shell stops reading the worker, never drops). A migration
 or a failover may take a detached session (MIGRATING, FAILING_OVER) and gives it back DETACHED.
@@ -175,6 +176,8 @@ TRANSITIONS: dict[Mode, frozenset[Mode]] = {
 
 # Modes in which the client is not read.
 _CLIENT_HELD = frozenset({Mode.HELD, Mode.FAILING_OVER})
+# Rule 8: the modes a lost client leg detaches in (a migration gives the session back DETACHED).
+_MAY_DETACH = frozenset({Mode.RELAYING, Mode.MIGRATING, Mode.HELD})
 
 
 class ResumeWindow:
@@ -639,7 +642,7 @@ class SessionCore:
         """Rule 8: lost without a close, while both sides were relaying, between messages."""
         return (
             self.window is not None
-            and self.mode is Mode.RELAYING
+            and self.mode in _MAY_DETACH
             and self.phase is Phase.RELAYING
             and self.client is Leg.OPEN
             and self.worker is Leg.OPEN
@@ -655,7 +658,8 @@ class SessionCore:
         out: list[Action] = []
         if self.may_detach():
             assert self.window is not None
-            self.enter(Mode.DETACHED)
+            if self.mode is Mode.RELAYING:  # a migration's session stays the migration's
+                self.enter(Mode.DETACHED)
             self.detached_at = now or 1e-9
             self.lost_at = max(0, len(self.window.buf) - unsent)
             self.awaiting_pong = False  # the client's pong will not come; the worker is pinged

@@ -31,9 +31,9 @@ from websockets.exceptions import ConnectionClosed
 from balancer.aio import offload
 from tests.etcd import Etcd
 from tests.procs import ROOT, Procs, Worker, Wslb, free_port
+from tests.servers import WORDS
 from tests.test_cluster_etcd import cluster_config
 from tests.test_failover import default_system, failovers, relay_thread, worker_proc
-from tests.servers import WORDS
 from tests.test_resume import Client, stock_system
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
 

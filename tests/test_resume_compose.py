@@ -20,6 +20,7 @@ import ssl
 import struct
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -279,6 +280,41 @@ async def test_a_session_detached_during_a_migrating_drain_resumes_on_the_new_wo
     assert done["tokens"] == TOKENS and done["worker"] == view["backend"], done
     assert c.ws is not None
     await c.ws.close()
+
+
+async def test_clients_cut_while_a_migrating_drain_moves_them_resume_every_token(
+    system: Wslb,
+) -> None:
+    """The clients of the drained worker are cut while the drain's migrations run, so a cut
+    lands in a migration (the session MIGRATING or HELD): each detaches all the same, moves,
+    and resumes with every token once, in order."""
+    lb = system
+    clients = [Client(lb.url, f"cm{i}") for i in range(24)]
+    seen = await asyncio.gather(*(start_answer(c, TOKENS, 3) for c in clients))
+    where = {c.sid: lb.admin(f"/sessions/{c.sid}")["backend"] for c in clients}
+    victim = Counter(where.values()).most_common(1)[0][0]
+    mine = [(c, s) for c, s in zip(clients, seen, strict=True) if where[c.sid] == victim]
+    assert len(mine) >= 4, where
+    lb.admin_post(f"/backends/{victim}/drain", {"migrate": True, "timeout": "20s"})
+    for c, _ in mine:
+        c.cut()
+        await asyncio.sleep(0.004)
+    drained = await wait_state(lb, victim, "drained")
+    assert drained["drain"]["migrated"] == len(mine), drained["drain"]
+    assert drained["drain"]["migration_failures"] == 0, drained["drain"]
+    for c, s in mine:
+        view = lb.admin(f"/sessions/{c.sid}")
+        assert view["backend"] != victim and view["resume"]["detached"], view
+        await c.open(resume=True)
+        done = await rest_of_answer(c, s)
+        assert s == list(range(TOKENS)), (c.sid, s)
+        assert done["tokens"] == TOKENS
+    for c, s in zip(clients, seen, strict=True):
+        if where[c.sid] != victim:
+            await rest_of_answer(c, s)
+            assert s == list(range(TOKENS)), (c.sid, s)
+        assert c.ws is not None
+        await c.ws.close()
 
 
 async def test_a_session_detached_during_a_closing_drain_is_closed_after_its_answer(

@@ -487,6 +487,25 @@ def test_rule8_a_detached_session_pings_its_worker_only() -> None:
     assert [side for op, side, _ in out if op is Op.WRITE] == [Side.WORKER]
 
 
+def test_rule8_a_client_lost_during_a_migration_detaches_and_the_migration_goes_on() -> None:
+    for held in (False, True):
+        c = resumable()
+        written(c, b"t0")
+        c.enter(Mode.MIGRATING)
+        if held:
+            c.enter(Mode.HELD)
+        out = c.client_lost(now=1.0)
+        assert close_code(out, Side.WORKER) is None and ops(out) == [(Op.SCHEDULE, None)]
+        assert c.detached_at == 1.0 and c.mode is (Mode.HELD if held else Mode.MIGRATING)
+        c.new_leg("w2", c.cs.messages, moved=True)  # the switch, as ``Session.switch`` does
+        written(c, b"t1")  # the new worker's first message: kept for the client
+        if c.mode is Mode.HELD:  # ``Session.end_migration``
+            c.enter(Mode.MIGRATING)
+        c.enter(c.settled)
+        assert c.mode is Mode.DETACHED
+        assert c.attach(1) == text(b"t1", mask=False) and mode_of(c) is Mode.RELAYING
+
+
 def test_rule8_a_worker_lost_while_detached_fails_over_and_waits_again() -> None:
     c = resumable()
     written(c, b"t0")
