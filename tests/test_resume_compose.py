@@ -339,6 +339,46 @@ async def test_a_session_detached_during_a_closing_drain_is_closed_after_its_ans
 # -- 3. kill -9 of the worker while the client is away -------------------------------------------
 
 
+async def test_a_worker_killed_with_two_orphans_of_a_key_saves_the_client_that_is_there(
+    system: Wslb,
+) -> None:
+    """Two clients of key ``dup`` left without a close and never came back (their sessions
+    detached), then a third opened a new session with the same key on the same worker, which
+    is killed mid-answer. The worker refuses the thaw of a key it holds a connection for, so
+    not all three can move; the one whose client is there moves first and streams on whole."""
+    lb = system
+    # Others first, so the bounded load leaves room for three of one key on one worker.
+    others = [Client(lb.url, f"bg{i}") for i in range(30)]
+    for o in others:
+        await o.open()
+        assert (await o.recv())["type"] == "hello"
+    orphans = [Client(lb.url, "dup") for _ in range(2)]
+    for o in orphans:
+        await start_answer(o, TOKENS, 3)
+        o.cut()
+    await until(lambda: metric(lb, "wslb_detached_sessions") == {"": 2}, what="two detaches")
+    c = Client(lb.url, "dup")
+    await c.open()
+    assert (await c.recv())["type"] == "hello"
+    assert c.ws is not None
+    await c.ws.send(json.dumps({"type": "prompt", "text": "tell me", "max_tokens": TOKENS}))
+    first = await c.recv()
+    turn, seen = first["turn"], [first["i"]]  # the key's conversation: its third turn
+    while len(seen) < 5:
+        seen.append((await c.recv())["i"])
+    victim = lb.admin("/sessions/dup")["backend"]
+    assert {s["backend"] for s in lb.admin("/sessions") if s["id"] == "dup"} == {victim}
+    worker_proc(lb, victim).send_signal(signal.SIGKILL)
+    while (msg := await c.recv())["type"] == "token":
+        assert msg["turn"] == turn and msg["text"] == token_text("dup", turn, msg["i"]), msg
+        seen.append(msg["i"])
+    assert seen == list(range(TOKENS)), seen  # every token once, in order, through the kill
+    assert msg["type"] == "done" and msg["tokens"] == TOKENS and msg["worker"] != victim, msg
+    for cl in (c, *others):
+        assert cl.ws is not None
+        await cl.ws.close()
+
+
 async def test_a_worker_killed_while_its_client_is_away_is_failed_over(system: Wslb) -> None:
     lb = system
     c = Client(lb.url, "fk")

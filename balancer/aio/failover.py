@@ -15,10 +15,14 @@ bounded task per session (at most ``PARALLEL`` of a process at once, so a worker
     RESUMED     a worker leg is open there with ``X-WSLB-Resume``; the client is read again,
                 its held messages flow to the new worker
 
-A thaw or resume that fails tries the next worker, ``failover.attempts`` in all. A migration
-running when the worker died finishes first and starts the failover itself if it did not move
-the session (Rule 6 in ``balancer/session_core.py``). The steps are the handoff client's
-(``handoff.py``), shared with migration.
+A thaw or resume that fails tries the next worker, ``failover.attempts`` in all. Sessions of
+one key lost together (a client gone for good left one detached, and came back as a new session
+with the same key) go with the attached first: a worker refuses the thaw of a key it has an open
+connection for, and a session whose client is there must not lose its place to one whose client
+may never return.
+A migration running when the worker died finishes first and starts the failover itself if it
+did not move the session (Rule 6 in ``balancer/session_core.py``). The steps are the handoff
+client's (``handoff.py``), shared with migration.
 Whatever cannot be saved gets Rule 2's 1011, as without failover. The pause is recorded from the
 loss to the resumed leg (``wslb_failover_pause_seconds``); every outcome is counted
 (``wslb_failovers_total{result}``).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any
 
 from balancer.aio.handoff import HandoffClient, HandoffError
@@ -44,6 +49,7 @@ log = logging.getLogger("wslb.failover")
 # once only lengthens every pause on a busy CPU (the drain keeps 8 for the same reason).
 PARALLEL = 8
 PROBE_REUSE = 2.0  # seconds a probe's verdict answers for the worker's other sessions
+ATTACHED_FIRST_WAIT = 10.0  # the longest a detached session waits for one of its key
 
 
 class Failover:
@@ -55,18 +61,30 @@ class Failover:
         self.slots = asyncio.Semaphore(PARALLEL)
         self._probes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
         self._checkers: dict[str, HealthChecker] = {}
+        # Sessions with their client there failing over now, by (pool, key): ``_attached_first``.
+        self._attached: Counter[tuple[str, str]] = Counter()
 
     def lost(self, s: Session) -> None:
         """Rule 6: ``s`` is FAILING_OVER, its worker leg gone."""
-        self.state.spawn(self._run(s, s.backend, self.state.loop.time()))
+        key = None
+        if not s.core.detached_at:
+            key = (s.pool.name, s.sid)
+            self._attached[key] += 1
+        self.state.spawn(self._run(s, s.backend, self.state.loop.time(), key))
 
-    async def _run(self, s: Session, dead: Backend, t_lost: float) -> None:
+    async def _run(
+        self, s: Session, dead: Backend, t_lost: float, key: tuple[str, str] | None
+    ) -> None:
         result = "error"
         try:
             result = await self._fail_over(s, dead, t_lost)
         except Exception:
             log.exception("session %s: failover from %s failed", s.sid, dead.id)
         finally:
+            if key is not None:
+                self._attached[key] -= 1
+                if self._attached[key] <= 0:
+                    del self._attached[key]
             if s.mode is Mode.FAILING_OVER:  # not resumed: Rule 2 after all
                 s.worker_gone()
             self.state.stats.failovers[result] += 1
@@ -83,6 +101,8 @@ class Failover:
     async def _fail_over(self, s: Session, dead: Backend, t_lost: float) -> str:
         loop = self.state.loop
         await self._confirm(s.pool, dead)
+        if s.core.detached_at:
+            await self._attached_first((s.pool.name, s.sid))
         async with self.slots:
             if s.closing or s.finished or s.client.gone:
                 return "closed"
@@ -124,6 +144,16 @@ class Failover:
                 ", ".join(tried[1:]) or "none ready",
             )
             return "no_target" if len(tried) == 1 else "failed"
+
+    async def _attached_first(self, key: tuple[str, str]) -> None:
+        """A detached session waits while a session of the same key with its client there
+        fails over: a worker refuses the thaw of a key it has an open connection for (409), so
+        the second thaw of a key fails wherever the first went; the client who is there goes
+        first."""
+        loop = self.state.loop
+        until = loop.time() + ATTACHED_FIRST_WAIT
+        while self._attached.get(key) and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
 
     async def _resume(self, s: Session, target: Backend, transcript: dict[str, Any]) -> str:
         """THAWED and RESUMED on ``target``: resumed, or why not (the next worker may do)."""
