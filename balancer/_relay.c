@@ -19,6 +19,10 @@
  *   no mask bit (server frames), a 7- or 16-bit length of at most ``limit`` - the frames that can
  *   only move the scanner's counters (the same walk as balancer/_scan.c). Bytes of a frame not yet
  *   whole are carried to the next read. Every forwarded frame counts one frame and one message.
+ *   A session added with ``chunked`` is the body of a plain-HTTP response instead (SSE: an LLM's
+ *   streamed answer): the thread forwards its whole chunks (``walk_chunks``), each counted as a
+ *   frame and its data (not its framing) as bytes, and returns it at the last chunk or anything
+ *   else; the rules are the same.
  * - Backpressure: a send that takes less than it was given keeps the rest (at most one read's
  *   worth), stops reading the worker and waits for the client socket to be writable. Nothing else
  *   is ever buffered.
@@ -116,6 +120,7 @@ struct sess {
     int wfd, cfd;
     long limit;
     int record;
+    int chunked; /* the body of an HTTP/1.1 chunked response, not WebSocket frames */
     /* The thread's while it serves the session (busy SERVING); remove's otherwise. */
     int state, reason, err, told;
     int w_in_epoll, c_in_epoll, ready;
@@ -393,6 +398,65 @@ walk(const unsigned char *p, size_t n, long limit, unsigned long long *count, in
     return pos;
 }
 
+/* walk()'s twin for a chunked HTTP response body (a plain-HTTP exchange, aio/httpproxy.py):
+ * how far the whole chunks of p[0:n] reach, each a size line of 1-8 hex digits and CRLF (no
+ * extension), at most ``limit`` bytes of data, then CRLF. *stop is set at anything else: the last
+ * chunk (size 0, with its trailers), an extension, a malformed line - all of them Python's, whose
+ * reader (httpmsg.ResponseReader) accepts every chunk forwarded here and refuses what it must. */
+static size_t
+walk_chunks(const unsigned char *p, size_t n, long limit, unsigned long long *count,
+            unsigned long long *payload, int *stop)
+{
+    size_t pos = 0;
+    *stop = 0;
+    while (pos < n) {
+        size_t i = pos, size = 0;
+        int digits = 0;
+        while (i < n && digits <= 8) {
+            unsigned char c = p[i];
+            size_t v;
+            if (c >= '0' && c <= '9') {
+                v = (size_t)(c - '0');
+            }
+            else if (c >= 'a' && c <= 'f') {
+                v = (size_t)(c - 'a' + 10);
+            }
+            else if (c >= 'A' && c <= 'F') {
+                v = (size_t)(c - 'A' + 10);
+            }
+            else {
+                break;
+            }
+            size = size * 16 + v;
+            digits++;
+            i++;
+        }
+        if (digits > 8 || (i < n && (digits == 0 || p[i] != '\r'))) {
+            *stop = 1;
+            break;
+        }
+        if (i + 2 > n) {
+            break; /* the size line is cut short */
+        }
+        if (p[i + 1] != '\n' || size == 0 || (long)size > limit) {
+            *stop = 1;
+            break;
+        }
+        size_t end = i + 2 + size + 2;
+        if (end > n) {
+            break;
+        }
+        if (p[end - 2] != '\r' || p[end - 1] != '\n') {
+            *stop = 1;
+            break;
+        }
+        (*count)++;
+        *payload += size;
+        pos = end;
+    }
+    return pos;
+}
+
 static void
 on_readable(Relay *r, sess_t *s, int *wake)
 {
@@ -421,9 +485,10 @@ on_readable(Relay *r, sess_t *s, int *wake)
         return;
     }
     size_t total = have + (size_t)n;
-    unsigned long long count = 0;
+    unsigned long long count = 0, payload = 0;
     int stop = 0;
-    size_t pos = walk(b, total, s->limit, &count, &stop);
+    size_t pos = s->chunked ? walk_chunks(b, total, s->limit, &count, &payload, &stop)
+                            : walk(b, total, s->limit, &count, &stop);
     if (pos > 0 && s->record) {
         pthread_mutex_lock(&r->mu);
         int rc = append_record(r, s, b, pos, wake);
@@ -444,7 +509,7 @@ on_readable(Relay *r, sess_t *s, int *wake)
         return;
     }
     s->d_frames += count;
-    s->d_bytes += pos;
+    s->d_bytes += s->chunked ? payload : pos; /* a body's bytes are its chunks' data */
     ssize_t w = send(s->cfd, b, pos, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (w < 0) {
         int e = errno;
@@ -789,8 +854,8 @@ grow_slots(Relay *r)
 static PyObject *
 Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "add(worker_fd, client_fd, limit, record)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "add(worker_fd, client_fd, limit, record[, chunked])");
         return NULL;
     }
     if (ensure_open(r) < 0) {
@@ -800,7 +865,8 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
     int cfd = PyLong_AsLong(args[1]);
     long limit = PyLong_AsLong(args[2]);
     int record = PyObject_IsTrue(args[3]);
-    if (PyErr_Occurred()) {
+    int chunked = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (PyErr_Occurred() || record < 0 || chunked < 0) {
         return NULL;
     }
     if (wfd < 0 || cfd < 0 || limit < 0) {
@@ -826,6 +892,7 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
     }
     s->limit = limit > 65535 ? 65535 : limit;
     s->record = record;
+    s->chunked = chunked;
     s->ww.s = s;
     s->ww.which = 0;
     s->cw.s = s;
@@ -1048,7 +1115,8 @@ Relay_live(Relay *r, void *Py_UNUSED(closure))
 
 static PyMethodDef Relay_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Relay_add, METH_FASTCALL,
-     "add(worker_fd, client_fd, limit, record) -> handle: relay the worker's fast frames."},
+     "add(worker_fd, client_fd, limit, record[, chunked]) -> handle: relay the worker's fast "
+     "frames (chunked: the whole chunks of an HTTP response body)."},
     {"remove", (PyCFunction)Relay_remove, METH_O,
      "remove(handle) -> (carry, backlog, record, frames, bytes, reason, errno): take it back."},
     {"counts", (PyCFunction)Relay_counts, METH_O, "counts(handle) -> (frames, bytes) so far."},

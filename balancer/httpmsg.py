@@ -320,6 +320,12 @@ class ResponseReader:
         return self.state == _DONE
 
     @property
+    def at_chunk_boundary(self) -> bool:
+        """Inside a chunked body, before a chunk's size line, with nothing unread: what comes
+        next may be read by someone else (the relay thread) and given back from a boundary."""
+        return self.state == _SIZE and not self.buf and not self.closed
+
+    @property
     def reusable(self) -> bool:
         return self.state == _DONE and self.keep and not self.buf and not self.closed
 

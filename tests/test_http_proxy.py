@@ -30,6 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
+from balancer.aio import offload
 from tests.procs import WORKER_TOKEN, Wslb, free_port, spawn, stop, wait_port
 from tests.test_tls_stream import make_certs, tls_listener, with_listeners
 
@@ -257,6 +258,42 @@ async def test_sse_first_event_arrives_before_the_last_is_sent(stack: Stack) -> 
     last_sent = arrivals[-1][1]
     assert first_arrived < last_sent - 1.0, arrivals  # long before the last was written
     assert first_arrived - first_sent < 0.5, arrivals  # and when it was written
+
+
+async def test_a_long_sse_answer_goes_through_the_relay_thread_whole(stack: Stack) -> None:
+    """Past its first events a chunked answer is forwarded by the relay thread (rule 7): every
+    event arrives once, in order, as sent; the access line counts the body's bytes; the
+    connection serves the next request after it. Without the thread (pure Python builds) the
+    same answer goes through the event loop."""
+    taken = stack.metric("wslb_relay_thread_handovers_total", event="taken")
+    raw = await Raw.open(stack.lb.port)
+    try:
+        head, body = await raw.request("GET", "/sse?n=60&gap=0.005", [("x-session-id", "sse-t")])
+        assert head.status_code == 200
+        events = [e for e in body.decode().split("\n\n") if e]
+        assert [int(e.split()[1]) for e in events] == list(range(60)), events[:3]
+        head, again = await raw.request("GET", "/json", [("x-session-id", "sse-t")])
+        assert head.status_code == 200 and json.loads(again)["ok"] is True
+    finally:
+        raw.close()
+    if offload.AVAILABLE:
+        assert stack.metric("wslb_relay_thread_handovers_total", event="taken") > taken
+    deadline = time.monotonic() + 5
+    while f"bytes_out={len(body)} " not in stack.lb.output():
+        assert time.monotonic() < deadline, stack.lb.log_tail()
+        await asyncio.sleep(0.05)
+
+
+async def test_an_http_1_0_client_gets_a_close_delimited_sse_answer(stack: Stack) -> None:
+    """An HTTP/1.0 client cannot read chunks: its answer is re-framed (delimited by the close),
+    so the relay thread, which forwards chunks as they are, never takes it."""
+    answer = await raw_exchange(
+        stack.lb.port, b"GET /sse?n=30&gap=0.005 HTTP/1.0\r\nHost: x\r\n\r\n", 10
+    )
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert [int(e.split()[1]) for e in events] == list(range(30))
 
 
 async def test_4mib_post_echoed_byte_for_byte_both_framings(stack: Stack) -> None:
@@ -510,6 +547,19 @@ async def test_worker_dying_mid_body_cuts_the_chunked_answer(lone: Stack) -> Non
     assert b"part one;" in answer
     assert not answer.endswith(b"0\r\n\r\n")  # no terminator: the client sees a cut answer
     async with aiohttp.ClientSession() as http:  # the worker is gone now: 502
+        status, body = await json_error(http, "GET", f"{lone.base}/json")
+        assert status == 502 and "error" in body
+
+
+async def test_worker_dying_while_the_relay_thread_has_the_body_cuts_it(lone: Stack) -> None:
+    """The worker is killed after 12 chunks (the thread forwarding them): the client has every
+    chunk and no terminator; the next request gets a clean 502."""
+    answer = await raw_exchange(lone.lb.port, b"GET /die?parts=12 HTTP/1.1\r\nHost: x\r\n\r\n", 10)
+    assert answer.startswith(b"HTTP/1.1 200")
+    for i in range(2, 13):
+        assert f"part {i};".encode() in answer
+    assert not answer.endswith(b"0\r\n\r\n")
+    async with aiohttp.ClientSession() as http:
         status, body = await json_error(http, "GET", f"{lone.base}/json")
         assert status == 502 and "error" in body
 

@@ -31,6 +31,7 @@ from websockets.asyncio.client import connect
 
 from balancer.aio import offload
 from balancer.frames import OP_BINARY, OP_CLOSE, OP_CONT, OP_PING, OP_PONG, OP_TEXT, FrameScanner
+from balancer.httpmsg import END, NEED_DATA, BadResponse, ResponseReader
 from tests.procs import Wslb
 from tests.servers import Server
 
@@ -108,7 +109,9 @@ def test_built_where_it_can_be() -> None:
 class Pair:
     """A relay on two socket pairs: ``wpeer`` plays the worker, ``cpeer`` the client."""
 
-    def __init__(self, relay: Any, record: bool = True, sndbuf: int | None = None) -> None:
+    def __init__(
+        self, relay: Any, record: bool = True, sndbuf: int | None = None, chunked: bool = False
+    ) -> None:
         self.wpeer, self.wours = socket.socketpair()
         self.cours, self.cpeer = socket.socketpair()
         if sndbuf is not None:
@@ -117,7 +120,9 @@ class Pair:
         for s in (self.wours, self.cours):
             s.setblocking(False)
         self.relay = relay
-        self.handle: int = relay.add(self.wours.fileno(), self.cours.fileno(), LIMIT, record)
+        self.handle: int = relay.add(
+            self.wours.fileno(), self.cours.fileno(), LIMIT, record, chunked
+        )
 
     def close(self) -> None:
         for s in (self.wpeer, self.wours, self.cours, self.cpeer):
@@ -211,6 +216,107 @@ def test_stops_at_the_first_frame_it_must_not_take(relay: Any, seed: int) -> Non
         sc = python_scan(forwarded)
         assert (frames, nbytes) == (sc.frames, len(forwarded))
         assert sc.messages == frames and sc.at_rest
+        if first_other < len(data):
+            assert returned and reason == C().FRAME
+        elif eof:
+            assert returned and reason == C().EOF
+    finally:
+        p.close()
+
+
+def fast_chunk(rng: random.Random) -> bytes:
+    data = rng.randbytes(rng.choice([1, 2, 50, 300, 4000, LIMIT]))
+    size = (
+        f"{len(data):x}" if rng.random() < 0.5 else f"{len(data):X}".rjust(rng.randint(1, 8), "0")
+    )
+    return size.encode() + b"\r\n" + data + b"\r\n"
+
+
+OTHER_CHUNKS = [
+    b"0\r\n\r\n",  # the last chunk: Python ends the body
+    b"0\r\nx-trailer: 1\r\n\r\n",
+    b"5;name=value\r\nhello\r\n",  # an extension: Python's reader takes it
+    b"5 \r\nhello\r\n",  # whitespace after the size
+    f"{LIMIT + 1:x}\r\n".encode() + b"x" * (LIMIT + 1) + b"\r\n",  # larger than ``limit``
+    b"000000005\r\nhello\r\n",  # 9 digits
+    b"5\r\nhelloXY",  # data not followed by CRLF: Python's reader refuses it
+    b"zz\r\n",
+    b"5\n\nhello\r\n",  # bare LF
+]
+
+
+def chunk_stream(rng: random.Random) -> tuple[bytes, int]:
+    """Whole fast chunks, then (mostly) one the thread must not take and more after it; the
+    length of the fast prefix."""
+    fast = b"".join(fast_chunk(rng) for _ in range(rng.randint(0, 40)))
+    if rng.random() < 0.15:
+        return fast, len(fast)
+    other = rng.choice(OTHER_CHUNKS)
+    return fast + other + b"".join(fast_chunk(rng) for _ in range(3)), len(fast)
+
+
+def count_chunks(body: bytes) -> int:
+    n = pos = 0
+    while pos < len(body):
+        line_end = body.index(b"\r\n", pos)
+        pos = line_end + 2 + int(body[pos:line_end], 16) + 2
+        n += 1
+    return n
+
+
+def python_chunks(body: bytes) -> tuple[bytes, str]:
+    """What ``httpmsg.ResponseReader`` makes of a chunked body: its data, and how it ended."""
+    reader = ResponseReader(1 << 16)
+    reader.start(False)
+    reader.receive(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
+    reader.receive(b"")
+    out = bytearray()
+    try:
+        while True:
+            event = reader.next_event()
+            if event is END:
+                return bytes(out), "end"
+            if event is NEED_DATA:
+                return bytes(out), "need data"
+            if isinstance(event, bytes):
+                out += event
+    except BadResponse as exc:
+        return bytes(out), f"bad: {exc}"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chunked_stops_at_the_first_chunk_it_must_not_take(relay: Any, seed: int) -> None:
+    """An HTTP response body (``chunked``): exactly the whole fast chunks go, the rest stays
+    for Python from a chunk boundary, and Python's reader makes the same of the pieces as of the
+    whole body."""
+    rng = random.Random(5000 + seed)
+    data, first_other = chunk_stream(rng)
+    eof = first_other == len(data) or rng.random() < 0.5
+    p = Pair(relay, record=False, chunked=True)
+    try:
+        writer = threading.Thread(target=write_chunks, args=(p.wpeer, data, rng, eof))
+        writer.start()
+        got = bytearray()
+        returned = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not returned:
+            got += read_available(p.cpeer)
+            returned = any(h == p.handle for h, _ in relay.events())
+            if not returned and len(got) == len(data) == first_other and not eof:
+                break  # all fast, no end: nothing will return it
+        writer.join()
+        carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
+        got += read_available(p.cpeer)
+        rest = read_available(p.wours, until_eof=eof, timeout=1.0)
+        forwarded = bytes(got) + backlog
+        assert forwarded + carry + rest == data and record == b""
+        assert len(forwarded) == first_other and nbytes == len(python_chunks(forwarded)[0])
+        assert frames == count_chunks(forwarded)
+        # Python's reader, from the chunk boundary on, ends as it would have on the whole body.
+        head, _ = python_chunks(forwarded)
+        tail_data, tail_end = python_chunks(carry + rest)
+        all_data, all_end = python_chunks(data)
+        assert head + tail_data == all_data and tail_end == all_end
         if first_other < len(data):
             assert returned and reason == C().FRAME
         elif eof:

@@ -31,7 +31,8 @@ import socket
 from typing import Any
 
 from balancer.aio.fdpass import LEN, read_exact, read_line, recv_head, send_head
-from balancer.aio.session import Mode, Parked, Session, plain_socket
+from balancer.aio.offload import plain_socket
+from balancer.aio.session import Mode, Parked, Session
 from balancer.aio.state import ServerState
 from balancer.resume import same_token
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, cast
 
 import h11
 
+from balancer.aio.offload import OFFLOAD_AFTER, plain_socket
 from balancer.handshake import ClientRequest, HandshakeReject, next_request
 from balancer.httpmsg import (
     END,
@@ -69,6 +70,7 @@ from balancer.httpmsg import (
 from balancer.logs import log_http_access
 
 if TYPE_CHECKING:
+    from balancer.aio.offload import Offload
     from balancer.config import Config, HttpCfg, Limits, Timeouts
     from balancer.metrics import Stats
     from balancer.pool import Backend, Pool
@@ -82,6 +84,7 @@ IDLE_S: Final = 4.0
 (vLLM's and SGLang's server) and Node, so wslb drops an idle connection before the worker
 closes it and a request never meets a connection the worker is closing."""
 RESPONSE_HEAD_LIMIT: Final = 64 * 1024  # bytes of a worker's response head
+CHUNK_LIMIT: Final = 65535  # the largest chunk the relay thread forwards (rule 7)
 LINGER_S: Final = 5.0
 """How long a connection closed before the client finished sending its request keeps reading
 (and discarding) after wslb's answer, its write side shut: a close with unread bytes is a reset
@@ -129,6 +132,7 @@ class HttpHost(Protocol):
     config: Config
     closing: bool
     keepalive: Keepalive
+    offload: Offload | None  # the relay thread, where it runs (rule 7)
 
     def worker_token(self, backend: Backend) -> str | None: ...
 
@@ -583,6 +587,12 @@ class Exchange:
         self.server_timer: asyncio.TimerHandle | None = None
         self.request_timer: asyncio.TimerHandle | None = None
         self.out: list[bytes] = []  # for the client, written once per read of the worker
+        # Rule 7: the relay thread's handle while it forwards the response body's chunks; the
+        # data events read here first (a short answer never goes there); the client's framing
+        # is chunked too (h11 re-frames for an HTTP/1.0 client, and then the thread must not).
+        self.relay: int | None = None
+        self.data_events = 0
+        self.chunked_out = False
 
     def routed(self, r: Routed) -> None:
         self.pool, self.req, self.key, self.sid, self.named = r
@@ -757,6 +767,8 @@ class Exchange:
             self._worker_events(worker, worker.reader)
         finally:
             self._flush()
+        if self.chunked_out and self.data_events >= OFFLOAD_AFTER and self.relay is None:
+            self._offload()
 
     def _flush(self) -> None:
         out = self.out
@@ -809,9 +821,11 @@ class Exchange:
         self.status = event.status
         self.response_started = True
         if data:
+            self.chunked_out = b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
             self.out.append(data)
 
     def response_data(self, data: bytes) -> None:
+        self.data_events += 1
         self.bytes_out += len(data)
         out = self.client.conn.send(h11.Data(data=data))
         if out:
@@ -833,12 +847,79 @@ class Exchange:
             self.end = "answered before the request body ended"
             self._finish(False)
 
+    # -- the relay thread (rule 7) ------------------------------------------------------------
+
+    def _offload(self) -> None:
+        """Hand the rest of a chunked response body to the relay thread, if nothing else is
+        going on: the request sent whole, the worker read (not held back by the client), the
+        reader between chunks, nothing waiting to be written to the client, both legs plain TCP.
+        """
+        off = self.host.offload
+        worker = self.worker
+        client = self.client
+        if (
+            off is None
+            or worker is None
+            or worker.transport is None
+            or self.closed
+            or self.response_done
+            or not self.request_done
+            or not worker.reading
+            or self.paused_by_client
+            or not worker.reader.at_chunk_boundary
+            or worker.transport.is_closing()
+            or client.transport.is_closing()
+            or client.transport.get_write_buffer_size()
+        ):
+            return
+        wsock, csock = plain_socket(worker.transport), plain_socket(client.transport)
+        if wsock is None or csock is None:  # a TLS leg: the event loop relays it
+            self.chunked_out = False
+            return
+        try:
+            self.relay = off.take(self, wsock.fileno(), csock.fileno(), CHUNK_LIMIT, False, True)
+        except OSError as exc:
+            log.warning("relay thread refused a response body: %s", exc)
+            self.chunked_out = False
+            return
+        worker.read(False)
+
+    def reclaim(self) -> None:
+        """Take the response body back from the relay thread (nothing when it is not there):
+        what it had not sent goes to the client first, what it had read but not forwarded is
+        read here next, from a chunk boundary."""
+        handle = self.relay
+        if handle is None:
+            return
+        self.relay = None
+        off = self.host.offload
+        assert off is not None
+        back = off.give_back(handle)
+        self.bytes_out += back.nbytes  # the chunks' data
+        if back.frames:  # the worker spoke since the thread took it (when: not known)
+            self.last = self.host.loop.time()
+        worker = self.worker
+        if back.backlog and not self.client.transport.is_closing():
+            self.client.transport.write(back.backlog)  # may pause reading the worker
+        if worker is None:
+            return
+        if back.carry:
+            worker.reader.receive(back.carry)
+        if not self.paused_by_client:
+            worker.read(True)
+        if back.carry:  # read next, outside whatever called this (a failure may have)
+            self.host.loop.call_soon(self.worker_events)
+
+    def flush_record(self) -> None:
+        """No journal for plain HTTP (the relay thread records nothing for it)."""
+
     # -- failures (rule 4) ------------------------------------------------------------------
 
     def worker_lost(self, exc: Exception | None) -> None:
         self.worker_failed(f"the worker closed the connection{f': {exc}' if exc else ''}")
 
     def worker_failed(self, why: str) -> None:
+        self.reclaim()
         worker = self.worker
         if self.closed or worker is None:
             return
@@ -867,6 +948,7 @@ class Exchange:
     def client_gone(self, why: str) -> None:
         if self.closed:
             return
+        self.reclaim()
         if not self.response_started:
             self.status = 499  # nginx's: the client closed before the answer
         self.end = why
@@ -879,6 +961,7 @@ class Exchange:
         """wslb's answer if the client has heard nothing yet, else the cut; then the end."""
         if self.closed:
             return
+        self.reclaim()
         if self.worker is not None:
             self.worker.abort()
             self.worker = None
@@ -894,6 +977,8 @@ class Exchange:
         self.server_timer = None
         if self.closed:
             return
+        if self.relay is not None:  # back here to judge it (the thread keeps no clock)
+            self.reclaim()
         now = self.host.loop.time()
         quiet = now - self.last
         if self.paused_by_client or quiet < self.cfg.timeout_server:
@@ -918,6 +1003,7 @@ class Exchange:
         """End the exchange now (a drain's timeout, a shutdown)."""
         if self.closed:
             return
+        self.reclaim()
         self.end = why
         if self.worker is not None:
             self.worker.abort()
@@ -932,6 +1018,7 @@ class Exchange:
     def _finish(self, keep: bool) -> None:
         if self.closed:
             return
+        self.reclaim()
         self._flush()  # the answer before anything of the next request
         self.closed = True
         host = self.host

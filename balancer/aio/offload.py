@@ -36,9 +36,9 @@ import logging
 import os
 from collections import Counter
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["AVAILABLE", "OFFLOAD_AFTER", "Offload", "Offloadable", "Returned"]
+__all__ = ["AVAILABLE", "OFFLOAD_AFTER", "Offload", "Offloadable", "Returned", "plain_socket"]
 
 log = logging.getLogger("wslb.server")
 
@@ -66,6 +66,15 @@ if _relay is not None:
         _relay.NOMEM: "no memory",
     }
     NOMEM, RETURNED = _relay.NOMEM, _relay.RETURNED
+
+
+def plain_socket(transport: asyncio.BaseTransport) -> Any:
+    """The transport's socket when its descriptor carries the stream's bytes themselves, else
+    ``None``: on a TLS transport (``ssl_object`` set) the descriptor carries ciphertext, and
+    anything that reads or writes it directly (the relay thread) would corrupt the stream."""
+    if transport.get_extra_info("ssl_object") is not None:
+        return None
+    return transport.get_extra_info("socket")
 
 
 class Offloadable(Protocol):
@@ -105,9 +114,18 @@ class Offload:
         self.sessions: dict[int, Offloadable] = {}
         self.handovers = counts
 
-    def take(self, s: Offloadable, worker_fd: int, client_fd: int, limit: int, record: bool) -> int:
-        """Hand ``s`` to the thread; its handle. Raises OSError (the session stays here)."""
-        handle: int = self._relay.add(worker_fd, client_fd, limit, record)
+    def take(
+        self,
+        s: Offloadable,
+        worker_fd: int,
+        client_fd: int,
+        limit: int,
+        record: bool,
+        chunked: bool = False,
+    ) -> int:
+        """Hand ``s`` to the thread (``chunked``: a plain-HTTP response body, its whole chunks
+        forwarded; else WebSocket frames); its handle. Raises OSError (``s`` stays here)."""
+        handle: int = self._relay.add(worker_fd, client_fd, limit, record, chunked)
         self.sessions[handle] = s
         self.handovers["taken"] += 1
         return handle

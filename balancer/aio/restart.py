@@ -53,7 +53,8 @@ from balancer.aio.control import backend_body
 from balancer.aio.drain import Drainer
 from balancer.aio.fdpass import LEN, Truncated, read_exact, read_line, recv_head, send_head
 from balancer.aio.monitors import Monitors
-from balancer.aio.session import Gone, Mode, Parked, Session, plain_socket
+from balancer.aio.offload import plain_socket
+from balancer.aio.session import Gone, Mode, Parked, Session
 from balancer.aio.spawn import KEEPER_ENV, KEEPER_PID_ENV, child_env, python_module
 from balancer.aio.state import ServerState
 from balancer.frames import CloseCode

@@ -33,7 +33,7 @@ import termios
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from balancer.aio.offload import NOMEM, OFFLOAD_AFTER, Offload
+from balancer.aio.offload import NOMEM, OFFLOAD_AFTER, Offload, plain_socket
 from balancer.aio.wheel import Bucket, TimerWheel
 from balancer.config import Config, FailoverCfg, Limits, ResumeCfg, Timeouts
 from balancer.frames import OP_CLOSE, CloseCode, FrameScanner, build_frame, close_payload
@@ -139,15 +139,6 @@ class Upgraded(Protocol):
 
     extra: bytearray  # bytes that arrived after the 101, before the switch-over
     eof: bool
-
-
-def plain_socket(transport: asyncio.BaseTransport) -> Any:
-    """The transport's socket when its descriptor carries the WebSocket bytes themselves, else
-    ``None``: on a TLS transport (``ssl_object`` set) the descriptor carries ciphertext, and
-    anything that reads or writes it directly (the relay thread) would corrupt the stream."""
-    if transport.get_extra_info("ssl_object") is not None:
-        return None
-    return transport.get_extra_info("socket")
 
 
 def unsent_bytes(transport: asyncio.BaseTransport) -> int:

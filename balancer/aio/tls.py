@@ -11,7 +11,7 @@ exception that ended it (``on_failure`` gets the peer and the exception). Past t
 connection is exactly what ``create_server(ssl=)`` gives: the same class, transport and costs.
 
 The descriptor under such a connection carries ciphertext: nothing may read or write it
-directly (``session.plain_socket``).
+directly (``offload.plain_socket``).
 """
 
 from __future__ import annotations

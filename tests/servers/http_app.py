@@ -8,8 +8,8 @@ Routes: ``GET /json`` (the request as the app saw it: headers, query, pid), ``GE
 sent events ``gap`` seconds apart, each with the time it was sent), ``POST /echo`` (the body
 back), ``GET /flood`` (SSE as fast as the client takes it; ``GET /progress`` says how much was
 written), ``GET /sleep`` (an answer after ``s`` seconds), ``GET /die`` (part of a chunked answer,
-then the process is killed; ``?early=1``: killed before any answer) and the WebSocket
-``/ws/echo``.
+``parts`` chunks, then the process is killed; ``?early=1``: killed before any answer) and the
+WebSocket ``/ws/echo``.
 """
 
 from __future__ import annotations
@@ -82,12 +82,15 @@ async def sleep(s: float = 1.0) -> dict[str, float]:
 
 
 @app.get("/die", response_model=None)
-async def die(early: int = 0) -> StreamingResponse:
+async def die(early: int = 0, parts: int = 1) -> StreamingResponse:
     if early:
         os.kill(os.getpid(), signal.SIGKILL)
 
     async def body() -> AsyncIterator[bytes]:
         yield b"part one;"
+        for i in range(1, parts):
+            await asyncio.sleep(0.01)
+            yield f"part {i + 1};".encode()
         await asyncio.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
         yield b"never"
