@@ -34,6 +34,12 @@ Rules:
 6. While it runs, a request counts on its worker as a session does (bounded load, drains): with
    a key the client named it is placed as a session of that key (affinity, held place after
    it); with a key wslb made for it, it counts only while it runs.
+7. A chunked answer (SSE) past its first ``OFFLOAD_AFTER`` chunks goes to the relay thread
+   (``_relay.c``, ``walk_chunks``) in the steady state: the request sent whole, the reader
+   between chunks, nothing waiting for the client, the worker read, the client's framing chunked
+   too, both legs plain TCP. The thread forwards whole chunks as they are; every decision above
+   is taken here, after the exchange is taken back (``reclaim``: its unsent bytes go to the
+   client first, what it read but did not forward is read here next).
 """
 
 from __future__ import annotations
