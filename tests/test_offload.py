@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -187,6 +188,50 @@ def python_scan(data: bytes) -> FrameScanner:
     return sc
 
 
+@dataclass
+class Run:
+    """What a relayed stream became: sent to the client, kept, left unread, and the counts."""
+
+    forwarded: bytes
+    carry: bytes
+    rest: bytes
+    record: bytes
+    frames: int
+    nbytes: int
+    reason: int
+    returned: bool
+
+    def check_returned(self, stopped: bool, eof: bool) -> None:
+        """Returned at what it must not take (``stopped``), else at the worker's EOF."""
+        if stopped:
+            assert self.returned and self.reason == C().FRAME
+        elif eof:
+            assert self.returned and self.reason == C().EOF
+
+
+def run_until_returned(
+    p: Pair, data: bytes, first_other: int, eof: bool, rng: random.Random
+) -> Run:
+    """The worker writes ``data`` in random pieces until the thread returns the session (or
+    has forwarded all of it, when nothing would); then the session is taken back."""
+    relay = p.relay
+    writer = threading.Thread(target=write_chunks, args=(p.wpeer, data, rng, eof))
+    writer.start()
+    got = bytearray()
+    returned = False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not returned:
+        got += read_available(p.cpeer)
+        returned = any(h == p.handle for h, _ in relay.events())
+        if not returned and len(got) == len(data) == first_other and not eof:
+            break  # all fast, no end: nothing will return it
+    writer.join()
+    carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
+    got += read_available(p.cpeer)
+    rest = read_available(p.wours, until_eof=eof, timeout=1.0)
+    return Run(bytes(got) + backlog, carry, rest, record, frames, nbytes, reason, returned)
+
+
 @pytest.mark.parametrize("seed", range(60))
 def test_stops_at_the_first_frame_it_must_not_take(relay: Any, seed: int) -> None:
     rng = random.Random(seed)
@@ -194,21 +239,9 @@ def test_stops_at_the_first_frame_it_must_not_take(relay: Any, seed: int) -> Non
     eof = first_other == len(data) or rng.random() < 0.5
     p = Pair(relay)
     try:
-        writer = threading.Thread(target=write_chunks, args=(p.wpeer, data, rng, eof))
-        writer.start()
-        got = bytearray()
-        returned = False
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not returned:
-            got += read_available(p.cpeer)
-            returned = any(h == p.handle for h, _ in relay.events())
-            if not returned and len(got) == len(data) == first_other and not eof:
-                break  # all fast, no end: nothing will return it
-        writer.join()
-        carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
-        got += read_available(p.cpeer)
-        rest = read_available(p.wours, until_eof=eof, timeout=1.0)
-        forwarded = bytes(got) + backlog
+        run = run_until_returned(p, data, first_other, eof, rng)
+        forwarded, carry, rest, record = run.forwarded, run.carry, run.rest, run.record
+        frames, nbytes = run.frames, run.nbytes
         assert forwarded + carry + rest == data
         assert record == forwarded
         # Exactly the fast frames, up to the first other one (or the end).
@@ -216,10 +249,7 @@ def test_stops_at_the_first_frame_it_must_not_take(relay: Any, seed: int) -> Non
         sc = python_scan(forwarded)
         assert (frames, nbytes) == (sc.frames, len(forwarded))
         assert sc.messages == frames and sc.at_rest
-        if first_other < len(data):
-            assert returned and reason == C().FRAME
-        elif eof:
-            assert returned and reason == C().EOF
+        run.check_returned(first_other < len(data), eof)
     finally:
         p.close()
 
@@ -294,21 +324,9 @@ def test_chunked_stops_at_the_first_chunk_it_must_not_take(relay: Any, seed: int
     eof = first_other == len(data) or rng.random() < 0.5
     p = Pair(relay, record=False, chunked=True)
     try:
-        writer = threading.Thread(target=write_chunks, args=(p.wpeer, data, rng, eof))
-        writer.start()
-        got = bytearray()
-        returned = False
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not returned:
-            got += read_available(p.cpeer)
-            returned = any(h == p.handle for h, _ in relay.events())
-            if not returned and len(got) == len(data) == first_other and not eof:
-                break  # all fast, no end: nothing will return it
-        writer.join()
-        carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
-        got += read_available(p.cpeer)
-        rest = read_available(p.wours, until_eof=eof, timeout=1.0)
-        forwarded = bytes(got) + backlog
+        run = run_until_returned(p, data, first_other, eof, rng)
+        forwarded, carry, rest, record = run.forwarded, run.carry, run.rest, run.record
+        frames, nbytes = run.frames, run.nbytes
         assert forwarded + carry + rest == data and record == b""
         assert len(forwarded) == first_other and nbytes == len(python_chunks(forwarded)[0])
         assert frames == count_chunks(forwarded)
@@ -317,10 +335,7 @@ def test_chunked_stops_at_the_first_chunk_it_must_not_take(relay: Any, seed: int
         tail_data, tail_end = python_chunks(carry + rest)
         all_data, all_end = python_chunks(data)
         assert head + tail_data == all_data and tail_end == all_end
-        if first_other < len(data):
-            assert returned and reason == C().FRAME
-        elif eof:
-            assert returned and reason == C().EOF
+        run.check_returned(first_other < len(data), eof)
     finally:
         p.close()
 
