@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.chat import LagMonitor, Stream  # noqa: E402
+from bench.lib.chat import LagMonitor, Stream, open_session  # noqa: E402
 from bench.lib.launch import WORKER_TOKEN, Procs, Worker, Wslb, free_port, wait_port  # noqa: E402
 from bench.lib.machine import command_output, machine, machine_line, tree_state  # noqa: E402
 from bench.lib.script import log, parse_sizes, raise_nofile, sigterm_as_interrupt  # noqa: E402
@@ -106,12 +106,7 @@ class Idle:
 
     async def run(self, http: aiohttp.ClientSession, url: str, gate: asyncio.Semaphore) -> None:
         async with gate:
-            self.ws = await http.ws_connect(
-                f"{url}/ws?session={self.sid}", autoping=True, max_msg_size=0
-            )
-            hello = await self.ws.receive_json(timeout=10)
-            if hello.get("type") != "hello" or hello.get("session") != self.sid:
-                raise RuntimeError(f"{self.sid}: expected hello, got {hello!r}")
+            self.ws, _ = await open_session(http, url, self.sid)
             self.connected = True
         pinger = asyncio.ensure_future(self._pings()) if self.ping else None
         try:

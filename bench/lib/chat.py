@@ -18,9 +18,20 @@ import aiohttp
 
 from backends.model import token_text
 
-__all__ = ["LAG_TICK", "LagMonitor", "Stream"]
+__all__ = ["LAG_TICK", "LagMonitor", "Stream", "open_session"]
 
 LAG_TICK = 0.005  # the client's event-loop lag probe interval
+
+
+async def open_session(
+    http: aiohttp.ClientSession, url: str, sid: str
+) -> tuple[aiohttp.ClientWebSocketResponse, dict[str, Any]]:
+    """A chat session ``sid`` through wslb at ``url``, and its ``hello`` (checked)."""
+    ws = await http.ws_connect(f"{url}/ws?session={sid}", autoping=True, max_msg_size=0)
+    hello = await ws.receive_json(timeout=10)
+    if hello.get("type") != "hello" or hello.get("session") != sid:
+        raise RuntimeError(f"{sid}: expected hello, got {hello!r}")
+    return ws, dict(hello)
 
 
 @dataclass
@@ -103,12 +114,7 @@ class Stream:
 
     async def run(self, http: aiohttp.ClientSession, url: str, gate: asyncio.Semaphore) -> None:
         async with gate:
-            self.ws = await http.ws_connect(
-                f"{url}/ws?session={self.sid}", autoping=True, max_msg_size=0
-            )
-            hello = await self.ws.receive_json(timeout=10)
-            if hello.get("type") != "hello" or hello.get("session") != self.sid:
-                raise RuntimeError(f"{self.sid}: expected hello, got {hello!r}")
+            self.ws, hello = await open_session(http, url, self.sid)
             self.first_worker = str(hello["worker"])
             self.connected = True
         await self.prompt()
