@@ -34,7 +34,7 @@ from tests.procs import ROOT, Procs, Worker, Wslb, free_port
 from tests.servers import WORDS
 from tests.test_cluster_etcd import cluster_config
 from tests.test_failover import default_system, failovers, relay_thread, worker_proc
-from tests.test_resume import Client, stock_system
+from tests.test_resume import Client, rest_of_words, stock_system
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
 
 TOKENS = 250  # at balancer.yaml's workers' 50 tokens/s: 5 s per answer
@@ -552,11 +552,7 @@ async def test_a_stock_fastapi_apps_answer_streams_through_a_restart(tmp_path: P
         words = [(await c.recv())["text"] for _ in range(2)]
         answer = await asyncio.to_thread(restart, lb)
         assert answer["sessions"]["moved"] == 1, answer
-        while True:
-            msg = await c.recv()
-            if msg["type"] == "done":
-                break
-            words.append(msg["text"])
+        await rest_of_words(c, words)
         assert words == list(WORDS)
         assert c.ws.close_code is None
         await c.ws.close()

@@ -217,6 +217,12 @@ def stock_system(tmp: Path, procs: Procs, module: str, path: str) -> Wslb:
     return lb
 
 
+async def rest_of_words(c: Client, words: list[str]) -> None:
+    """The article app's answer from here to its ``done``, word by word, into ``words``."""
+    while (msg := await c.recv())["type"] != "done":
+        words.append(msg["text"])
+
+
 async def test_the_articles_fastapi_app_answer_survives_a_cut(tmp_path: Path) -> None:
     with Procs(tmp_path) as procs:
         lb = stock_system(tmp_path, procs, "article", "/ws/chat")
@@ -228,11 +234,7 @@ async def test_the_articles_fastapi_app_answer_survives_a_cut(tmp_path: Path) ->
         c.cut()
         await asyncio.sleep(0.3)
         await c.open(resume=True)
-        while True:
-            msg = await c.recv()
-            if msg["type"] == "done":
-                break
-            words.append(msg["text"])
+        await rest_of_words(c, words)
         assert words == list(WORDS)
         await c.ws.close()
 
