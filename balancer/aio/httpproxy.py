@@ -814,9 +814,12 @@ class Exchange:
         client = self.client
         self.headers_s = time.perf_counter() - self.t0
         headers = response_headers(event.headers, self.key)
+        sized = False  # a Content-Length answer (most): h11 cannot have written it chunked
         for name, value in headers:
             if name == b"content-type" and value.startswith(b"text/event-stream"):
                 self.kind = "sse"
+            elif name == b"content-length":
+                sized = True
         try:
             data = client.conn.send(
                 h11.Response(status_code=event.status, headers=headers, reason=event.reason)
@@ -827,7 +830,9 @@ class Exchange:
         self.status = event.status
         self.response_started = True
         if data:
-            self.chunked_out = b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
+            # What h11 wrote, not what the worker sent: it frames the body itself (chunked for
+            # HTTP/1.1 without a length, delimited by the close for an HTTP/1.0 client).
+            self.chunked_out = not sized and b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
             self.out.append(data)
 
     def response_data(self, data: bytes) -> None:
@@ -983,8 +988,7 @@ class Exchange:
         self.server_timer = None
         if self.closed:
             return
-        if self.relay is not None:  # back here to judge it (the thread keeps no clock)
-            self.reclaim()
+        self.reclaim()  # back here to judge it (the thread keeps no clock)
         now = self.host.loop.time()
         quiet = now - self.last
         if self.paused_by_client or quiet < self.cfg.timeout_server:
