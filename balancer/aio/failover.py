@@ -102,7 +102,7 @@ class Failover:
         loop = self.state.loop
         await self._confirm(s.pool, dead)
         if s.core.detached_at:
-            await self._attached_first((s.pool.name, s.sid))
+            await self._attached_first(s, dead)
         async with self.slots:
             if s.closing or s.finished or s.client.gone:
                 return "closed"
@@ -145,14 +145,30 @@ class Failover:
             )
             return "no_target" if len(tried) == 1 else "failed"
 
-    async def _attached_first(self, key: tuple[str, str]) -> None:
+    async def _attached_first(self, s: Session, dead: Backend) -> None:
         """A detached session waits while a session of the same key with its client there
         fails over: a worker refuses the thaw of a key it has an open connection for (409), so
         the second thaw of a key fails wherever the first went; the client who is there goes
-        first."""
+        first.
+
+        The live session of the key may not have seen the loss yet (the relay thread hands
+        it back a loop turn or more later): it is waited for while it is still on ``dead``."""
         loop = self.state.loop
+        key = (s.pool.name, s.sid)
         until = loop.time() + ATTACHED_FIRST_WAIT
-        while self._attached.get(key) and loop.time() < until:  # noqa: ASYNC110
+        while loop.time() < until:
+            live = self.state.by_sid.get(s.sid)
+            coming = (
+                live is not None
+                and live is not s
+                and live.pool is s.pool
+                and not live.core.detached_at
+                and live.backend is dead
+                and not live.closing
+                and not live.finished
+            )
+            if not coming and not self._attached.get(key):
+                return
             await asyncio.sleep(0.005)
 
     async def _resume(self, s: Session, target: Backend, transcript: dict[str, Any]) -> str:
