@@ -134,6 +134,12 @@ class RequestReader:
         """The h11 connection: plain HTTP reads its bodies and next requests on it."""
         return self._h11
 
+    def renew(self) -> h11.Connection:
+        """A fresh h11 connection in place of the current one (the lane thread served
+        requests it never saw: ``aio/lanes.py``)."""
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_bytes)
+        return self._h11
+
     @property
     def trailing(self) -> bytes:
         return bytes(self._h11.trailing_data[0])

@@ -33,7 +33,9 @@ from balancer.handshake import ClientRequest, HandshakeReject
 __all__ = [
     "END",
     "IDEMPOTENT",
+    "LANE_DROP",
     "NEED_DATA",
+    "RESPONSE_DROP",
     "BadResponse",
     "ResponseHead",
     "ResponseReader",
@@ -41,6 +43,7 @@ __all__ = [
     "error_response",
     "is_handshake",
     "plain_request",
+    "request_blocks",
     "request_head",
     "request_headers",
     "response_headers",
@@ -87,6 +90,10 @@ _NOT_FROM_CLIENT: Final = _HOP | {
 _FORWARDING: Final = (b"x-forwarded-for", b"forwarded", b"x-real-ip")
 # Not passed from the worker: its hop, and the key it saw (the client gets its own).
 _NOT_FROM_WORKER: Final = _HOP | {SESSION_ID}
+LANE_DROP: Final = _NOT_FROM_CLIENT | frozenset(_FORWARDING)
+"""The client header names the worker never gets as the client wrote them (the lane thread's
+``drop``, ``_lanes.c``): wslb writes its own of the forwarding ones (``request_blocks``)."""
+RESPONSE_DROP: Final = _NOT_FROM_WORKER
 
 IDEMPOTENT: Final = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
 """Methods a proxy may send again (RFC 9110 9.2.2), on a fresh connection, when a kept-alive
@@ -150,24 +157,36 @@ def request_headers(
 ) -> list[tuple[bytes, bytes]]:
     """The headers wslb sends the worker for ``req`` (module docstring). ``length``/``chunked``:
     the request body's framing as h11 read it (neither: no body)."""
-    headers: list[tuple[bytes, bytes]] = [
-        (b"host", authority.encode("latin-1")),
-        (SESSION_ID, session_id.encode("latin-1")),
-    ]
+    pre, post = request_blocks(
+        req, authority=authority, session_id=session_id, secure=secure, worker_token=worker_token
+    )
     named = _named_by_connection(req.headers)
-    for name, value in req.headers:
-        if name in _FORWARDING or (name not in _NOT_FROM_CLIENT and name not in named):
-            headers.append((name, value))
-    headers.append((b"x-forwarded-proto", b"https" if secure else b"http"))
-    if req.host:
-        headers.append((b"x-forwarded-host", req.host.encode("latin-1")))
-    if worker_token is not None:
-        headers.append((WORKER_TOKEN, worker_token.encode("ascii")))
+    headers = pre + [
+        (name, value) for name, value in req.headers if name not in LANE_DROP and name not in named
+    ]
+    headers += post
     if chunked:
         headers.append((b"transfer-encoding", b"chunked"))
     elif length is not None:
         headers.append((b"content-length", str(length).encode()))
     return headers
+
+
+def request_blocks(
+    req: ClientRequest, *, authority: str, session_id: str, secure: bool, worker_token: str | None
+) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
+    """wslb's own headers before and after the client's (``request_headers``; the lane thread
+    writes the same two blocks around each next request's headers): ``Host`` and the key, then
+    the forwarding headers ``ClientRequest.forwarded_for`` made and the ``X-Forwarded-*`` and
+    credential ones."""
+    pre = [(b"host", authority.encode("latin-1")), (SESSION_ID, session_id.encode("latin-1"))]
+    post = [(name, value) for name, value in req.headers if name in _FORWARDING]
+    post.append((b"x-forwarded-proto", b"https" if secure else b"http"))
+    if req.host:
+        post.append((b"x-forwarded-host", req.host.encode("latin-1")))
+    if worker_token is not None:
+        post.append((WORKER_TOKEN, worker_token.encode("ascii")))
+    return pre, post
 
 
 def response_headers(

@@ -40,6 +40,7 @@ __all__ = [
     "ACCESS",
     "JsonFormatter",
     "access_fields",
+    "access_sink",
     "access_text",
     "http_access_text",
     "log_http_access",
@@ -60,10 +61,12 @@ def iso_time(created: float) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """``TEXT_FORMAT`` with ISO 8601 timestamps (``iso_time``)."""
+    """``TEXT_FORMAT`` with ISO 8601 timestamps (``iso_time``); ``tag`` (``[w1]``) follows
+    the logger's name."""
 
-    def __init__(self, fmt: str = TEXT_FORMAT) -> None:
-        super().__init__(fmt)
+    def __init__(self, tag: str = "") -> None:
+        super().__init__(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}"))
+        self.tag = tag
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return iso_time(record.created)
@@ -77,7 +80,7 @@ class JsonFormatter(logging.Formatter):
 
     def __init__(self, process: str | None = None) -> None:
         super().__init__()
-        self._process = process
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -86,8 +89,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if self._process is not None:
-            out["process"] = self._process
+        if self.process is not None:
+            out["process"] = self.process
         fields = getattr(record, "fields", None)
         if isinstance(fields, Mapping):
             out.update(fields)
@@ -115,8 +118,7 @@ def setup(level: int, fmt: str = "text", process: str | None = None) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter(process))
     else:
-        tag = f"[{process}]" if process is not None else ""
-        handler.setFormatter(TextFormatter(TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}")))
+        handler.setFormatter(TextFormatter(f"[{process}]" if process is not None else ""))
     root.setLevel(level)
     asyncio_log = logging.getLogger("asyncio")
     if _not_closed_tls not in asyncio_log.filters:
@@ -235,6 +237,32 @@ def http_access_text(f: Mapping[str, Any]) -> str:
         f"bytes_in={f['bytes_in']} bytes_out={f['bytes_out']} end={_quote(f['end'])} "
         f"ua={_quote(f['user_agent'])}"
     )
+
+
+def access_sink() -> tuple[str, str, logging.StreamHandler[Any] | None] | None:
+    """Where the lane thread (``aio/lanes.py``) may write access lines itself, formatted as
+    this module would: ``("off", "", None)`` when the access logger is off, ``("text" |
+    "json", tag, handler)`` when its lines go to one plain stream handler with one of this
+    module's formatters and nothing filters them; None otherwise (another handler, a filter,
+    pytest's capture): each line must then go through ``log_http_access``."""
+    if not ACCESS.isEnabledFor(logging.INFO):
+        return ("off", "", None)
+    root = logging.getLogger()
+    if ACCESS.handlers or ACCESS.filters or not ACCESS.propagate or root.filters:
+        return None
+    if len(root.handlers) != 1:
+        return None
+    handler = root.handlers[0]
+    if type(handler) is not logging.StreamHandler or handler.filters:
+        return None
+    if handler.level > logging.INFO:
+        return ("off", "", None)
+    form = handler.formatter
+    if type(form) is JsonFormatter:
+        return ("json", form.process or "", handler)
+    if type(form) is TextFormatter:
+        return ("text", form.tag, handler)
+    return None
 
 
 def log_http_access(fields: Mapping[str, Any]) -> None:

@@ -193,6 +193,8 @@ class Stats:
     http_bytes: Counter[str] = field(default_factory=Counter)
     http_duration: Histograms = field(default_factory=lambda: Histograms(HTTP_BUCKETS))
     http_upstream: Counter[str] = field(default_factory=Counter)
+    # The lane thread (aio/lanes.py): connections "taken", back by reason, "exchanges" served.
+    http_lanes: Counter[str] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
@@ -246,8 +248,11 @@ class BalancerCollector(Collector):
         backends: Callable[[], Iterable[BackendView]],
         connections: Callable[[], int],
         wall: Callable[[], float] = time.time,
+        before: Callable[[], None] = lambda: None,
     ) -> None:
-        """``wall``: the clock of the ``_timestamp_seconds`` gauges (Unix time)."""
+        """``wall``: the clock of the ``_timestamp_seconds`` gauges (Unix time); ``before``:
+        called first on each scrape (the lane thread's counts come in: ``aio/lanes.py``)."""
+        self._before = before
         self._stats = stats
         self._sessions = sessions
         self._backends = backends
@@ -259,6 +264,7 @@ class BalancerCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
+        self._before()
         st = self._stats
         frames = Counter(st.frames)
         messages = Counter(st.messages)
@@ -605,3 +611,12 @@ def _http_families(st: Stats) -> Iterator[Metric]:
     for result in ("new", "reused"):
         up.add_metric([result], st.http_upstream[result])
     yield up
+    lanes = CounterMetricFamily(
+        "wslb_http_lane_events",
+        "Kept-alive connections the lane thread took (taken), gave back (by reason), and the "
+        "requests it served (exchanges)",
+        labels=["event"],
+    )
+    for event, n in sorted(st.http_lanes.items()):
+        lanes.add_metric([event], n)
+    yield lanes

@@ -40,7 +40,7 @@ from prometheus_client import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from balancer import frames
-from balancer.aio import offload, tls
+from balancer.aio import lanes, offload, tls
 from balancer.aio.admin import Admin
 from balancer.aio.cluster import Cluster, ClusterControl
 from balancer.aio.control import Control, ControlError, LocalControl, new_backend
@@ -229,6 +229,8 @@ class Runtime:
         if self.listeners is not None:
             await self.listeners.accept_again()
         await self.admin.listen_again()
+        if self.state.lanes is not None:  # the restart failed: serve lanes again
+            self.state.lanes.stopping = False
 
     def done(self, then_exec: list[str] | None, successor: int) -> None:
         self.handed_on = True
@@ -262,6 +264,10 @@ class Runtime:
             )  # Rule 7 of session.py
         elif self.listeners is not None and self.state.config.relay.thread:
             log.info("relay thread: off (balancer._relay is not built or WSLB_PURE_PYTHON is set)")
+        if self.listeners is not None and self.state.config.relay.thread and lanes.AVAILABLE:
+            self.state.lanes = lanes.Lanes(
+                self.state.loop, self.state.stats, self.state.config.log.access
+            )  # plain HTTP's steady state (aio/lanes.py)
         self.gc_pacer.start()  # start-up's objects are all built: freeze them
         if os.environ.get("WSLB_PURE_PYTHON"):
             log.warning("frame scanner: the Python loop (WSLB_PURE_PYTHON is set)")
@@ -291,6 +297,9 @@ class Runtime:
             await self.group.stop(self.hurry)
         if self.listeners is not None:
             self.listeners.close()
+        if state.lanes is not None:  # lanes come back at their next boundary, then close
+            state.lanes.stop()
+            await state.lanes.wait_empty(t.shutdown_grace)
         if state.sessions or state.requests:
             log.info(
                 "shutdown: waiting up to %.1fs for %d sessions and %d HTTP requests",
@@ -319,6 +328,9 @@ class Runtime:
         if state.offload is not None:
             state.offload.close()
             state.offload = None
+        if state.lanes is not None:
+            state.lanes.close()
+            state.lanes = None
         if self.listeners is not None:
             await self.listeners.wait_closed()
         await self.drainer.stop()
@@ -343,6 +355,9 @@ class Runtime:
         if state.offload is not None:
             state.offload.close()
             state.offload = None
+        if state.lanes is not None:
+            state.lanes.close()
+            state.lanes = None
         await self.drainer.stop()
         if self.handover is not None:
             await self.handover.stop()
@@ -427,7 +442,11 @@ def build(
     )
     registry.register(
         BalancerCollector(
-            stats, lambda: list(state.sessions), local.backend_views, lambda: state.connections
+            stats,
+            lambda: list(state.sessions),
+            local.backend_views,
+            lambda: state.connections,
+            before=lambda: state.lanes.flush() if state.lanes is not None else None,
         )
     )
     control: Control = local

@@ -31,11 +31,11 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from balancer.aio.handoff import HandoffClient
-from balancer.aio.httpproxy import Exchange
 from balancer.aio.migrate import migrate
 from balancer.aio.session import Mode, Session
 from balancer.aio.state import ServerState
@@ -112,6 +112,8 @@ class Drainer:
             return self.progress[backend.id]
         backend.set_admin(DRAINING)
         self.state.keepalive.drop(backend.id)
+        if self.state.lanes is not None:  # no next request of a lane goes there either
+            self.state.lanes.release_on(backend)
         progress = DrainProgress(migrate_, timeout, time.time(), backend.sessions)
         self.progress[backend.id] = progress
         self.tasks[backend.id] = self.state.loop.create_task(
@@ -206,8 +208,15 @@ class Drainer:
     def _sessions(self, backend: Backend) -> list[Session]:
         return [s for s in self.state.sessions if s.backend is backend and not s.closing]
 
-    def _requests(self, backend: Backend) -> list[Exchange]:
-        return [ex for ex in self.state.requests if ex.backend is backend and not ex.closed]
+    def _requests(self, backend: Backend) -> list[Callable[[str], None]]:
+        """How to cut each plain request still on ``backend`` (those of the lane thread's too:
+        ``aio/lanes.py``)."""
+        out: list[Callable[[str], None]] = [
+            ex.abort for ex in self.state.requests if ex.backend is backend and not ex.closed
+        ]
+        if self.state.lanes is not None:
+            out += [lane.abort_lane for lane in self.state.lanes.on(backend)]
+        return out
 
     async def _run(self, pool: Pool, backend: Backend, progress: DrainProgress) -> None:
         loop = self.state.loop
@@ -248,8 +257,8 @@ class Drainer:
                 return
             while self._requests(backend) and loop.time() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-            for ex in self._requests(backend):
-                ex.abort("worker drained")
+            for cut in self._requests(backend):
+                cut("worker drained")
                 progress.requests_cut += 1
             for s in self._sessions(backend):
                 s.close(CloseCode.SERVICE_RESTART, "worker drained")

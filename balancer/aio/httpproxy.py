@@ -40,6 +40,10 @@ Rules:
    too, both legs plain TCP. The thread forwards whole chunks as they are; every decision above
    is taken here, after the exchange is taken back (``reclaim``: its unsent bytes go to the
    client first, what it read but did not forward is read here next).
+8. After an exchange that ended well, a kept-alive connection whose key the client named goes
+   to the lane thread with its worker connection (``aio/lanes.py``, ``_lanes.c``): it serves
+   the next requests of the same routing as this module would, and gives the connection back
+   (``lane_back``) for the first one it does not take, which is then served here.
 """
 
 from __future__ import annotations
@@ -54,13 +58,18 @@ from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, cast
 
 import h11
 
+from balancer.aio.lanes import IDLE_S as LANE_IDLE_S
+from balancer.aio.lanes import Spec
 from balancer.aio.offload import OFFLOAD_AFTER, plain_socket
 from balancer.handshake import ClientRequest, HandshakeReject, next_request
 from balancer.httpmsg import (
     END,
     IDEMPOTENT,
+    LANE_DROP,
     LAST_CHUNK,
     NEED_DATA,
+    RESPONSE_DROP,
+    SESSION_ID,
     BadResponse,
     ResponseHead,
     ResponseReader,
@@ -68,6 +77,7 @@ from balancer.httpmsg import (
     error_response,
     is_handshake,
     plain_request,
+    request_blocks,
     request_head,
     request_headers,
     response_headers,
@@ -76,7 +86,9 @@ from balancer.httpmsg import (
 from balancer.logs import log_http_access
 
 if TYPE_CHECKING:
+    from balancer.aio.lanes import Back, Lanes
     from balancer.aio.offload import Offload
+    from balancer.auth import Authenticator
     from balancer.config import Config, HttpCfg, Limits, Timeouts
     from balancer.metrics import Stats
     from balancer.pool import Backend, Pool
@@ -96,6 +108,18 @@ LINGER_S: Final = 5.0
 (and discarding) after wslb's answer, its write side shut: a close with unread bytes is a reset
 that can destroy the answer before the client reads it (nginx's lingering close)."""
 _SETTLED: Final = (h11.IDLE, h11.DONE, h11.CLOSED, h11.MUST_CLOSE)
+LANE_SKIP: Final = 8
+"""Requests served here after a lane that served none (its next request differed) before the
+next try: a client whose requests differ each time would otherwise cost a hand-over each."""
+# Rule 8: the headers the routing reads (``ClientConnection.route``), beside the target and the
+# pool's key headers; a next request with other values of any of them is served here.
+_LANE_SIG: Final = (b"host", b"origin", b"cookie", b"x-forwarded-for", b"forwarded", b"x-real-ip")
+_LANE_DROP: Final = tuple(sorted(LANE_DROP))
+_RESPONSE_DROP: Final = tuple(sorted(RESPONSE_DROP))
+
+
+def _lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
 
 
 class Routed(NamedTuple):
@@ -127,6 +151,10 @@ class Front(Protocol):
         """A WebSocket handshake read after plain requests: the upgrade path takes over."""
         ...
 
+    def fresh_connection(self) -> h11.Connection:
+        """A new h11 connection, the one the upgrade path reads too (after a lane)."""
+        ...
+
 
 class HttpHost(Protocol):
     """What plain HTTP uses of ``ServerState``."""
@@ -139,6 +167,8 @@ class HttpHost(Protocol):
     closing: bool
     keepalive: Keepalive
     offload: Offload | None  # the relay thread, where it runs (rule 7)
+    lanes: Lanes | None  # the lane thread, where it runs (rule 8)
+    auth: Authenticator
 
     def worker_token(self, backend: Backend) -> str | None: ...
 
@@ -318,6 +348,14 @@ class HttpClient:
         self.handed_over = False
         self.lingering = False
         self.keepalive_s = 60.0
+        # Rule 8: while the lane thread serves this connection, its handle and what it holds.
+        self.lane: int | None = None
+        self.lane_backend: Backend | None = None
+        self.lane_pool: Pool | None = None
+        self.lane_sid = ""
+        self.lane_worker: WorkerConn | None = None
+        self.lane_cfg: HttpCfg | None = None
+        self.lane_skip = 0  # exchanges served here before a lane is tried again
         transport.set_write_buffer_limits(high=host.limits.write_buffer_high)
 
     # -- ClientConnection's callbacks -------------------------------------------------------
@@ -495,8 +533,9 @@ class HttpClient:
             self.transport.write(error_response(rej.status, rej.message, rej.headers, rej.details))
         self.close()
 
-    def finished(self, ex: Exchange, keep: bool) -> None:
-        """The exchange is over: the next request, or the connection's end (rule 5)."""
+    def finished(self, ex: Exchange, keep: bool, spare: WorkerConn | None = None) -> None:
+        """The exchange is over: the next request, or the connection's end (rule 5). ``spare``:
+        its worker connection, good for another request, for a lane (rule 8) or the pool."""
         self.exchange = None
         self.full = False
         conn = self.conn
@@ -508,14 +547,120 @@ class HttpClient:
             or conn.our_state is not h11.DONE
             or conn.their_state is not h11.DONE
         ):
+            if spare is not None:
+                ex.keep_worker(spare)
             self.close()
             return
         try:
             conn.start_next_cycle()
         except h11.LocalProtocolError:
+            if spare is not None:
+                ex.keep_worker(spare)
             self.close()
             return
+        if spare is not None and not self._to_lane(ex, spare):
+            ex.keep_worker(spare)
+        if self.lane is not None:
+            return
         self.timer = self.host.loop.call_later(self.keepalive_s, self._idle_timeout)
+        self._next_head()
+
+    # -- the lane thread (rule 8) -----------------------------------------------------------
+
+    def _to_lane(self, ex: Exchange, worker: WorkerConn) -> bool:
+        """Hand this connection and ``worker`` to the lane thread, if all is plain (rule 8)."""
+        lanes = self.host.lanes
+        if lanes is None or lanes.stopping or worker.transport is None:
+            return False
+        if self.lane_skip:
+            self.lane_skip -= 1
+            return False
+        carry, closed = self.conn.trailing_data
+        if closed or self.conn.their_http_version != b"1.1":
+            return False
+        transport, wt = self.transport, worker.transport
+        if (
+            transport.is_closing()
+            or wt.is_closing()
+            or transport.get_write_buffer_size()
+            or wt.get_write_buffer_size()
+        ):
+            return False
+        csock, wsock = plain_socket(transport), plain_socket(wt)
+        if csock is None or wsock is None:
+            return False
+        spec = ex.lane_spec()
+        if spec is None:
+            return False
+        self._read(False)
+        worker.read(False)
+        try:
+            handle = lanes.add(self, csock.fileno(), wsock.fileno(), bytes(carry), spec)
+        except OSError as exc:
+            log.warning("lane thread refused a connection: %s", exc)
+            worker.read(True)
+            return False
+        assert ex.pool is not None and ex.backend is not None and ex.cfg is not None
+        self.lane = handle
+        self.lane_pool, self.lane_backend, self.lane_sid = ex.pool, ex.backend, ex.sid
+        self.lane_worker, self.lane_cfg = worker, ex.cfg
+        worker.exchange = None
+        ex.pool.attach(ex.sid, ex.backend, self.host.loop.time())  # its key's place (rule 6)
+        return True
+
+    def lane_check(self) -> None:
+        """Every ``lanes.TICK_S``: a worker that is not ready any more (a drain, its health)
+        takes no new request from the lane: back here at its next boundary."""
+        backend = self.lane_backend
+        lanes = self.host.lanes
+        if (
+            self.lane is not None
+            and lanes is not None
+            and backend is not None
+            and (not backend.ready or self.host.closing)
+        ):
+            lanes.release(self.lane)
+
+    def abort_lane(self, why: str) -> None:
+        """A drain's or a shutdown's timeout: the lane's exchange ends now (503, or a cut)."""
+        lanes = self.host.lanes
+        if self.lane is not None and lanes is not None:
+            lanes.abort(self.lane, why)
+
+    def lane_back(self, back: Back) -> None:
+        """The lane thread gave the connection back: the rest is served here (rule 8)."""
+        host = self.host
+        pool, backend, worker, cfg = (
+            self.lane_pool,
+            self.lane_backend,
+            self.lane_worker,
+            self.lane_cfg,
+        )
+        self.lane = None
+        self.lane_pool = self.lane_backend = self.lane_worker = self.lane_cfg = None
+        now = host.loop.time()
+        if pool is not None and backend is not None:
+            pool.detach(backend, self.lane_sid, now)
+        if worker is not None:
+            if back.worker_ok and cfg is not None and not worker.lost:
+                worker.read(True)
+                host.keepalive.put(worker, cfg.pool_size, now)
+            else:
+                worker.abort()
+        if back.client_ended or self.gone or host.closing:
+            if back.client_gone:
+                self.transport.abort()
+            else:
+                self.transport.close()
+            return
+        if back.exchanges == 0:  # its next request was not the same again: not so soon
+            self.lane_skip = LANE_SKIP
+        self.conn = self.front.fresh_connection()
+        self.unread = 0
+        if back.carry:
+            self.conn.receive_data(back.carry)
+        wait = max(self.keepalive_s - back.idle_for, 0.01)
+        self.timer = host.loop.call_later(wait, self._idle_timeout)
         self._next_head()
 
     def _idle_timeout(self) -> None:
@@ -1038,11 +1183,14 @@ class Exchange:
         self.server_timer = self.request_timer = None
         worker = self.worker
         self.worker = None
+        spare = None
         if worker is not None:
             worker.exchange = None
             if keep and worker.sent and worker.reader.reusable and self.cfg is not None:
-                worker.read(True)
-                host.keepalive.put(worker, self.cfg.pool_size, host.loop.time())
+                if host.lanes is not None and self.named:
+                    spare = worker  # a lane's, perhaps (rule 8): the client decides
+                else:
+                    self.keep_worker(worker)
             else:
                 worker.close()
         if self.counted and self.pool is not None and self.backend is not None:
@@ -1054,7 +1202,74 @@ class Exchange:
             host.stats.http_active[self.pool.name] -= 1
         host.request_finished(self)
         self.logged()
-        self.client.finished(self, keep)
+        self.client.finished(self, keep, spare)
+
+    def keep_worker(self, worker: WorkerConn) -> None:
+        """Back to the pool of kept-alive worker connections (rule 5)."""
+        assert self.cfg is not None
+        worker.read(True)
+        self.host.keepalive.put(worker, self.cfg.pool_size, self.host.loop.time())
+
+    def lane_spec(self) -> Spec | None:
+        """What the lane thread needs to serve this request's next ones as this module would
+        (rule 8, ``_lanes.c``), or None where it may not: a key wslb made, a pool not hashed
+        by key, JWT."""
+        host = self.host
+        pool, backend, req, cfg = self.pool, self.backend, self.req, self.cfg
+        if (
+            pool is None
+            or backend is None
+            or req is None
+            or cfg is None
+            or not self.named
+            or pool.balance != "consistent"
+            or host.auth.cfg.jwt is not None
+        ):
+            return None
+        up = backend.upstream
+        try:
+            target = upstream_target(up.path, req).encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+        pre, post = request_blocks(
+            req,
+            authority=up.authority,
+            session_id=self.sid,
+            secure=self.client.secure,
+            worker_token=host.worker_token(backend),
+        )
+        names = list(_LANE_SIG)
+        for src in pool.cfg.session_key:
+            if src.kind == "header":
+                name = src.name.lower().encode("latin-1")
+                if name not in names:
+                    names.append(name)
+        headers = self.event.headers
+        sig = [bytes(self.event.target)]
+        for name in names:
+            values = [v for k, v in headers if k == name]
+            sig += [b"\0", name, b"\0", b"\1".join(values)]
+        limits = host.limits
+        return (
+            b"".join(sig),
+            tuple(names),
+            target,
+            _lines(pre),
+            _lines(post),
+            _LANE_DROP,
+            _RESPONSE_DROP,
+            SESSION_ID + b": " + self.key.encode("latin-1") + b"\r\n",
+            limits.max_header_bytes,
+            limits.max_headers,
+            cfg.max_body,
+            cfg.timeout_request,
+            cfg.timeout_server,
+            min(LANE_IDLE_S, cfg.timeout_keepalive),
+            self.client.front.peer.encode("latin-1", "replace"),
+            self.key.encode("latin-1"),
+            pool.name.encode("utf-8"),
+            backend.id.encode("utf-8"),
+        )
 
     def logged(self) -> None:
         """Count the request and write its access line (``log.access``)."""

@@ -485,6 +485,10 @@ class ClientConnection(asyncio.Protocol):
         )
         self.http.start(event)
 
+    def fresh_connection(self) -> h11.Connection:
+        """A new h11 connection for plain HTTP and a later upgrade alike (``reader.renew``)."""
+        return self.reader.renew()
+
     def upgrade(self, event: h11.Request) -> None:
         """A handshake after plain requests on this connection: the upgrade path takes it."""
         self.http = None

@@ -474,6 +474,9 @@ async def _settle(st: ServerState) -> None:
 
 async def _requests_done(st: ServerState) -> None:
     loop = st.loop
+    if st.lanes is not None:  # back at their next boundary: the event loop ends them there
+        st.lanes.stop()
+        await st.lanes.wait_empty(st.timeouts.shutdown_grace)
     until = loop.time() + st.timeouts.shutdown_grace
     while st.requests and loop.time() < until:  # noqa: ASYNC110
         await asyncio.sleep(0.01)

@@ -24,6 +24,7 @@ from typing import Any
 
 from balancer import workerauth
 from balancer.aio.httpproxy import Exchange, Keepalive
+from balancer.aio.lanes import Lanes
 from balancer.aio.offload import Offload
 from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
@@ -81,6 +82,7 @@ class ServerState:
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False
         self.offload: Offload | None = None  # the relay thread, set while serving (app.py)
+        self.lanes: Lanes | None = None  # the lane thread (plain HTTP), likewise
         # Longest prefix first; for one prefix, the pools naming a model before the one that
         # names none.
         self._routes = sorted(
