@@ -202,9 +202,11 @@ def start_proxy(kind: str, procs: Procs, worker: int) -> tuple[int, list[int]]:
 # -- the load generator (its own process) --------------------------------------------------------
 
 
-async def _json_conn(port: int, until: float, lat: list[float]) -> int:
+async def _json_conn(port: int, until: float, lat: list[float], key: bool = True) -> int:
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    req = b"GET /json HTTP/1.1\r\nHost: bench\r\nX-Session-Id: k" + secrets.token_hex(4).encode()
+    req = b"GET /json HTTP/1.1\r\nHost: bench"
+    if key:  # an SDK's X-Session-Id, one per connection
+        req += b"\r\nX-Session-Id: k" + secrets.token_hex(4).encode()
     req += b"\r\n\r\n"
     n = 0
     try:
@@ -249,7 +251,10 @@ def load_main(spec: dict[str, Any], out: Any) -> None:
         if spec["phase"] == "json":
             until = t0 + spec["duration"]
             counts = await asyncio.gather(
-                *(_json_conn(spec["port"], until, lat) for _ in range(spec["conns"]))
+                *(
+                    _json_conn(spec["port"], until, lat, spec.get("key", True))
+                    for _ in range(spec["conns"])
+                )
             )
             return {"n": sum(counts), "seconds": time.monotonic() - t0, "lat": lat}
         await asyncio.gather(
@@ -296,12 +301,22 @@ def main() -> None:
     ap.add_argument("--gap", type=int, default=20, help="ms between SSE events")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--no-key",
+        dest="key",
+        action="store_false",
+        help="json requests without X-Session-Id (wslb routes each one anew, in Python)",
+    )
     ap.add_argument("--json", dest="json_out", help="write the figures here too")
     ap.add_argument("--py-spy", dest="py_spy", help="record wslb's first json window here (raw)")
     args = ap.parse_args()
     if args.quick:
         args.duration, args.events, args.streams, args.repeat = 1.5, 30, 20, 1
     kinds = [k for k in args.proxies.split(",") if k]
+    for kind in [k for k in kinds if k in ("nginx", "haproxy")]:
+        if not (shutil.which(kind) or Path(f"/usr/sbin/{kind}").exists()):
+            print(f"{kind}: not installed (apt-get install {kind}), skipped", file=sys.stderr)
+            kinds.remove(kind)
     print(machine_line())
     print(f"load before: {loadavg()}")
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -325,7 +340,7 @@ def main() -> None:
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )  # fmt: skip
-                spec = {"phase": "json", "port": port, "conns": args.conns}
+                spec = {"phase": "json", "port": port, "conns": args.conns, "key": args.key}
                 runs["json"].append(window({**spec, "duration": args.duration}, pids))
                 if spy is not None:
                     spy.wait()
@@ -339,7 +354,8 @@ def main() -> None:
     print(f"load after: {loadavg()}")
     print(
         f"\njson: {args.conns} kept-alive connections, closed loop, {args.duration:g} s x "
-        f"{args.repeat} (medians)"
+        f"{args.repeat} (medians), "
+        + ("an X-Session-Id per connection" if args.key else "no session key")
     )
     print(f"{'proxy':8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11}")
     for kind, r in results.items():
