@@ -243,6 +243,22 @@ buf_reserve(buf_t *b, size_t more)
     return 0;
 }
 
+/* An array with room for its element ``n`` (doubling from ``first``): the array, moved or not,
+ * and ``*cap`` updated; NULL, the old array untouched, when out of memory. */
+static void *
+grow(void *p, size_t *cap, size_t n, size_t size, size_t first)
+{
+    if (n < *cap) {
+        return p;
+    }
+    size_t c = *cap ? *cap * 2 : first;
+    void *q = realloc(p, c * size);
+    if (q != NULL) {
+        *cap = c;
+    }
+    return q;
+}
+
 static int
 buf_add(buf_t *b, const void *p, size_t n)
 {
@@ -261,6 +277,28 @@ static int
 buf_addstr(buf_t *b, const char *s)
 {
     return buf_add(b, s, strlen(s));
+}
+
+/* One header line as h11 hands it to the event loop and httpmsg writes it: the name lowercased,
+ * ": ", the value without its outer whitespace (the parser already trimmed it), CRLF. */
+static int
+buf_add_field(buf_t *b, const unsigned char *name, size_t nl, const unsigned char *value, size_t vl)
+{
+    if (buf_reserve(b, nl + vl + 4) < 0) {
+        return -1;
+    }
+    unsigned char *o = b->p + b->len;
+    for (size_t c = 0; c < nl; c++) {
+        unsigned char ch = name[c];
+        o[c] = (ch >= 'A' && ch <= 'Z') ? (unsigned char)(ch + 32) : ch;
+    }
+    o[nl] = ':';
+    o[nl + 1] = ' ';
+    memcpy(o + nl + 2, value, vl);
+    o[nl + 2 + vl] = '\r';
+    o[nl + 3 + vl] = '\n';
+    b->len += nl + 4 + vl;
+    return 0;
 }
 
 static size_t
@@ -734,15 +772,11 @@ count_exchange(Lanes *r, lane_t *l, double duration)
         }
     }
     if (c == NULL) {
-        if (r->ncounts == r->counts_cap) {
-            size_t cap = r->counts_cap ? r->counts_cap * 2 : 16;
-            count_t *q = realloc(r->counts, cap * sizeof *q);
-            if (q == NULL) {
-                return;
-            }
-            r->counts = q;
-            r->counts_cap = cap;
+        void *grown = grow(r->counts, &r->counts_cap, r->ncounts, sizeof *r->counts, 16);
+        if (grown == NULL) {
+            return;
         }
+        r->counts = grown;
         c = &r->counts[r->ncounts++];
         memset(c, 0, sizeof *c);
         memcpy(c->pool, pool, sizeof pool);
@@ -758,15 +792,11 @@ count_exchange(Lanes *r, lane_t *l, double duration)
         }
     }
     if (h == NULL) {
-        if (r->nhists == r->hists_cap) {
-            size_t cap = r->hists_cap ? r->hists_cap * 2 : 8;
-            hist_t *q = realloc(r->hists, cap * sizeof *q);
-            if (q == NULL) {
-                return;
-            }
-            r->hists = q;
-            r->hists_cap = cap;
+        void *grown = grow(r->hists, &r->hists_cap, r->nhists, sizeof *r->hists, 8);
+        if (grown == NULL) {
+            return;
         }
+        r->hists = grown;
         h = &r->hists[r->nhists++];
         memset(h, 0, sizeof *h);
         memcpy(h->pool, pool, sizeof pool);
@@ -1040,21 +1070,7 @@ start_request(Lanes *r, lane_t *l)
         if (in_set(nm, nl, l->drop, l->n_drop)) {
             continue;
         }
-        if (buf_reserve(w, nl + f[k].value_len + 4) < 0) {
-            bad = 1;
-            break;
-        }
-        unsigned char *o = w->p + w->len;
-        for (size_t c = 0; c < nl; c++) {
-            unsigned char ch = nm[c];
-            o[c] = (ch >= 'A' && ch <= 'Z') ? (unsigned char)(ch + 32) : ch;
-        }
-        o[nl] = ':';
-        o[nl + 1] = ' ';
-        memcpy(o + nl + 2, base + f[k].value, f[k].value_len);
-        o[nl + 2 + f[k].value_len] = '\r';
-        o[nl + 3 + f[k].value_len] = '\n';
-        w->len += nl + 4 + f[k].value_len;
+        bad = buf_add_field(w, nm, nl, base + f[k].value, f[k].value_len);
     }
     if (!bad) {
         bad = buf_add(w, l->post.p, l->post.n);
@@ -1247,21 +1263,7 @@ response_head(Lanes *r, lane_t *l)
         if (named) {
             continue;
         }
-        if (buf_reserve(o, nl + f[k].value_len + 4) < 0) {
-            bad = 1;
-            break;
-        }
-        unsigned char *q = o->p + o->len;
-        for (size_t c = 0; c < nl; c++) {
-            unsigned char ch = nm[c];
-            q[c] = (ch >= 'A' && ch <= 'Z') ? (unsigned char)(ch + 32) : ch;
-        }
-        q[nl] = ':';
-        q[nl + 1] = ' ';
-        memcpy(q + nl + 2, base + f[k].value, f[k].value_len);
-        q[nl + 2 + f[k].value_len] = '\r';
-        q[nl + 3 + f[k].value_len] = '\n';
-        o->len += nl + 4 + f[k].value_len;
+        bad = buf_add_field(o, nm, nl, base + f[k].value, f[k].value_len);
     }
     if (!bad) {
         bad = buf_add(o, l->resp_add.p, l->resp_add.n);
