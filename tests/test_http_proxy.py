@@ -108,9 +108,10 @@ def config(apps: list[App], **http: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("http")
+@contextlib.contextmanager
+def serve(tmp: Path) -> Iterator[Stack]:
+    """Two uvicorn apps and a wslb with ``config`` in front, every backend active; all stopped
+    at the end."""
     apps = [App(tmp), App(tmp)]
     lb = Wslb(config(apps), tmp)
     try:
@@ -122,6 +123,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             lb.stop()
         for a in apps:
             a.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with serve(tmp_path_factory.mktemp("http")) as st:
+        yield st
 
 
 # -- a raw HTTP/1.1 client: one connection, h11 as the parser ---------------------------------

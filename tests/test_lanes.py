@@ -27,7 +27,16 @@ from websockets.asyncio.client import connect
 
 from balancer.aio import lanes
 from tests.procs import Wslb, free_port
-from tests.test_http_proxy import App, Raw, Stack, config, metric, raw_exchange, status_of
+from tests.test_http_proxy import (
+    App,
+    Raw,
+    Stack,
+    config,
+    metric,
+    raw_exchange,
+    serve,
+    status_of,
+)
 
 needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
 
@@ -47,18 +56,8 @@ async def served(lb: Wslb, at_least: float, timeout: float = 3.0) -> float:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("lanes")
-    apps = [App(tmp), App(tmp)]
-    lb = Wslb(config(apps), tmp)
-    try:
-        lb.start(wait_ready=False)
-        lb.wait_ready(until=lambda bs: all(b["state"] == "active" for b in bs))
-        yield Stack(lb, apps)
-    finally:
-        if lb.proc is not None:
-            lb.stop()
-        for a in apps:
-            a.stop()
+    with serve(tmp_path_factory.mktemp("lanes")) as st:
+        yield st
 
 
 # -- the recording worker: what the thread writes is what the event loop writes -----------------
