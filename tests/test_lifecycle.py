@@ -215,15 +215,18 @@ def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
     cfg = pool_config([{"id": "w1", "url": f"ws://127.0.0.1:{free_port()}"}])
     cfg["cluster"] = {"etcd": f"http://127.0.0.1:{free_port()}"}
     lb = Wslb(cfg, tmp_path)
-    proc = subprocess.Popen(
-        [*lb.command, "--config", str(lb.path)],
-        cwd=ROOT,
-        env=lb.env,
-        stderr=subprocess.DEVNULL,
-    )
+    err = tmp_path / "stderr.log"
+    with err.open("wb") as out:
+        proc = subprocess.Popen(
+            [*lb.command, "--config", str(lb.path)], cwd=ROOT, env=lb.env, stderr=out
+        )
     try:
-        time.sleep(1.0)  # past imports, inside the start
-        assert proc.poll() is None
+        # Inside the start: its first backend's scrape has failed (the etcd wait is 3 s). A
+        # fixed sleep was not enough on a loaded machine: the signal came before its handler.
+        deadline = time.monotonic() + 15
+        while b"wslb.scraper" not in err.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, err.read_text()
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=10)
