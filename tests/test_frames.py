@@ -91,6 +91,23 @@ def test_partial_payload_forwarded_immediately_and_header_held() -> None:
         (cf(OP_CLOSE, struct.pack("!H", 1000) + b"\xff"), 1007),  # reason not UTF-8
         (bytes([0x82, 0xFF]) + b"\x80" + b"\0" * 7 + b"\0\0\0\0", 1002),  # 64-bit length MSB
     ],
+    # Named, not by their bytes: masked frames have a random key, and pytest-xdist's workers
+    # must collect the same test ids.
+    ids=[
+        "unmasked",
+        "rsv1",
+        "reserved-data-opcode",
+        "reserved-control-opcode",
+        "lone-continuation",
+        "message-inside-message",
+        "fragmented-control",
+        "long-control",
+        "close-1-byte",
+        "close-code-999",
+        "close-code-1005",
+        "close-reason-not-utf8",
+        "length-msb",
+    ],
 )
 def test_violations_give_close_codes(data: bytes, code: int) -> None:
     _, sc = scan(data)
