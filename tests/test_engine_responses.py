@@ -147,7 +147,10 @@ async def test_a_response_survives_a_kill(stack: Stack, what: str) -> None:
         view = lb.admin(f"/sessions/{sid}")
     for g in (first, got, third):
         whole(g)
-    assert got.end.response.usage.output_tokens == len(got.deltas), got.end
+    # Usage counts tokens, a delta holds one or more (llama-server holds back a token that ends
+    # inside a UTF-8 character and sends it with the next): never fewer tokens than deltas, never
+    # more than were allowed.
+    assert len(got.deltas) <= got.end.response.usage.output_tokens <= 120, got.end
     assert third.end.response.previous_response_id == got.id
     assert not reconnects, reconnects
     assert view["backend"] != backend and view["failover"]["failovers"] == 1, view
