@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import jwt
 import pytest
 from websockets.asyncio.client import connect
 
@@ -488,3 +489,65 @@ async def test_websocket_client_unaffected(stack: Stack) -> None:
     async with connect(f"ws://127.0.0.1:{stack.lb.port}/ws/echo") as ws:
         await ws.send("x")
         assert await ws.recv() == "echo:x"
+
+
+@needs_lanes
+async def test_an_origin_or_token_the_lane_did_not_see_is_checked_again(tmp_path: Path) -> None:
+    """As an attacker on a connection a lane serves: a request with another ``Origin`` (or
+    none) is not relayed by the thread but refused by the event loop's check (403); on a JWT
+    pool no lane is taken at all, so a kept-alive connection's next request without the token
+    gets 401."""
+    app = App(tmp_path)
+    secret = "s3cret-for-the-lanes-test-32-bytes!"
+    cfg = config([app])
+    cfg["auth"] = {"origins": ["https://ok.example"]}
+    (tmp_path / "origins").mkdir()
+    lb = Wslb(cfg, tmp_path / "origins")
+    await asyncio.to_thread(lb.start)
+    try:
+        ok = [("x-session-id", "orig"), ("origin", "https://ok.example")]
+        before = exchanges(lb)
+        c = await Raw.open(lb.port)
+        try:
+            for _ in range(3):
+                head, _ = await c.request("GET", "/json", ok)
+                assert head.status_code == 200
+            assert await served(lb, before + 1) > before  # the thread served the third
+            head, _ = await c.request(
+                "GET", "/json", [("x-session-id", "orig"), ("origin", "https://evil.example")]
+            )
+            assert head.status_code == 403
+        finally:
+            c.close()
+        c = await Raw.open(lb.port)
+        try:
+            for _ in range(3):
+                head, _ = await c.request("GET", "/json", ok)
+                assert head.status_code == 200
+            head, _ = await c.request("GET", "/json", [("x-session-id", "orig")])
+            assert head.status_code == 403
+        finally:
+            c.close()
+    finally:
+        await asyncio.to_thread(lb.stop)
+    cfg = config([app])
+    cfg["auth"] = {"jwt": {"secret": secret}}
+    (tmp_path / "jwt").mkdir()
+    lb = Wslb(cfg, tmp_path / "jwt")
+    await asyncio.to_thread(lb.start)
+    try:
+        token = jwt.encode({"sub": "alice", "exp": int(time.time()) + 60}, secret)
+        alice = [("x-session-id", "j"), ("authorization", f"Bearer {token}")]
+        c = await Raw.open(lb.port)
+        try:
+            for _ in range(3):
+                head, _ = await c.request("GET", "/json", alice)
+                assert head.status_code == 200
+            head, _ = await c.request("GET", "/json", [("x-session-id", "j")])
+            assert head.status_code == 401
+        finally:
+            c.close()
+        assert exchanges(lb) == 0
+    finally:
+        await asyncio.to_thread(lb.stop)
+        app.stop()
