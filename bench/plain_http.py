@@ -163,6 +163,11 @@ backend b
 """
 
 
+def proxy_exe(kind: str) -> str:
+    """nginx's or HAProxy's binary: on PATH, else where Debian puts it."""
+    return shutil.which(kind) or f"/usr/sbin/{kind}"
+
+
 def start_proxy(kind: str, procs: Procs, worker: int) -> tuple[int, list[int]]:
     """Start ``kind`` in front of the worker; its port and the pids to measure."""
     if kind == "direct":
@@ -186,14 +191,14 @@ def start_proxy(kind: str, procs: Procs, worker: int) -> tuple[int, list[int]]:
         d = procs.logdir / "nginx"
         d.mkdir(exist_ok=True)
         (d / "nginx.conf").write_text(nginx_conf(d, port, worker))
-        exe = shutil.which("nginx") or "/usr/sbin/nginx"
+        exe = proxy_exe("nginx")
         proc = procs.spawn(
             "nginx", [exe, "-p", f"{d}/", "-c", f"{d}/nginx.conf", "-e", f"{d}/e.log"]
         )
     else:
         path = procs.logdir / "haproxy.cfg"
         path.write_text(haproxy_conf(port, worker))
-        exe = shutil.which("haproxy") or "/usr/sbin/haproxy"
+        exe = proxy_exe("haproxy")
         proc = procs.spawn("haproxy", [exe, "-db", "-f", str(path)])
     wait_port(port, proc=proc)
     return port, [proc.pid]
@@ -202,7 +207,7 @@ def start_proxy(kind: str, procs: Procs, worker: int) -> tuple[int, list[int]]:
 # -- the load generator (its own process) --------------------------------------------------------
 
 
-async def _json_conn(port: int, until: float, lat: list[float], key: bool = True) -> int:
+async def _json_conn(port: int, until: float, lat: list[float], key: bool) -> int:
     r, w = await asyncio.open_connection("127.0.0.1", port)
     req = b"GET /json HTTP/1.1\r\nHost: bench"
     if key:  # an SDK's X-Session-Id, one per connection
@@ -251,10 +256,7 @@ def load_main(spec: dict[str, Any], out: Any) -> None:
         if spec["phase"] == "json":
             until = t0 + spec["duration"]
             counts = await asyncio.gather(
-                *(
-                    _json_conn(spec["port"], until, lat, spec.get("key", True))
-                    for _ in range(spec["conns"])
-                )
+                *(_json_conn(spec["port"], until, lat, spec["key"]) for _ in range(spec["conns"]))
             )
             return {"n": sum(counts), "seconds": time.monotonic() - t0, "lat": lat}
         await asyncio.gather(
@@ -314,7 +316,7 @@ def main() -> None:
         args.duration, args.events, args.streams, args.repeat = 1.5, 30, 20, 1
     kinds = [k for k in args.proxies.split(",") if k]
     for kind in [k for k in kinds if k in ("nginx", "haproxy")]:
-        if not (shutil.which(kind) or Path(f"/usr/sbin/{kind}").exists()):
+        if not Path(proxy_exe(kind)).exists():
             print(f"{kind}: not installed (apt-get install {kind}), skipped", file=sys.stderr)
             kinds.remove(kind)
     print(machine_line())
@@ -329,7 +331,8 @@ def main() -> None:
         wait_port(wport)
         for kind in kinds:
             port, pids = start_proxy(kind, procs, wport)
-            run_load({"phase": "json", "port": port, "conns": args.conns, "duration": 0.5})
+            json_spec = {"phase": "json", "port": port, "conns": args.conns, "key": args.key}
+            run_load({**json_spec, "duration": 0.5})  # warm-up, with the measured requests
             runs: dict[str, list[dict[str, float]]] = {"json": [], "sse": []}
             for i in range(args.repeat):
                 spy = None
@@ -340,8 +343,7 @@ def main() -> None:
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )  # fmt: skip
-                spec = {"phase": "json", "port": port, "conns": args.conns, "key": args.key}
-                runs["json"].append(window({**spec, "duration": args.duration}, pids))
+                runs["json"].append(window({**json_spec, "duration": args.duration}, pids))
                 if spy is not None:
                     spy.wait()
                 spec = {"phase": "sse", "port": port, "streams": args.streams}
