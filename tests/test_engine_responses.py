@@ -147,9 +147,10 @@ async def test_a_response_survives_a_kill(stack: Stack, what: str) -> None:
         view = lb.admin(f"/sessions/{sid}")
     for g in (first, got, third):
         whole(g)
-    # Usage counts tokens, a delta holds one or more (llama-server holds back a token that ends
-    # inside a UTF-8 character and sends it with the next): never fewer tokens than deltas, never
-    # more than were allowed.
+    # Usage counts the engines' tokens and a delta may carry more than one (llama-server, for
+    # one, holds back a token that ends inside a UTF-8 character). Seen once after a kill: 120
+    # tokens, 115 deltas, the cause not pinned down. Never fewer tokens than deltas, never more
+    # than were allowed.
     assert len(got.deltas) <= got.end.response.usage.output_tokens <= 120, got.end
     assert third.end.response.previous_response_id == got.id
     assert not reconnects, reconnects
