@@ -7,7 +7,12 @@ web page the operator opens (a cross-origin ``fetch`` to a loopback port needs n
 to be *sent*). So both workers wslb ships (``backends.server``):
 
 - with a credential configured, refuse every WebSocket upgrade and handoff request without it
-  (``401``): wslb sends it on all of them (``X-WSLB-Worker-Token``);
+  (``401``): wslb sends it on all of them (``X-WSLB-Worker-Token``). Two forms of it: the secret
+  itself, which wslb sends only on its own freeze, thaw and resumed upgrade, and the *proxied*
+  credential made from it (``balancer.contract.proxied_credential``), which wslb sends on what
+  it forwards for clients. Plain upgrades and requests take either; the handoff routes and
+  resumed upgrades only the secret, so a client request that wslb forwards, whatever its path
+  and headers, can never open them;
 - with none, accept plain upgrades (the worker alone, in front of a client that knows nothing of
   wslb) but refuse the handoff routes and resumed upgrades (``401``), unless started with
   ``--insecure-handoff`` (tests on a machine of one's own);
@@ -31,6 +36,8 @@ import re
 import time
 from collections.abc import Mapping
 from typing import Final
+
+from balancer.contract import proxied_credential
 
 __all__ = ["ENV", "HEADER", "TOKEN_RULE", "WorkerAuth", "parse_tokens"]
 
@@ -69,6 +76,10 @@ def _digests(tokens: tuple[str, ...]) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(t.encode("ascii")).digest() for t in tokens)
 
 
+def _proxied_digests(tokens: tuple[str, ...]) -> tuple[bytes, ...]:
+    return _digests(tuple(proxied_credential(t) for t in tokens))
+
+
 class WorkerAuth:
     """The credentials a worker accepts (module docstring); ``insecure``: the handoff API is
     open to anyone without one (``--insecure-handoff``)."""
@@ -79,6 +90,7 @@ class WorkerAuth:
         self.file = file
         self.insecure = insecure
         self._tokens = _digests(tokens)
+        self._proxied = _proxied_digests(tokens)
         self._seen: tuple[int, int, int] | None = None  # the file's (inode, size, mtime)
         self._checked = 0.0
         if file is not None:
@@ -117,16 +129,18 @@ class WorkerAuth:
             return "no credential, --insecure-handoff: anyone who reaches the port moves sessions"
         return "no credential: handoff API and resumed upgrades refused (401)"
 
-    def accepts(self, given: str | None) -> bool:
-        """``given`` (the header's value) is one of the accepted credentials: digests compared
-        in constant time (equal lengths, so not even the length leaks), all of them each time."""
+    def accepts(self, given: str | None, *, handoff: bool) -> bool:
+        """``given`` (the header's value) is one of the accepted credentials, in the form the
+        request needs (``handoff``: the secret itself; else the secret or its proxied form):
+        digests compared in constant time (equal lengths, so not even the length leaks), all of
+        them each time."""
         if self.file is not None:
             self._maybe_reload()
         if given is None or not self._tokens:
             return False
         digest = hashlib.sha256(given.strip().encode("utf-8", "replace")).digest()
         ok = False
-        for token in self._tokens:
+        for token in self._tokens if handoff else self._tokens + self._proxied:
             ok |= hmac.compare_digest(digest, token)
         return ok
 
@@ -157,3 +171,4 @@ class WorkerAuth:
             log.info("worker credential file %s changed: %d accepted", self.file, len(tokens))
         self._seen = seen
         self._tokens = _digests(tokens)
+        self._proxied = _proxied_digests(tokens)

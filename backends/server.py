@@ -723,7 +723,7 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         aside)."""
         auth = self.config.worker_auth
         if auth.configured:
-            if auth.accepts(request.headers.get(WORKER_TOKEN_HEADER)):
+            if auth.accepts(request.headers.get(WORKER_TOKEN_HEADER), handoff=handoff):
                 return None
             return json_error(401, f"missing or wrong {WORKER_TOKEN_HEADER}")
         if not handoff or auth.insecure:

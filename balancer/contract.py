@@ -10,15 +10,29 @@ engine bridge (``backends.bridge``) and the journal decide with the same functio
 conversation, ``read_transcript`` for the fields of a transcript every worker reads alike, and
 ``queue_full`` / ``rejected_after`` for the one ``error`` that refuses a valid prompt.
 
+The worker protocol's internal surface is agreed here too. Its routes live under
+``RESERVED_PREFIX`` (``/wslb/``: freeze, thaw), and wslb answers every client request whose
+path falls there itself (``reserved_target``, read as conservatively as any server would read
+it: percent-decoded, dot segments resolved, slashes merged, any case), so none reaches a worker.
+And wslb shows a worker two credentials made from the one secret they share:
+the *handoff* credential (the secret itself) on its own freeze, thaw and resumed upgrade, and
+the *proxied* credential (``proxied_credential``: an HMAC of a fixed label under the secret) on
+everything it forwards for a client. A worker takes either on a plain upgrade or request and
+only the handoff one on its internal routes, so a request that does slip through with
+client-chosen parts carries nothing that opens them: two locks, each enough alone.
+
 A core module: standard library only, no I/O. It is the one ``balancer`` module that
 ``backends`` imports (docs/architecture.md): wslb's workers speak wslb's contract.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias, cast
+from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "CHAT",
@@ -29,6 +43,7 @@ __all__ = [
     "PROTOCOLS",
     "QUEUE_FULL",
     "REALTIME",
+    "RESERVED_PREFIX",
     "RESPONSES",
     "TRANSCRIPT_VERSION",
     "ChatPrompt",
@@ -38,11 +53,13 @@ __all__ = [
     "StateError",
     "TranscriptHead",
     "chat_messages",
+    "proxied_credential",
     "queue_full",
     "read_prompt",
     "read_temperature",
     "read_transcript",
     "rejected_after",
+    "reserved_target",
     "shown",
 ]
 
@@ -62,6 +79,46 @@ EVENT_PROTOCOLS: tuple[Protocol, ...] = (REALTIME, RESPONSES)
 QUEUE_FULL = f"too many queued prompts (at most {MAX_QUEUED_PROMPTS})"
 
 Msg: TypeAlias = dict[str, str]
+
+RESERVED_PREFIX: Final = "/wslb/"
+"""Where a worker serves the worker protocol's internal routes; never a client's to reach."""
+_RESERVED_SEGMENT: Final = RESERVED_PREFIX.strip("/")
+_PROXIED_LABEL: Final = b"wslb proxied client traffic v1"
+
+
+def reserved_target(target: str) -> bool:
+    """``target`` (a request target as the client sent it) names a path under
+    ``RESERVED_PREFIX`` as some server could read it: percent-decoding repeated until it
+    settles, ``\\`` as ``/``, empty and ``.`` segments dropped, ``..`` resolved, the first
+    segment in any case. Errs on the side of refusing: an application's own ``/WSLB/x`` or
+    ``/a/../wslb`` is refused as well."""
+    path = target.partition("#")[0].partition("?")[0]
+    if not path.startswith("/"):  # absolute form (or a bare authority): its path
+        path = urlsplit(target).path
+    for _ in range(8):
+        decoded = unquote(path, errors="replace")
+        if decoded == path:
+            break
+        path = decoded
+    segments: list[str] = []
+    for seg in path.replace("\\", "/").split("/"):
+        seg = seg.strip(" \t\x00")
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(seg)
+    return bool(segments) and segments[0].lower() == _RESERVED_SEGMENT
+
+
+def proxied_credential(secret: str) -> str:
+    """The credential wslb shows a worker on client traffic it forwards, made from the
+    ``secret`` they share (module docstring): a worker that knows the secret derives it, and
+    it opens no internal route."""
+    mac = hmac.new(secret.encode("utf-8"), _PROXIED_LABEL, hashlib.sha256)
+    return "proxied-" + mac.hexdigest()
 
 
 class ProtocolError(Exception):

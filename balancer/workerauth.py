@@ -18,6 +18,11 @@ Which secret a backend gets, first that applies:
 4. none: the upgrade goes without one (a stock server needs none), and the workers wslb ships
    refuse migration and failover until they are given one.
 
+The secret itself goes only with wslb's own handoff requests (freeze, thaw, the resumed
+upgrade); what wslb forwards for a client carries the *proxied* credential made from it
+(``balancer.contract.proxied_credential``), which the workers wslb ships accept on plain
+upgrades and requests and refuse on their internal routes (``credential_for``).
+
 The generated secret lives in this process's environment (``WSLB_SPAWN_TOKEN``) so that the
 serving processes of ``workers: N`` and a hot restart, which inherit it, show the spawned
 workers the same one.
@@ -25,6 +30,7 @@ workers the same one.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -32,12 +38,14 @@ from collections.abc import MutableMapping
 from typing import Final
 
 from balancer.config import BackendCfg, PoolCfg
+from balancer.contract import proxied_credential
 
 __all__ = [
     "ENV",
     "HEADER",
     "SPAWN_ENV",
     "TOKEN_RULE",
+    "credential_for",
     "spawn_token",
     "token_for",
     "valid_token",
@@ -84,3 +92,24 @@ def token_for(
         return pool.worker_auth.token
     default = env.get(ENV, "").split(",")[0].strip()
     return default if valid_token(default) else None
+
+
+def credential_for(
+    pool: PoolCfg,
+    backend: BackendCfg,
+    *,
+    handoff: bool,
+    env: MutableMapping[str, str] | None = None,
+) -> str | None:
+    """What wslb shows ``backend`` on a request: the secret itself on its own ``handoff``
+    requests, the proxied credential made from it on a client's (module docstring)."""
+    secret = token_for(pool, backend, env)
+    if secret is None or handoff:
+        return secret
+    return _proxied(secret)
+
+
+@functools.lru_cache(maxsize=64)
+def _proxied(secret: str) -> str:
+    """One HMAC per secret, not per forwarded request."""
+    return proxied_credential(secret)

@@ -37,6 +37,7 @@ from balancer.aio.spawn import Spawner
 from balancer.backend import Backend
 from balancer.config import BackendCfg, ConfigError, PoolCfg, WorkerAuthCfg, parse
 from balancer.config import build as config_build
+from balancer.contract import proxied_credential
 from tests.browser import browser, require_browser
 from tests.procs import ROOT, WORKER_AUTH, WORKER_TOKEN, Worker, Wslb, free_port, pool_config
 
@@ -69,11 +70,19 @@ def test_tokens_from_a_file_or_the_environment() -> None:
             parse_tokens(bad, "where")
         assert exc.value.args[0].startswith("where: ") and "short" not in exc.value.args[0]
     auth = WorkerAuth.from_sources(None, {"WSLB_WORKER_TOKEN": "aaaaaaaaaaaaaaaa,bbbbbbbbbbbbbbbb"})
-    assert auth.accepts("aaaaaaaaaaaaaaaa") and auth.accepts("bbbbbbbbbbbbbbbb")
-    assert not auth.accepts("cccccccccccccccc") and not auth.accepts(None)
-    assert not auth.accepts("aaaaaaaaaaaaaaa") and not auth.accepts("")
+    for handoff in (True, False):
+        assert auth.accepts("aaaaaaaaaaaaaaaa", handoff=handoff)
+        assert auth.accepts("bbbbbbbbbbbbbbbb", handoff=handoff)
+        assert not auth.accepts("cccccccccccccccc", handoff=handoff)
+        assert not auth.accepts(None, handoff=handoff)
+        assert not auth.accepts("aaaaaaaaaaaaaaa", handoff=handoff)
+        assert not auth.accepts("", handoff=handoff)
+    # The proxied form (what wslb forwards client traffic with) opens plain routes only.
+    proxied = proxied_credential("bbbbbbbbbbbbbbbb")
+    assert auth.accepts(proxied, handoff=False) and not auth.accepts(proxied, handoff=True)
+    assert not auth.accepts(proxied_credential("cccccccccccccccc"), handoff=False)
     none = WorkerAuth.from_sources(None, {"WSLB_WORKER_TOKEN": " "})
-    assert not none.configured and not none.accepts("anything")
+    assert not none.configured and not none.accepts("anything", handoff=False)
     with pytest.raises(ValueError, match="insecure-handoff"):
         WorkerAuth.from_sources(None, {"WSLB_WORKER_TOKEN": "a" * 16}, insecure=True)
 
@@ -86,13 +95,22 @@ def test_a_rotation_through_the_file_needs_no_restart(
     old, new = "old-credential-0123456789", "new-credential-0123456789"
     path.write_text(old + "\n")
     auth = WorkerAuth(file=str(path))
-    assert auth.accepts(old) and not auth.accepts(new)
+
+    def accepted(token: str) -> bool:  # as the secret, and in its proxied form
+        both = (
+            auth.accepts(token, handoff=True),
+            auth.accepts(proxied_credential(token), handoff=False),
+        )
+        assert both[0] == both[1]
+        return both[0]
+
+    assert accepted(old) and not accepted(new)
     path.write_text(f"{new}\n{old}\n")  # 1. the workers accept both
-    assert auth.accepts(old) and auth.accepts(new)
+    assert accepted(old) and accepted(new)
     path.write_text(new + "\n")  # 3. wslb moved to the new one: the old one goes
-    assert auth.accepts(new) and not auth.accepts(old)
+    assert accepted(new) and not accepted(old)
     path.write_text("not a credential")  # a broken file keeps what worked (logged)
-    assert auth.accepts(new)
+    assert accepted(new)
     with pytest.raises(ValueError, match="worker-token-file"):
         WorkerAuth(file=str(tmp_path / "missing"))
 

@@ -170,7 +170,7 @@ class HttpHost(Protocol):
     lanes: Lanes | None  # the lane thread, where it runs (rule 8)
     auth: Authenticator
 
-    def worker_token(self, backend: Backend) -> str | None: ...
+    def worker_token(self, backend: Backend, *, handoff: bool) -> str | None: ...
 
     def upstream_ssl(self, backend: Backend) -> ssl.SSLContext | None: ...
 
@@ -847,7 +847,7 @@ class Exchange:
             authority=up.authority,
             session_id=self.sid,
             secure=self.client.secure,
-            worker_token=host.worker_token(backend),
+            worker_token=host.worker_token(backend, handoff=False),
             length=self.length,
             chunked=self.chunked,
         )
@@ -1236,7 +1236,7 @@ class Exchange:
             authority=up.authority,
             session_id=self.sid,
             secure=self.client.secure,
-            worker_token=host.worker_token(backend),
+            worker_token=host.worker_token(backend, handoff=False),
         )
         names = list(_LANE_SIG)
         for src in pool.cfg.session_key:

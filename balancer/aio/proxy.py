@@ -27,6 +27,7 @@ from balancer.aio.httpproxy import HttpClient, Routed
 from balancer.aio.session import ClientLeg, Leg, Session, pause_reading
 from balancer.aio.state import ServerState
 from balancer.auth import scoped_key
+from balancer.contract import RESERVED_PREFIX, reserved_target
 from balancer.handshake import (
     WORKER_BODY_LIMIT,
     ClientRequest,
@@ -403,8 +404,11 @@ class ClientConnection(asyncio.Protocol):
         limit, once a trusted proxy named the client).
 
         Raises:
-            HandshakeReject: 404 (no pool), 401/403 (auth), 400 (a bad key).
+            HandshakeReject: 404 (no pool, or a path the worker protocol reserves), 401/403
+                (auth), 400 (a bad key).
         """
+        if reserved_target(req.target):  # a worker's internal API: never a client's (contract)
+            raise HandshakeReject(404, f"{RESERVED_PREFIX} is internal to wslb and its workers")
         st = self.state
         # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
         # client: that proxy is transparent), once, whatever worker legs the session opens.
@@ -572,7 +576,7 @@ async def open_upstream(
         sid,
         secure_client=secure,
         resume=resume,
-        worker_token=state.worker_token(backend),
+        worker_token=state.worker_token(backend, handoff=resume),
     )
     timeouts = state.timeouts
     # perf_counter, not loop.time(): uvloop's clock is cached per loop turn in milliseconds,

@@ -175,8 +175,9 @@ class ServerState:
             self._upstream_tls[key] = ctx
         return ctx
 
-    def worker_token(self, backend: Backend) -> str | None:
-        """The credential wslb shows this worker (``balancer.workerauth``), or None."""
+    def worker_token(self, backend: Backend, *, handoff: bool) -> str | None:
+        """The credential wslb shows this worker (``balancer.workerauth``), or None: the
+        handoff one on wslb's own freeze, thaw and resumed upgrade, else the proxied one."""
         found = self.find_backend(backend.id)
         if found is None:
             return None
