@@ -31,6 +31,16 @@ backend's counted load is above its limit (of the current total), places held th
 up, the longest-quiet conversations first, until it is within the limit again or holds none;
 live sessions are never moved for a bound.
 
+Held places per client: nothing says a key a client names will come back, so one client could
+name a new key per request and fill the counted loads with reservations nobody returns to (the
+bounds then mean nothing, and real conversations' places are given up first, being the
+oldest). So a client holds at most ``affinity_hold_per_client`` places at once: its next one
+gives up its own longest-quiet place. The client is the address ``detach`` is given (the one
+wslb counts the connection from, for sessions, plain requests and lanes alike), or with
+``auth.jwt`` (``owners``) the owner whose tag the scoped key carries: many users behind one
+address. A key given up keeps its remembered placement (it goes back to its worker while the
+bounds allow), only its place stops counting; live sessions are never touched.
+
 Overload is the pool's state, refreshed with the weights (``refresh``): the set of backends
 ``selection.overloaded`` finds among the ready backends with fresh signals, given the set before,
 so that its hysteresis holds across refreshes (reported; it moves no key by itself). Under
@@ -71,6 +81,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from balancer import selection
+from balancer.auth import OWNER_TAG_LEN
 from balancer.backend import AdminState, Backend, Change, Upstream
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
@@ -177,6 +188,7 @@ class Pool:
         affinity_size: int = 100_000,
         seed: int | None = None,
         hold_s: float | None = None,
+        owners: bool = False,
     ):
         self.cfg = cfg
         self.name = cfg.name
@@ -213,6 +225,13 @@ class Pool:
         # key -> (backend placed on, loop time the placement lapses): handshakes under way
         self._pending: OrderedDict[str, tuple[Backend, float]] = OrderedDict()
         self.hold_s = cfg.affinity_hold if hold_s is None else hold_s
+        # client -> the keys whose places it holds, the longest-quiet first; key -> its client
+        self._holds_of: dict[str, OrderedDict[str, None]] = {}
+        self._holder: dict[str, str] = {}
+        self.per_client = cfg.affinity_hold_per_client
+        # Keys carry their owner's tag (``auth.jwt``: ``auth.scoped_key``): a place is the
+        # owner's, not the address's.
+        self.owners = owners
         self._rr = selection.SmoothRoundRobin()
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
@@ -272,6 +291,7 @@ class Pool:
                 break
             del held[key]
             hb.held -= 1
+            self._unhold(key)
             self._lapse(key, hb)
             self._publish(hb)
         pending = self._pending
@@ -396,6 +416,7 @@ class Pool:
                     del held[key]
                     hb.held -= 1
                     total -= 1
+                    self._unhold(key)
                     self._lapse(key, hb)
                     self._publish(hb)
                     trimmed = True
@@ -596,6 +617,7 @@ class Pool:
         hold = self._held.pop(key, None)
         if hold is not None:
             hold[0].held -= 1
+            self._unhold(key)
             conv = self._convs.get(key)
             if conv is not None and conv.on is hold[0]:
                 self._uncount(conv)
@@ -607,10 +629,12 @@ class Pool:
         key: str | None = None,
         now: float = 0.0,
         relayed: Relayed | None = None,
+        client: str | None = None,
     ) -> None:
         """Count a session gone from ``backend``; its key's placement counts from now, and the
         key holds its place there for ``hold_s`` (module docstring). ``relayed``: what the
-        session relayed, for its conversation's size."""
+        session relayed, for its conversation's size; ``client``: whose place it is (the
+        per-client bound; None: no one's, unbounded)."""
         backend.sessions -= 1
         if key is not None:
             entry = self._affinity.get(key)
@@ -628,9 +652,51 @@ class Pool:
                 backend.held += 1
                 if conv is not None:
                     self._count(conv, backend)
+                if client is not None and self.per_client > 0:
+                    self._hold_for(self._client(key, client), key)
             elif conv is not None and conv.on is backend:
                 self._lapse(key, backend)
         self._publish(backend)
+
+    def _client(self, key: str, address: str) -> str:
+        """Whose place the key's is: its owner's tag with JWT (a key a token's claim gave has
+        none: its address's), else the client address."""
+        if self.owners and key[OWNER_TAG_LEN : OWNER_TAG_LEN + 1] == "~":
+            return "owner:" + key[:OWNER_TAG_LEN]
+        return address
+
+    def _hold_for(self, client: str, key: str) -> None:
+        """Count the key's new place as ``client``'s; past the bound its longest-quiet place
+        is given up (module docstring)."""
+        keys = self._holds_of.get(client)
+        if keys is None:
+            keys = self._holds_of[client] = OrderedDict()
+        keys[key] = None
+        self._holder[key] = client
+        while len(keys) > self.per_client:
+            oldest = next(iter(keys))
+            hold = self._held.pop(oldest, None)
+            self._unhold(oldest)
+            if hold is not None:
+                hb = hold[0]
+                hb.held -= 1
+                self._lapse(oldest, hb)
+                self._publish(hb)
+
+    def _unhold(self, key: str) -> None:
+        """The key's place is gone (taken back, expired or given up): its client's no more."""
+        client = self._holder.pop(key, None)
+        if client is None:
+            return
+        keys = self._holds_of[client]
+        del keys[key]
+        if not keys:
+            del self._holds_of[client]
+
+    def held_by(self, client: str) -> int:
+        """Places ``client`` holds now."""
+        keys = self._holds_of.get(client)
+        return len(keys) if keys is not None else 0
 
     def _publish(self, backend: Backend) -> None:
         """Tell the other processes of ``workers: N`` what this one counts on the backend:

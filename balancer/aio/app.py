@@ -396,7 +396,7 @@ def build(
     """The parts of this process for its mode (module docstring)."""
     loop = asyncio.get_running_loop()
     stats = Stats()
-    pools = [Pool(p) for p in config.pools]
+    pools = [Pool(p, owners=config.auth.jwt is not None) for p in config.pools]
     supervising = link is None and config.workers > 1
     board: Board | None = None
     group: ProcessGroup | None = None

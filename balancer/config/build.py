@@ -257,6 +257,15 @@ class _Reader:
             return int(v)
         return v if isinstance(v, int) and not isinstance(v, bool) else default
 
+    def at_least_0(self, m: Mapping[object, object], key: str, path: _Path, default: int) -> int:
+        """An integer that must be 0 or more (the schema says so too: this catches it where
+        the schema pass did not run)."""
+        n = self.integer(m, key, path, default)
+        if n < 0:
+            self.error((*path, key), f"must be 0 or more, got {n}")
+            return default
+        return n
+
     def number(self, m: Mapping[object, object], key: str, path: _Path, default: float) -> float:
         v = self.get(m, key, path)
         if not isinstance(v, int | float) or isinstance(v, bool):
@@ -563,6 +572,7 @@ class _Builder(_Reader):
             upstream_tls=self.upstream_tls(item, p),
             worker_auth=self.worker_auth(item, p),
             affinity_hold=self.duration(item, "affinity_hold", p, 30.0),
+            affinity_hold_per_client=self.at_least_0(item, "affinity_hold_per_client", p, 64),
             affinity_ceiling=self.number(item, "affinity_ceiling", p, 2.0),
             overload_ratio=self.number(item, "overload_ratio", p, 1.5),
             placement=self.placement(self.section(item, "placement", p), (*p, "placement")),

@@ -277,6 +277,8 @@ class PoolCfg:
     upstream_tls: UpstreamTls | None = None
     worker_auth: WorkerAuthCfg | None = None
     affinity_hold: float = 30.0  # seconds a key keeps its place after its session ends
+    # Places one client (address, or JWT owner) may hold at once (``balancer.pool``); 0: no bound.
+    affinity_hold_per_client: int = 64
     # A returning key leaves a worker that would go above this many times its weighted share
     # (``balancer.selection``); at or below hash_balance_factor: the strict bound.
     affinity_ceiling: float = 2.0
