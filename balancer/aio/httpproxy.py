@@ -640,7 +640,7 @@ class HttpClient:
         self.lane_pool = self.lane_backend = self.lane_worker = self.lane_cfg = None
         now = host.loop.time()
         if pool is not None and backend is not None:
-            pool.detach(backend, self.lane_sid, now)
+            pool.detach(backend, self.lane_sid, now, client=self.front.peer)
         if worker is not None:
             if back.worker_ok and cfg is not None and not worker.lost:
                 worker.read(True)
@@ -1196,7 +1196,9 @@ class Exchange:
         if self.counted and self.pool is not None and self.backend is not None:
             self.counted = False
             if self.named:
-                self.pool.detach(self.backend, self.sid, host.loop.time())
+                self.pool.detach(
+                    self.backend, self.sid, host.loop.time(), client=self.client.front.peer
+                )
             else:
                 self.pool.detach_request(self.backend)
             host.stats.http_active[self.pool.name] -= 1

@@ -518,7 +518,7 @@ class Session(asyncio.Protocol):
         self.state.wheel.cancel(self)
         cs = self.core.cs
         relayed = (cs.bytes, cs.messages, self.counts()[1])  # the key's size
-        self.pool.detach(self.backend, self.sid, self.state.loop.time(), relayed)
+        self.pool.detach(self.backend, self.sid, self.state.loop.time(), relayed, self.peer)
         self.state.session_finished(self)
 
     # -- the relay thread (Rule 7) ---------------------------------------------------------
