@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
 from balancer.aio import offload
+from balancer.contract import proxied_credential
 from tests.procs import WORKER_TOKEN, Wslb, free_port, spawn, stop, wait_port
 from tests.test_tls_stream import make_certs, tls_listener, with_listeners
 
@@ -221,7 +222,8 @@ async def test_json_route_with_forwarded_headers_and_no_hop_headers(stack: Stack
     assert got["x-forwarded-proto"] == "http"
     assert got["x-forwarded-host"] == f"127.0.0.1:{stack.lb.port}"
     assert got["host"] == f"127.0.0.1:{stack.apps[0].port}" or got["host"].startswith("127.0.0.1:")
-    assert got["x-wslb-worker-token"] == WORKER_TOKEN  # wslb's credential, never the client's
+    # wslb's credential (its proxied form: it opens no handoff route), never the client's
+    assert got["x-wslb-worker-token"] == proxied_credential(WORKER_TOKEN)
     assert got["x-custom"] == "kept"
     for hop in ("x-hop", "keep-alive", "connection"):
         assert hop not in got, hop

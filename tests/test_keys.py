@@ -31,6 +31,7 @@ from balancer.auth import Authenticator, scoped_key
 from balancer.backend import Backend
 from balancer.config import AuthCfg, BackendCfg, JwtCfg
 from balancer.config import KeySource as K
+from balancer.contract import proxied_credential
 from balancer.handshake import (
     SESSION_KEY_RULE,
     HandshakeReject,
@@ -383,7 +384,8 @@ async def test_what_the_worker_sees_of_a_client(recorder: Recorder, tmp_path: Pa
         assert headers["x-session-id"] == [scoped_key("carol", "s1")]
         assert headers["forwarded"] == ["for=127.0.0.1"]
         assert headers["x-real-ip"] == ["127.0.0.1"]
-        assert headers["x-wslb-worker-token"] == [WORKER_TOKEN]  # $WSLB_WORKER_TOKEN's
+        # $WSLB_WORKER_TOKEN's proxied form: the secret itself goes with handoffs only
+        assert headers["x-wslb-worker-token"] == [proxied_credential(WORKER_TOKEN)]
         assert headers["x-forwarded-for"] == ["127.0.0.1"]
     finally:
         lb.stop()
