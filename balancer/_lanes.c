@@ -35,7 +35,9 @@
  *   the lane's ``resp_add`` lines, and the framing: by length as the worker sent it, chunked as
  *   it sent it (sizes rewritten without extensions, trailers dropped), or chunked by wslb for a
  *   body delimited by the worker's close. HEAD, 204 and 304 answers have no body. No answer byte
- *   is buffered beyond one read: a client that does not read stops the reads of the worker.
+ *   is buffered beyond one read: a client that does not read stops the reads of the worker; one
+ *   that takes nothing for ``t_stall`` (``timeouts.backpressure``) is cut (FAILED: the worker's
+ *   connection is closed, not reused).
  * - The end of an exchange: both messages done. Its access line and counts are queued (``take_log``,
  *   ``take_stats``). The lane goes back to IDLE, or is RETURNED: WORKER_DONE when the worker's
  *   connection cannot carry another request (``Connection: close``, HTTP/1.0, close-delimited,
@@ -137,8 +139,11 @@ struct lane {
     long max_head, max_headers;
     long long max_body;
     double t_request, t_server, t_idle;
+    double t_stall; /* timeouts.backpressure: a client that takes nothing for this long is cut */
     /* The thread's. */
     buf_t cin, wout, win, cout;
+    unsigned long long c_sent, c_seen; /* bytes the client took; as check_clocks last saw it */
+    double c_moved;                    /* when the client last took a byte or was owed none */
     int c_rd, c_wr, w_rd, w_wr, c_eof, w_eof, c_hup, w_hup;
     int phase, release_asked;
     size_t req_start;       /* cin offset of the current request's first byte */
@@ -1542,6 +1547,7 @@ pump(Lanes *r, lane_t *l)
                 return;
             }
             progress |= buf_avail(&l->cout) != before;
+            l->c_sent += before - buf_avail(&l->cout);
             l->last = mono();
         }
         if (buf_avail(&l->wout) > 0 && l->w_wr) {
@@ -1704,6 +1710,10 @@ check_clocks(Lanes *r, double now)
         if (l->state != L_ACTIVE) {
             continue;
         }
+        if (l->phase == P_IDLE || buf_avail(&l->cout) == 0 || l->c_sent != l->c_seen) {
+            l->c_seen = l->c_sent;
+            l->c_moved = now; /* the client took something, or is owed nothing */
+        }
         if (l->phase == P_IDLE) {
             if (now - l->idle_since >= l->t_idle) {
                 give_back(r, l, R_IDLE);
@@ -1716,6 +1726,9 @@ check_clocks(Lanes *r, double now)
         }
         else if (!paused && l->rs != RS_DONE && now - l->last >= l->t_server) {
             fail(r, l, 504, "the worker did not answer in time", "timeout_server");
+        }
+        else if (paused && l->t_stall > 0 && now - l->c_moved >= l->t_stall) {
+            fail(r, l, 0, "", "client not reading"); /* FAILED: the worker's connection closes */
         }
     }
     free(copy);
@@ -2032,8 +2045,8 @@ copy_names(PyObject *o, str_t **out, int *count)
 }
 
 /* add(client_fd, worker_fd, carry, spec) -> handle. spec: (sig, sig_names, target, pre, post,
- * drop, resp_drop, resp_add, max_head, max_headers, max_body, t_request, t_server, t_idle, peer,
- * key, pool, backend). */
+ * drop, resp_drop, resp_add, max_head, max_headers, max_body, t_request, t_server, t_idle,
+ * t_stall, peer, key, pool, backend). */
 static PyObject *
 Lanes_add(Lanes *r, PyObject *args)
 {
@@ -2043,11 +2056,11 @@ Lanes_add(Lanes *r, PyObject *args)
         *pool, *backend;
     long max_head, max_headers;
     long long max_body;
-    double t_request, t_server, t_idle;
-    if (!PyArg_ParseTuple(args, "iiy*(SOSSSOOSllLdddSSSS):add", &cfd, &wfd, &carry, &sig,
+    double t_request, t_server, t_idle, t_stall;
+    if (!PyArg_ParseTuple(args, "iiy*(SOSSSOOSllLddddSSSS):add", &cfd, &wfd, &carry, &sig,
                           &sig_names, &target, &pre, &post, &drop, &resp_drop, &resp_add,
                           &max_head, &max_headers, &max_body, &t_request, &t_server, &t_idle,
-                          &peer, &key, &pool, &backend)) {
+                          &t_stall, &peer, &key, &pool, &backend)) {
         return NULL;
     }
     if (ensure_open(r) < 0) {
@@ -2082,6 +2095,8 @@ Lanes_add(Lanes *r, PyObject *args)
     l->t_request = t_request;
     l->t_server = t_server;
     l->t_idle = t_idle;
+    l->t_stall = t_stall;
+    l->c_moved = mono();
     l->cfd = fcntl(cfd, F_DUPFD_CLOEXEC, 0);
     l->wfd = fcntl(wfd, F_DUPFD_CLOEXEC, 0);
     if (l->cfd < 0 || l->wfd < 0) {

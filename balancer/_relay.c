@@ -25,7 +25,8 @@
  *   else; the rules are the same.
  * - Backpressure: a send that takes less than it was given keeps the rest (at most one read's
  *   worth), stops reading the worker and waits for the client socket to be writable. Nothing else
- *   is ever buffered.
+ *   is ever buffered. A chunked body is RETURNED there instead, its rest as the backlog: the event
+ *   loop keeps the clock of a plain-HTTP client that stops reading (``timeouts.backpressure``).
  * - RETURNED: at the first frame that is anything else (a control frame, a fragment, an RSV bit, a
  *   mask bit, a larger frame), at the worker's EOF or a read error, or at a client write error, the
  *   thread stops touching the session's sockets and queues a RETURNED event; the bytes from that
@@ -525,6 +526,10 @@ on_readable(Relay *r, sess_t *s, int *wake)
         return;
     }
     if (stop) {
+        give_back(r, s, R_FRAME, 0);
+    }
+    else if ((size_t)w < pos && s->chunked) {
+        /* An HTTP client not taking the body: the event loop times its stall (httpproxy.py) */
         give_back(r, s, R_FRAME, 0);
     }
     else if ((size_t)w < pos) {

@@ -14,17 +14,21 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
 
+from balancer.aio import lanes, offload
 from balancer.auth import scoped_key
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
-from tests.procs import Wslb
-from tests.test_http_proxy import App, Stack
+from tests.procs import Wslb, free_port, spawn, stop, wait_port
+from tests.test_http_proxy import App, Stack, metric
 
 ATTACKER = "127.0.0.1"
 VICTIM = "127.0.0.2"  # loopback answers the whole 127/8: a second client address
@@ -171,3 +175,110 @@ async def test_a_flood_of_made_up_keys_from_one_address(stack: Stack) -> None:
         await asyncio.gather(*(attacker(http) for _ in range(8)))
     assert counted_held(stack.lb) <= 64 + 1
     assert await victim_worker(stack) == home
+
+
+# -- a plain-HTTP client that stops reading ---------------------------------------------------
+
+STALL_S = 2.0  # timeouts.backpressure of these wslbs
+
+
+@dataclass
+class Stalls:
+    app_port: int
+    lb: Wslb  # the relay thread and the lanes on (the default)
+    loop_lb: Wslb  # relay.thread: false: every byte through the event loop
+
+
+@pytest.fixture(scope="module")
+def stalls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stalls]:
+    tmp = tmp_path_factory.mktemp("stall")
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.servers.stall_app", "--port", str(port)]
+    app = spawn(cmd, log=tmp / "stall_app.log")
+    lbs: list[Wslb] = []
+    try:
+        wait_port(port, proc=app)
+        for relay in (True, False):
+            cfg: dict[str, Any] = {
+                "pools": [
+                    {
+                        "name": "p",
+                        "backends": [{"id": "s", "url": f"ws://127.0.0.1:{port}"}],
+                        "drain": {"migrate": False},
+                    }
+                ],
+                "timeouts": {"backpressure": f"{STALL_S}s", "shutdown_grace": "0.5s"},
+                "relay": {"thread": relay},
+            }
+            lbs.append(Wslb(cfg, tmp).start())
+        yield Stalls(port, lbs[0], lbs[1])
+    finally:
+        for lb in lbs:
+            lb.stop()
+        stop(app, 5)
+
+
+async def stream_ended(port: int, sid: str, deadline: float) -> float | None:
+    """When the app's stream ``sid`` failed to write (wall time), polled until ``deadline``."""
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"http://127.0.0.1:{port}/ended", params={"id": sid}) as r:
+                ended = (await r.json())["ended"]
+            if ended is not None or time.monotonic() > deadline:
+                return None if ended is None else float(ended)
+            await asyncio.sleep(0.1)
+
+
+async def never_read(lb: Wslb, app_port: int, sid: str, first: bool = False) -> float:
+    """Ask for an endless stream and read none of it: seconds until the worker's write failed.
+    ``first``: a whole short answer of the same request before (the lane's first exchange)."""
+    r, w = await asyncio.open_connection("127.0.0.1", lb.port)
+    head = f"GET /stream?id={sid}&after={int(first)} HTTP/1.1\r\nHost: x\r\nX-Session-Id: {sid}"
+    try:
+        if first:
+            w.write(head.encode() + b"\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"0\r\n\r\n"), 5)  # three events and the end
+        w.write(head.encode() + b"\r\n\r\n")
+        t0 = time.time()
+        ended = await stream_ended(app_port, sid, time.monotonic() + STALL_S + 15)
+        assert ended is not None, f"the worker still writes {STALL_S + 15:.0f}s on: {lb.log_tail()}"
+        return ended - t0
+    finally:
+        w.transport.abort()
+
+
+async def wait_for_line(lb: Wslb, text: str) -> None:
+    deadline = time.monotonic() + 5  # the access line is written as the exchange ends
+    while text not in lb.output():
+        assert time.monotonic() < deadline, lb.log_tail()
+        await asyncio.sleep(0.05)
+
+
+async def test_a_client_that_never_reads_is_cut_in_the_event_loop(stalls: Stalls) -> None:
+    took = await never_read(stalls.loop_lb, stalls.app_port, "loop")
+    assert STALL_S <= took < STALL_S + 6, took
+    await wait_for_line(stalls.loop_lb, 'end="client not reading"')
+
+
+@pytest.mark.skipif(not offload.AVAILABLE, reason="balancer._relay is not built")
+async def test_a_client_that_never_reads_is_cut_with_the_relay_thread(stalls: Stalls) -> None:
+    """The stream goes to the relay thread after its first chunks; the thread gives it back
+    when the client stops taking it, and the event loop's clock cuts it."""
+    taken = metric(stalls.lb, "wslb_relay_thread_handovers_total", event="taken")
+    took = await never_read(stalls.lb, stalls.app_port, "relay")
+    assert STALL_S <= took < STALL_S + 6, took
+    assert metric(stalls.lb, "wslb_relay_thread_handovers_total", event="taken") > taken
+    await wait_for_line(stalls.lb, 'end="client not reading"')
+
+
+@pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
+async def test_a_client_that_never_reads_is_cut_on_a_lane(stalls: Stalls) -> None:
+    """The second request of a kept-alive connection, served by the lane thread."""
+    served = metric(stalls.lb, "wslb_http_lane_events_total", event="exchanges")
+    took = await never_read(stalls.lb, stalls.app_port, "lane", first=True)
+    assert STALL_S <= took < STALL_S + 6, took
+    deadline = time.monotonic() + 5  # counted in the next batch (0.25 s)
+    while metric(stalls.lb, "wslb_http_lane_events_total", event="exchanges") <= served:
+        assert time.monotonic() < deadline, stalls.lb.log_tail()
+        await asyncio.sleep(0.05)
+    await wait_for_line(stalls.lb, "client not reading")

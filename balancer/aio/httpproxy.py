@@ -18,7 +18,11 @@ Rules:
    is done both ways; at most ``limits.max_header_bytes`` of it are read meanwhile.
 2. No body is buffered beyond one read: a client's body chunk goes to the worker as it arrives,
    a worker's to the client. A full write buffer (``limits.write_buffer_high``) on one leg
-   pauses reading on the other, so a slow SSE reader stops the worker's writes.
+   pauses reading on the other, so a slow SSE reader stops the worker's writes. A client that
+   stays paused for ``timeouts.backpressure`` (the WebSocket side's setting) ends its exchange:
+   the answer is cut and the worker connection closed, not reused. The relay thread gives a
+   body back when the client stops taking it, so the clock is kept here (rule 7); the lane
+   thread keeps its own (``_lanes.c``).
 3. The worker is chosen as a session's is (``ClientConnection.route``, then ``Pool.select``),
    before any byte goes to it; a connect that fails walks on to the next candidate. Once the
    request is written nothing is retried, except a bodiless request of an idempotent method
@@ -405,6 +409,7 @@ class HttpClient:
         if ex is not None and ex.worker is not None:
             ex.worker.read(False)
             ex.paused_by_client = True
+            ex.client_paused()
 
     def resume_writing(self) -> None:
         ex = self.exchange
@@ -735,6 +740,8 @@ class Exchange:
         self.end = "done"
         self.last = self.started  # the worker's last sign of life (timeout_server)
         self.paused_by_client = False
+        self.paused_at = 0.0  # when the client last stopped taking the answer (rule 2)
+        self.stall_timer: asyncio.TimerHandle | None = None
         self.server_timer: asyncio.TimerHandle | None = None
         self.request_timer: asyncio.TimerHandle | None = None
         self.out: list[bytes] = []  # for the client, written once per read of the worker
@@ -1142,6 +1149,32 @@ class Exchange:
             return
         self.fail(504, "the worker did not answer in time", "timeout_server")
 
+    def client_paused(self) -> None:
+        """The client stopped taking the answer (rule 2): it has ``timeouts.backpressure`` to
+        take it again. One timer per exchange, re-armed only when it fires."""
+        host = self.host
+        self.paused_at = host.loop.time()
+        limit = host.timeouts.backpressure
+        if limit > 0 and self.stall_timer is None:
+            self.stall_timer = host.loop.call_later(limit, self._stall_check)
+
+    def _stall_check(self) -> None:
+        self.stall_timer = None
+        if self.closed or not self.paused_by_client:
+            return
+        host = self.host
+        left = self.paused_at + host.timeouts.backpressure - host.loop.time()
+        if left > 0:
+            self.stall_timer = host.loop.call_later(left, self._stall_check)
+            return
+        log.info(
+            "plain HTTP client %s read nothing for %.0fs: exchange ended",
+            self.client.front.peer,
+            host.timeouts.backpressure,
+        )
+        self.fail(503, "the client did not read the answer", "client not reading")
+        self.client.transport.abort()  # what it did not read would keep it open
+
     def _request_timeout(self) -> None:
         assert self.cfg is not None
         self.request_timer = None
@@ -1177,10 +1210,10 @@ class Exchange:
         self._flush()  # the answer before anything of the next request
         self.closed = True
         host = self.host
-        for timer in (self.server_timer, self.request_timer):
+        for timer in (self.server_timer, self.request_timer, self.stall_timer):
             if timer is not None:
                 timer.cancel()
-        self.server_timer = self.request_timer = None
+        self.server_timer = self.request_timer = self.stall_timer = None
         worker = self.worker
         self.worker = None
         spare = None
@@ -1267,6 +1300,7 @@ class Exchange:
             cfg.timeout_request,
             cfg.timeout_server,
             min(LANE_IDLE_S, cfg.timeout_keepalive),
+            host.timeouts.backpressure,
             self.client.front.peer.encode("latin-1", "replace"),
             self.key.encode("latin-1"),
             pool.name.encode("utf-8"),

@@ -98,6 +98,7 @@ Spec = tuple[
     float,  # t_request
     float,  # t_server
     float,  # t_idle
+    float,  # t_stall: timeouts.backpressure (a client that takes nothing for this long is cut)
     bytes,  # peer (the access line's client)
     bytes,  # key (the client's)
     bytes,  # pool
