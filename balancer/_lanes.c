@@ -1072,7 +1072,8 @@ start_request(Lanes *r, lane_t *l)
     for (int k = 0; k < nf && !bad; k++) {
         const unsigned char *nm = base + f[k].name;
         size_t nl = f[k].name_len;
-        if (in_set(nm, nl, l->drop, l->n_drop)) {
+        /* X-WSLB-* is wslb's own (credential, resume): a client's never reaches a worker. */
+        if (in_set(nm, nl, l->drop, l->n_drop) || (nl >= 7 && ieq(nm, 7, "x-wslb-"))) {
             continue;
         }
         bad = buf_add_field(w, nm, nl, base + f[k].value, f[k].value_len);

@@ -34,6 +34,7 @@ from balancer.config import KeySource
 
 __all__ = [
     "SESSION_KEY_RULE",
+    "WSLB_PREFIX",
     "ClientRequest",
     "HandshakeReject",
     "RequestReader",
@@ -83,6 +84,9 @@ _HOP_BY_HOP = frozenset(
         b"x-real-ip",
     }
 )
+WSLB_PREFIX: Final = b"x-wslb-"
+"""``X-WSLB-*`` headers are wslb's (its credential, resume, handoff): a client's never reach a
+worker, whatever the name after the prefix."""
 # Hop headers wslb rewrites itself and keeps for a session's later worker legs (migration).
 _FORWARDING: Final = frozenset({b"x-forwarded-for", b"forwarded", b"x-real-ip"})
 
@@ -298,7 +302,11 @@ class ClientRequest:
         """What a live session keeps to open another worker leg (migration): the headers
         ``upstream_request`` forwards or reads, in a plain list (h11's header objects are
         several times larger, and a live session keeps this for its whole life)."""
-        keep = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP or k in _FORWARDING]
+        keep = [
+            (k, v)
+            for k, v in self.headers
+            if (k not in _HOP_BY_HOP or k in _FORWARDING) and not k.startswith(WSLB_PREFIX)
+        ]
         # The path goes to a path-less backend URL's worker again; most sessions share theirs.
         path = sys.intern(self.path)
         return ClientRequest("", path, self.query, keep, b"", self.subprotocols, self.host)
@@ -485,7 +493,7 @@ def upstream_request(
     if resume:
         headers.append((b"x-wslb-resume", session_id.encode("latin-1")))
     for name, value in req.headers:
-        if name not in _HOP_BY_HOP:
+        if name not in _HOP_BY_HOP and not name.startswith(WSLB_PREFIX):
             headers.append((name, value))
     return h11.Request(method=b"GET", target=target, headers=headers), nonce
 

@@ -14,7 +14,8 @@ every header it names, ``Keep-Alive``, ``TE``, ``Trailer``, ``Transfer-Encoding`
 the upgrade path (``handshake.upstream_request``): ``Host`` (the worker's), ``X-Session-Id``,
 ``X-Forwarded-For``/``Forwarded``/``X-Real-IP`` (made by ``ClientRequest.forwarded_for``),
 ``X-Forwarded-Proto`` (``http``/``https``), ``X-Forwarded-Host`` and its credential; a client's
-own are dropped. Towards the client the key comes back in ``X-Session-Id``, as in the 101.
+own are dropped, and so is every ``X-WSLB-*`` header a client sends (wslb's own). Towards the
+client the key comes back in ``X-Session-Id``, as in the 101.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from balancer.handshake import ClientRequest, HandshakeReject
+from balancer.handshake import WSLB_PREFIX, ClientRequest, HandshakeReject
 
 __all__ = [
     "END",
@@ -162,7 +163,9 @@ def request_headers(
     )
     named = _named_by_connection(req.headers)
     headers = pre + [
-        (name, value) for name, value in req.headers if name not in LANE_DROP and name not in named
+        (name, value)
+        for name, value in req.headers
+        if name not in LANE_DROP and name not in named and not name.startswith(WSLB_PREFIX)
     ]
     headers += post
     if chunked:

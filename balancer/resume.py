@@ -6,11 +6,17 @@ the 101. Reconnecting, it sends the token again with the number of data messages
 received (``X-WSLB-Resume-From``, ``wslb_from``). Query parameters starting ``wslb_`` are
 wslb's: they never reach a worker. Tokens are compared in constant time; a session's key is
 already scoped to its owner (``auth.py``), so another owner's reconnect never finds it.
+
+A token belongs to one session instance (``ServerState.find_resumable``): a reconnect finds its
+session by token, so a new session on the same key never hides a detached one, and a token in
+use by another session is refused rather than shared. Failed resumes are throttled per client
+address (``FailureThrottle``): a token is a secret, and guessing one must stay slow.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import re
 import secrets
@@ -19,22 +25,32 @@ from urllib.parse import parse_qsl, urlencode
 from balancer.handshake import ClientRequest, HandshakeReject
 
 __all__ = [
+    "COUNT_RULE",
     "FROM_HEADER",
     "NO_RESUME",
     "RESUMED_HEADER",
     "TOKEN_HEADER",
+    "TOKEN_RULE",
+    "FailureThrottle",
     "Resume",
     "new_token",
     "read_resume",
     "same_token",
+    "token_digest",
     "without_wslb_params",
 ]
 
 TOKEN_HEADER = b"x-wslb-resume-token"
 FROM_HEADER = b"x-wslb-resume-from"
 RESUMED_HEADER = b"x-wslb-resumed"
-_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")
-_MAX_FROM = 1 << 53
+# 22 characters of base64url carry 132 bits: a client-named token is at least as hard to guess
+# as a 128-bit key.
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{22,128}")
+TOKEN_RULE = "a resume token is 22-128 characters of A-Z, a-z, 0-9, '_' and '-' (128 bits or more)"
+# ASCII digits only (str.isdigit() takes '²', which int() refuses), and few enough of them that
+# int() is cheap: a count above 10^16 messages is no session's.
+_COUNT = re.compile(r"[0-9]{1,16}")
+COUNT_RULE = "a resume count is 1-16 ASCII digits: the number of messages received"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,13 +81,11 @@ def read_resume(req: ClientRequest) -> Resume:
     raw_from = req.header(FROM_HEADER)
     count_s = raw_from.decode("latin-1") if raw_from is not None else query.get("wslb_from")
     if token is not None and not _TOKEN.fullmatch(token):
-        raise HandshakeReject(
-            400, "a resume token is 16-128 characters of A-Z, a-z, 0-9, '_' and '-'"
-        )
+        raise HandshakeReject(400, TOKEN_RULE)
     count = None
     if count_s is not None:
-        if not count_s.isdigit() or int(count_s) > _MAX_FROM:
-            raise HandshakeReject(400, "a resume count is the number of messages received (0-)")
+        if not _COUNT.fullmatch(count_s):
+            raise HandshakeReject(400, COUNT_RULE)
         if token is None:
             raise HandshakeReject(400, "a resume count needs the session's resume token")
         count = int(count_s)
@@ -98,3 +112,62 @@ def new_token() -> str:
 def same_token(a: str | None, b: str) -> bool:
     """Constant-time comparison (a wrong guess learns nothing from the time it took)."""
     return a is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+def token_digest(token: str) -> bytes:
+    """What the token index is keyed by: a lookup compares digests, never the secret itself."""
+    return hashlib.sha256(token.encode()).digest()
+
+
+class FailureThrottle:
+    """Failed resumes per client address: a token bucket of ``limit`` failures refilled over
+    ``window`` seconds (sans-I/O: the caller passes the time). Only failures take from it, so
+    a client whose resumes succeed is never slowed; an address that has spent its bucket is
+    refused before any lookup until a token is back.
+    """
+
+    __slots__ = ("_buckets", "_logged", "_swept", "limit", "window")
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
+        self._logged: dict[str, float] = {}  # address -> when its refusal was last logged
+        self._swept = 0.0
+
+    def _level(self, address: str, now: float) -> float:
+        tokens, at = self._buckets.get(address, (float(self.limit), now))
+        return min(float(self.limit), tokens + (now - at) * self.limit / self.window)
+
+    def retry_after(self, address: str, now: float) -> float:
+        """Seconds until ``address`` may try again; 0: it may now (a limit of 0: never held)."""
+        if self.limit <= 0 or address not in self._buckets:
+            return 0.0
+        level = self._level(address, now)
+        if level >= 1.0:
+            return 0.0
+        return (1.0 - level) * self.window / self.limit
+
+    def failed(self, address: str, now: float) -> None:
+        """A failed resume from ``address`` takes one token."""
+        if self.limit <= 0:
+            return
+        self._buckets[address] = (max(0.0, self._level(address, now) - 1.0), now)
+        if len(self._buckets) > 1024 and now - self._swept >= self.window:
+            self._forget(now)
+
+    def first_refusal(self, address: str, now: float) -> bool:
+        """True once per address and window: the refusal worth a log line."""
+        last = self._logged.get(address)
+        if last is not None and now - last < self.window:
+            return False
+        self._logged[address] = now
+        return True
+
+    def _forget(self, now: float) -> None:
+        """Drop full buckets (an address quiet for a window): memory stays bounded by the
+        addresses failing now (swept at most once a window)."""
+        self._swept = now
+        for address in [a for a in self._buckets if self._level(a, now) >= self.limit]:
+            del self._buckets[address]
+            self._logged.pop(address, None)

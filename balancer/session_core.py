@@ -74,7 +74,8 @@ open and heartbeated, and what it sends is kept in the ``ResumeWindow`` (at most
 bytes while detached: past that the shell stops reading the worker, never drops). A migration
 or a failover may take a detached session (MIGRATING, FAILING_OVER) and gives it back DETACHED.
 A reconnect with the session's token and a count of messages the client has (``attach``) gets
-the window from that message on, then the live stream: RELAYING again. ``grace`` after the
+the window from that message on, then the live stream: RELAYING again; a count beyond what the
+lost connection was given (``lost_end``) is another session's and is refused. ``grace`` after the
 loss, a session still detached gives its worker 1001 (Rule 2).
 
 Heartbeat: one timer per session that reschedules itself. Every ``ping_interval`` it pings both
@@ -273,11 +274,14 @@ class IllegalTransition(RuntimeError):
 
 
 class ResumeRefused(Exception):
-    """A reconnect the session cannot take (the client gets 409 with ``reason``)."""
+    """A reconnect the session cannot take (the client gets 409 with ``reason``); ``why`` is
+    the word a client acts on: ``count_ahead`` (its count is not this session's: a new session
+    counts from 0), ``expired`` (the message is no longer kept), ``not_detached``."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, why: str = "not_detached") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.why = why
 
 
 class Side(IntEnum):
@@ -344,6 +348,7 @@ class SessionCore:
         "leg_start_msg",
         "limits",
         "lost_at",
+        "lost_end",
         "migrations",
         "mode",
         "paused_since",
@@ -418,6 +423,9 @@ class SessionCore:
         self.grace = grace
         self.detached_at = 0.0
         self.lost_at = 0  # window offset the lost connection's TCP had delivered up to
+        # Window offset where what the lost connection was given ends: a count past the
+        # messages before it is not this session's (a client that never reset its count).
+        self.lost_end = 0
         self.resumes = 0  # reconnects the session took
 
     # -- the mode ----------------------------------------------------------------------------
@@ -661,7 +669,8 @@ class SessionCore:
             if self.mode is Mode.RELAYING:  # a migration's session stays the migration's
                 self.enter(Mode.DETACHED)
             self.detached_at = now or 1e-9
-            self.lost_at = max(0, len(self.window.buf) - unsent)
+            self.lost_end = len(self.window.buf)
+            self.lost_at = max(0, self.lost_end - unsent)
             self.awaiting_pong = False  # the client's pong will not come; the worker is pinged
             out.append((Op.SCHEDULE, None, self.grace))
             return out
@@ -706,13 +715,20 @@ class SessionCore:
         w = self.window
         if w is None or not self.detached_at:
             raise ResumeRefused("the session is not waiting for its client")
+        want = n - w.base_msg
+        given = w.base_msg + walk(w.buf[: self.lost_end], max_msgs=want)[1] if want > 0 else n
+        if n > given:
+            # More than the lost connection was ever given: a count kept from another session
+            # (the same token reused), never served from the wrong place.
+            raise ResumeRefused(
+                f"the count {n} is more than this session sent before its connection was lost"
+                f" ({given}): a new session counts from 0",
+                "count_ahead",
+            )
         missed = w.after(n)
         if missed is None:
-            sent = w.sent()
-            if n > sent:
-                raise ResumeRefused(f"the client has {n} messages; wslb sent {sent}")
             raise ResumeRefused(
-                f"message {n} is no longer kept (the window starts at {w.base_msg})"
+                f"message {n} is no longer kept (the window starts at {w.base_msg})", "expired"
             )
         self.detached_at = 0.0
         self.resumes += 1
@@ -946,6 +962,7 @@ class SessionCore:
             "grace": self.grace,
             "detached_at": self.detached_at,
             "lost_at": self.lost_at,
+            "lost_end": self.lost_end,
             "resumes": self.resumes,
         }
 
@@ -987,5 +1004,7 @@ class SessionCore:
         da = data["detached_at"]
         core.detached_at = da + now_offset if da else 0.0
         core.lost_at = data["lost_at"]
+        # An older process's snapshot has no end: all its window counts as given (as it did).
+        core.lost_end = data.get("lost_end", len(core.window.buf) if core.window else 0)
         core.resumes = data["resumes"]
         return core

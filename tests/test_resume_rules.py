@@ -37,7 +37,7 @@ def request(target: str, **headers: str) -> ClientRequest:
 
 
 def test_token_and_count_from_headers_or_the_query() -> None:
-    t = "A" * 20
+    t = "A" * 22
     assert read_resume(request("/ws")) == NO_RESUME
     got = read_resume(request("/ws", **{"x-wslb-resume-token": t, "x-wslb-resume-from": "7"}))
     assert (got.token, got.count) == (t, 7)
@@ -48,12 +48,13 @@ def test_token_and_count_from_headers_or_the_query() -> None:
 @pytest.mark.parametrize(
     ("target", "headers", "why"),
     [
-        ("/ws", {"x-wslb-resume-token": "short"}, "16-128 characters"),
-        ("/ws", {"x-wslb-resume-token": "A" * 129}, "16-128 characters"),
-        ("/ws", {"x-wslb-resume-token": "A" * 15 + "/"}, "16-128 characters"),
+        ("/ws", {"x-wslb-resume-token": "short"}, "22-128 characters"),
+        ("/ws", {"x-wslb-resume-token": "A" * 129}, "22-128 characters"),
+        ("/ws", {"x-wslb-resume-token": "A" * 21 + "/"}, "22-128 characters"),
+        ("/ws", {"x-wslb-resume-token": "a" * 16}, "22-128 characters"),
         ("/ws", {"x-wslb-resume-from": "3"}, "needs the session's resume token"),
-        ("/ws?wslb_resume=" + "A" * 20 + "&wslb_from=-1", {}, "number of messages"),
-        ("/ws?wslb_resume=" + "A" * 20 + "&wslb_from=1e3", {}, "number of messages"),
+        ("/ws?wslb_resume=" + "A" * 22 + "&wslb_from=-1", {}, "ASCII digits"),
+        ("/ws?wslb_resume=" + "A" * 22 + "&wslb_from=1e3", {}, "ASCII digits"),
     ],
 )
 def test_a_malformed_token_or_count_is_400_naming_the_rule(
@@ -65,7 +66,7 @@ def test_a_malformed_token_or_count_is_400_naming_the_rule(
 
 
 def test_wslb_parameters_are_stripped_and_the_rest_kept() -> None:
-    req = request("/ws?session=a&wslb_resume=" + "A" * 20 + "&model=m&wslb_from=2")
+    req = request("/ws?session=a&wslb_resume=" + "A" * 22 + "&model=m&wslb_from=2")
     out = without_wslb_params(req)
     assert out.query == "session=a&model=m" and out.target == "/ws?session=a&model=m"
     plain = request("/ws?session=a")
@@ -73,8 +74,8 @@ def test_wslb_parameters_are_stripped_and_the_rest_kept() -> None:
 
 
 def test_tokens_compare_in_constant_time_and_none_never_matches() -> None:
-    assert same_token("A" * 20, "A" * 20) and not same_token("A" * 20, "B" * 20)
-    assert not same_token(None, "A" * 20)
+    assert same_token("A" * 22, "A" * 22) and not same_token("A" * 22, "B" * 22)
+    assert not same_token(None, "A" * 22)
 
 
 async def test_a_worker_never_sees_the_wslb_parameters(tmp_path: Path) -> None:

@@ -125,8 +125,8 @@ class Handover:
 
     def _movable(self, sid: str, token: str) -> Session | None:
         """The session with ``sid`` if the token is its own and it can move now."""
-        s = self.state.find_session(sid)
-        if s is None or not same_token(s.resume_token, token) or s.closing:
+        s = self.state.find_resumable(token)  # by token: a newer session may have the key
+        if s is None or s.sid != sid or not same_token(s.resume_token, token) or s.closing:
             return None
         if plain_socket(s.wt) is None:  # a TLS worker leg: its crypto state cannot move
             return None

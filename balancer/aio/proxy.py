@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 from urllib.parse import parse_qsl
 
 import h11
@@ -50,7 +51,6 @@ from balancer.resume import (
     Resume,
     new_token,
     read_resume,
-    same_token,
     without_wslb_params,
 )
 from balancer.session_core import ResumeRefused
@@ -119,6 +119,11 @@ def switching_protocols(headers: list[tuple[bytes, bytes]]) -> bytes:
     lines = [b"HTTP/1.1 101 Switching Protocols"]
     lines += [name + b": " + value for name, value in headers]
     return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def ending(s: Session) -> bool:
+    """Rule 8: a session that can no longer be resumed nor taken over (its close has begun)."""
+    return not s.core.detached_at and (s.client is not Leg.OPEN or s.closing)
 
 
 class WorkerRefused(HandshakeReject):
@@ -280,21 +285,23 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def reject(self, rej: HandshakeReject) -> None:
+    def reject(self, rej: HandshakeReject, logged: bool = True) -> None:
         """Answer a refused handshake with its status and close, with a log line (the client,
-        the status and why: HAProxy logs every refused request too)."""
+        the status and why: HAProxy logs every refused request too) unless not ``logged`` (a
+        refusal its caller logs once for many)."""
         self.state.stats.rejections[rej.status] += 1
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        log.info(
-            "refused %s %s from %s: %d %s",
-            self.method,
-            self.target,
-            self.peer,
-            rej.status,
-            rej.message,
-        )
+        if logged:
+            log.info(
+                "refused %s %s from %s: %d %s",
+                self.method,
+                self.target,
+                self.peer,
+                rej.status,
+                rej.message,
+            )
         if self.transport is not None and not self.transport.is_closing():
             if isinstance(rej, WorkerRefused):
                 self.transport.write(rej.raw)
@@ -328,28 +335,35 @@ class ClientConnection(asyncio.Protocol):
             return
         pool, req, key, sid, _ = routed
         if pool.cfg.resume.enabled and resume.token is not None:
-            live = st.find_session(sid)
+            if self._resume_throttled():
+                return
+            live = st.find_resumable(resume.token)  # by token: a newer session may have the key
             arriving = st.arriving
             if live is None and arriving is not None and resume.count is not None:
                 with contextlib.suppress(TimeoutError):  # a restart is handing it on
                     await asyncio.wait_for(arriving.wait(), ARRIVAL_WAIT)
-                live = st.find_session(sid)
+                live = st.find_resumable(resume.token)
             if live is None and st.fetch_session is not None and resume.count is not None:
                 # workers: N: another serving process may hold it (handover.py)
                 assert self.transport is not None
                 live = await st.fetch_session(sid, resume.token, self.transport)
                 if self.gone:  # adopted, and still detached: it waits here for its client
                     return
-            if live is not None and same_token(live.resume_token, resume.token):
-                self._resume(live, req, key, resume)
-                return
-            if resume.count is not None:  # a reconnect, and nothing to resume
-                st.stats.resumes["unknown"] += 1
+            if live is not None and live.sid == sid:
+                if resume.count is not None or not ending(live):
+                    self._resume(live, req, key, resume)
+                    return
+                # A plain upgrade naming the token of its own session that is closing: the
+                # new session takes the token over.
+            elif resume.count is not None:  # a reconnect, and nothing to resume
+                self._resume_failed("unknown")
                 raise HandshakeReject(
                     409,
                     "no session to resume: unknown or expired token, or another key",
                     details={"resume": "unknown"},
                 )
+            elif live is not None:
+                self._token_taken()
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"
@@ -389,6 +403,12 @@ class ClientConnection(asyncio.Protocol):
             if self.gone:
                 transport.close()
                 return
+            token = self.resume.token
+            if pool.cfg.resume.enabled and token is not None:
+                other = st.find_resumable(token)  # named meanwhile by another upgrade?
+                if other is not None and not (other.sid == sid and ending(other)):
+                    transport.close()
+                    self._token_taken()
             self._start_session(pool, backend, sid, req, transport, proto, response, trailing, key)
             return
         status = 502 if tried else 503
@@ -440,6 +460,42 @@ class ClientConnection(asyncio.Protocol):
         req = without_wslb_params(req)  # wslb_resume, wslb_from: wslb's, not the worker's
         return Routed(pool, req, key, sid, given is not None)
 
+    def _resume_throttled(self) -> bool:
+        """Rule 8: True (refused here with 429) while this address has spent its failed
+        resumes; the refusal is logged once per address and window, counted each time."""
+        st = self.state
+        now = st.loop.time()
+        wait = st.resume_failures.retry_after(self.peer, now)
+        if wait <= 0:
+            return False
+        st.stats.resumes["throttled"] += 1
+        logged = st.resume_failures.first_refusal(self.peer, now)
+        if logged:
+            log.warning("too many failed resumes from %s: refused for a while", self.peer)
+        rej = HandshakeReject(
+            429,
+            "too many failed resumes from this address; try again later",
+            headers=[(b"retry-after", str(max(1, math.ceil(wait))).encode())],
+            details={"resume": "throttled"},
+        )
+        self.reject(rej, logged=False)
+        return True
+
+    def _token_taken(self) -> NoReturn:
+        """A token is one session's, never shared: refused (409), counted as a failure."""
+        self._resume_failed("taken")
+        raise HandshakeReject(
+            409,
+            "this resume token belongs to another session: name a new one",
+            details={"resume": "taken"},
+        )
+
+    def _resume_failed(self, result: str) -> None:
+        """A resume that failed: counted by ``result`` and taken from this address's bucket."""
+        st = self.state
+        st.stats.resumes[result] += 1
+        st.resume_failures.failed(self.peer, st.loop.time())
+
     def _resume(self, s: Session, req: ClientRequest, key: str, resume: Resume) -> None:
         """Rule 8: the reconnect of a session's client (its token matched). A half-open old
         connection is taken over; the client gets a 101 with ``X-WSLB-Resumed: N``, what it
@@ -449,7 +505,7 @@ class ClientConnection(asyncio.Protocol):
         if not core.detached_at and s.client is Leg.OPEN and not s.closing:
             s.take_over()  # the old connection still looked open (a network change)
         if not core.detached_at:
-            st.stats.resumes["closed"] += 1
+            self._resume_failed("closed")
             raise HandshakeReject(
                 409, "the session has ended; start a new one", details={"resume": "closed"}
             )
@@ -466,11 +522,14 @@ class ClientConnection(asyncio.Protocol):
             missed = s.attach(ct, n, switching_protocols(headers))
         except ResumeRefused as exc:
             self.session = None
-            st.stats.resumes["refused"] += 1
+            self._resume_failed("refused")
             raise HandshakeReject(
-                409, f"cannot resume: {exc.reason}", details={"resume": "refused"}
+                409,
+                f"cannot resume: {exc.reason}",
+                details={"resume": "refused", "reason": exc.why},
             ) from None
         s.peer = self.peer
+        st.by_sid.setdefault(s.sid, s)  # its key's newest session may have ended meanwhile
         st.stats.resumes["resumed"] += 1
         st.stats.resume_pause.observe(st.loop.time() - self.opened)
         st.emit("resumed", session=s.sid, backend=s.backend.id, count=n, replayed_bytes=missed)

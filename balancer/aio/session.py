@@ -131,6 +131,9 @@ class SessionHost(Protocol):
     def handed_off(self, s: Session) -> None:
         """The session lives on in another process (``handover.py``): forget it here."""
 
+    def token_bound(self, s: Session, old: str | None) -> None:
+        """``s.resume_token`` was set (``old`` its previous one): the token index follows."""
+
     def wall_time(self) -> float: ...
 
 
@@ -271,7 +274,6 @@ class Session(asyncio.Protocol):
         "pool",
         "relay",
         "req",
-        "resume_token",
         "secure",
         "settings",
         "sid",
@@ -281,6 +283,7 @@ class Session(asyncio.Protocol):
         "subprotocol",
         "timer",
         "timing",
+        "token",
         "wt",
     )
 
@@ -320,7 +323,7 @@ class Session(asyncio.Protocol):
             grace=settings.grace,
             now=self.since,
         )
-        self.resume_token: str | None = None  # Rule 8: the client's secret for its reconnect
+        self.token: str | None = None  # Rule 8: the client's secret (set via ``resume_token``)
         self.subprotocol: str | None = None  # agreed in the first 101 (a reconnect's too)
         for t in (ct, wt):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
@@ -344,6 +347,18 @@ class Session(asyncio.Protocol):
         pool.attach(sid, backend, state.loop.time())
         state.session_started(self)
         self._schedule_tick(settings.first_tick)
+
+    @property
+    def resume_token(self) -> str | None:
+        """Rule 8: the client's secret for its reconnect."""
+        return self.token
+
+    @resume_token.setter
+    def resume_token(self, token: str | None) -> None:
+        """Bound to this session in the host's index (a reconnect finds its session by token,
+        whatever newer session its key has), wherever the session is made or adopted."""
+        old, self.token = self.token, token
+        self.state.token_bound(self, old)
 
     # -- the core's state, read-only here (the core's rules change it) ----------------------
 

@@ -36,10 +36,14 @@ from balancer.handshake import ClientRequest
 from balancer.logs import log_access
 from balancer.metrics import Stats
 from balancer.pool import Backend, Pool
+from balancer.resume import FailureThrottle, same_token, token_digest
 
 __all__ = ["ServerState"]
 
 log = logging.getLogger("wslb")
+
+RESUME_FAILURES = 10  # failed resumes an address may make per RESUME_FAILURE_WINDOW, then 429
+RESUME_FAILURE_WINDOW = 10.0
 
 
 class ServerState:
@@ -73,6 +77,11 @@ class ServerState:
         self.sessions: dict[Session, None] = {}
         self.by_sid: dict[str, Session] = {}  # the live session of each key (resume, admin)
         self.detached_sessions: dict[Session, None] = {}  # waiting for their client (Rule 8)
+        # Rule 8: every session with a resume token, by the token's digest. A token belongs to
+        # one session: a new session on a key never hides the detached one its client resumes.
+        self.by_token: dict[bytes, Session] = {}
+        # Failed resumes per client address (a token is a secret: guessing stays slow).
+        self.resume_failures = FailureThrottle(RESUME_FAILURES, RESUME_FAILURE_WINDOW)
         # workers: N: a session another serving process holds, adopted here (handover.py).
         self.fetch_session: Callable[[str, str, Any], Awaitable[Session | None]] | None = None
         # A restart's new code while the old one is still handing its sessions on: a resume
@@ -230,6 +239,19 @@ class ServerState:
         if on and counted:
             self.emit("detached", session=s.sid, backend=s.backend.id, grace_s=s.core.grace)
 
+    def token_bound(self, s: Session, old: str | None) -> None:
+        """``s`` took resume token ``s.resume_token`` (``old``: its previous one)."""
+        if old is not None:
+            self._unbind(s, old)
+        if s.resume_token is not None:
+            self.by_token[token_digest(s.resume_token)] = s
+
+    def _unbind(self, s: Session, token: str | None) -> None:
+        if token is not None:
+            digest = token_digest(token)
+            if self.by_token.get(digest) is s:
+                del self.by_token[digest]
+
     def worker_lost(self, s: Session) -> None:
         if self.on_worker_lost is None or self.closing:
             s.worker_gone()
@@ -239,6 +261,7 @@ class ServerState:
     def handed_off(self, s: Session) -> None:
         """A session another serving process adopted: gone from here, not finished."""
         self.sessions.pop(s, None)
+        self._unbind(s, s.resume_token)
         if self.by_sid.get(s.sid) is s:
             del self.by_sid[s.sid]
         if s in self.detached_sessions:
@@ -251,6 +274,7 @@ class ServerState:
 
     def session_finished(self, s: Session) -> None:
         self.sessions.pop(s, None)
+        self._unbind(s, s.resume_token)
         if self.by_sid.get(s.sid) is s:
             del self.by_sid[s.sid]
         if s in self.detached_sessions:  # its client never came back
@@ -286,7 +310,14 @@ class ServerState:
     # -- lookups ---------------------------------------------------------------------------
 
     def find_session(self, sid: str) -> Session | None:
+        """The newest live session of key ``sid`` (admin, failover)."""
         return self.by_sid.get(sid)
+
+    def find_resumable(self, token: str) -> Session | None:
+        """Rule 8: the session ``token`` belongs to, of whatever key (the caller checks the
+        key: a token of another key is not a resume, and another key's session never is)."""
+        s = self.by_token.get(token_digest(token))
+        return s if s is not None and same_token(s.resume_token, token) else None
 
     def find_backend(self, backend_id: str) -> tuple[Pool, Backend] | None:
         for pool in self.pools:
