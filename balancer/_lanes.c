@@ -22,10 +22,13 @@
  *   carry, for the event loop to parse, route and answer as it always has (its errors included):
  *   a request line of token, target (visible ASCII) and ``HTTP/1.1``; header lines of a token
  *   name, a colon and a value of visible, obs-text, space or tab bytes (no obs-fold, no bare LF,
- *   no space before the colon); at most ``max_headers`` of them in ``max_head`` bytes; one Host;
- *   no Transfer-Encoding, Upgrade or Expect; Connection absent or ``keep-alive``; at most one
- *   Content-Length, all digits, at most ``max_body``; and the *signature* (the target, then the
- *   values of each routing header in order) equal to the lane's.
+ *   no space before the colon); at most ``max_headers`` of them, and at most ``max_head`` bytes
+ *   by the event loop's measure (the target, then each field's name and value and 4); one Host;
+ *   no Transfer-Encoding, Upgrade or Expect; no Sec-WebSocket-Key or -Version (the event loop
+ *   takes such a request for a WebSocket handshake, perhaps a broken one: its 400 or 426);
+ *   Connection absent or ``keep-alive``; at most one Content-Length, all digits, at most
+ *   ``max_body``; and the *signature* (the target, then the values of each routing header in
+ *   order) equal to the lane's.
  * - The request the worker gets: the method, the lane's target, the lane's ``pre`` lines, the
  *   client's headers but those in ``drop`` (lowercased names, values without their outer
  *   whitespace: what h11 gives the event loop), the lane's ``post`` lines and the Content-Length.
@@ -33,7 +36,8 @@
  * - The answer: its 1xx heads are skipped (101 is a failure); the head the client gets has the
  *   worker's status and reason, its headers but hop-by-hop ones and those its Connection names,
  *   the lane's ``resp_add`` lines, and the framing: by length as the worker sent it, chunked as
- *   it sent it (sizes rewritten without extensions, trailers dropped), or chunked by wslb for a
+ *   it sent it (sizes of 1-16 hex digits and at most CHUNK_MAX rewritten without extensions,
+ *   trailers dropped), or chunked by wslb for a
  *   body delimited by the worker's close. HEAD, 204 and 304 answers have no body. No answer byte
  *   is buffered beyond one read: a client that does not read stops the reads of the worker; one
  *   that takes nothing for ``t_stall`` (``timeouts.backpressure``) is cut (FAILED: the worker's
@@ -53,6 +57,20 @@
  * - Between requests: the client's EOF returns the lane (CLIENT_EOF: the worker's connection is
  *   good); so does the worker's (WORKER_DONE) or a byte from it, and ``idle_s`` without a request
  *   (IDLE: the event loop's keep-alive wait goes on, ``idle_for`` seconds of it spent).
+ *
+ * Sizes from the wire. Either peer may be hostile, so every size read from the wire is bounded
+ * before any arithmetic: a Content-Length has at most 18 digits; a chunk size at most 16 hex
+ * digits (an unsigned 64-bit value, never wrapped) and at most CHUNK_MAX; a chunk-size line at
+ * most CHUNK_LINE_LIMIT bytes, a response head and trailers RESP_HEAD_LIMIT. Every buffer's
+ * growth is checked before the sum and capped at BUF_MAX; the access lines waiting for the event
+ * loop at LOG_MAX (more are dropped, the counts go on). What the thread cannot take is a failure
+ * like any other (502 before the answer's head, a cut after), never a spin: a worker's
+ * ``ffffffffffffffff`` once made it copy SIZE_MAX bytes, ``8000000000000000`` spin forever.
+ *
+ * Shutdown. ``close`` waits JOIN_DEADLINE_S for the thread to stop (it looks at ``stopping``
+ * every 50 ms, and ``close`` takes no lock on the way). Past that it raises TimeoutError: the
+ * thread, its lanes and their sockets are left as they are, never freed (it may still touch
+ * them), for the process's exit to end.
  *
  * Locking. One mutex ``mu`` guards the slots, the event queue, the control list, the graveyard,
  * the log buffer and the counts. Everything else of an ACTIVE lane is the thread's alone; a
@@ -83,6 +101,11 @@
 
 #define READ_SIZE (64 * 1024)
 #define RESP_HEAD_LIMIT (64 * 1024)
+#define BUF_MAX ((size_t)64 << 20)        /* no buffer of a lane ever holds more */
+#define LOG_MAX ((size_t)16 << 20)        /* access lines beyond this wait are dropped */
+#define CHUNK_LINE_LIMIT 4096             /* a chunk-size line with its extension */
+#define CHUNK_MAX ((unsigned long long)1 << 40) /* a larger chunk is refused */
+#define JOIN_DEADLINE_S 5                 /* close() waits this long for the thread */
 #define MAX_FIELDS 256
 #define MAX_EVENTS 256
 #define LOG_NOTIFY (256 * 1024)
@@ -186,7 +209,7 @@ typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
     pthread_t thread;
-    int started, stopping, closed;
+    int started, stopping, closed, stuck; /* stopping: atomic (stop() takes no lock) */
     int epfd, wakefd, notifyfd;
     pid_t pid;
     double buckets[MAX_BUCKETS];
@@ -218,26 +241,35 @@ mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* Room for ``more`` bytes after what b holds; -1 (b untouched) past BUF_MAX or out of memory.
+ * ``more`` is compared before it is added to anything: a size from the wire cannot wrap. */
 static int
 buf_reserve(buf_t *b, size_t more)
 {
     if (b->off > 0 && b->off == b->len) {
         b->off = b->len = 0;
     }
-    if (b->len + more <= b->cap) {
+    if (more > BUF_MAX || b->len - b->off > BUF_MAX - more) {
+        return -1;
+    }
+    if (more <= b->cap - b->len) {
         return 0;
     }
     if (b->off > 0) { /* slide what is left to the front first */
         memmove(b->p, b->p + b->off, b->len - b->off);
         b->len -= b->off;
         b->off = 0;
-        if (b->len + more <= b->cap) {
+        if (more <= b->cap - b->len) {
             return 0;
         }
     }
+    size_t need = b->len + more; /* at most BUF_MAX */
     size_t cap = b->cap ? b->cap : 4096;
-    while (cap < b->len + more) {
-        cap *= 2;
+    while (cap < need) {
+        cap *= 2; /* cap < need <= BUF_MAX before: no wrap */
+    }
+    if (cap > BUF_MAX) {
+        cap = BUF_MAX;
     }
     unsigned char *q = realloc(b->p, cap);
     if (q == NULL) {
@@ -257,6 +289,9 @@ grow(void *p, size_t *cap, size_t n, size_t size, size_t first)
         return p;
     }
     size_t c = *cap ? *cap * 2 : first;
+    if (c <= n || c > SIZE_MAX / 2 / size) {
+        return NULL;
+    }
     void *q = realloc(p, c * size);
     if (q != NULL) {
         *cap = c;
@@ -655,8 +690,8 @@ static void
 log_line(Lanes *r, lane_t *l, double duration)
 {
     int mode = r->log_mode;
-    if (mode == LOG_OFF) {
-        return;
+    if (mode == LOG_OFF || buf_avail(&r->log) >= LOG_MAX) {
+        return; /* off, or the event loop has not taken the lines for long: the counts go on */
     }
     buf_t *b = &r->log;
     const char *end = l->why[0] ? l->why : "done";
@@ -997,7 +1032,9 @@ start_request(Lanes *r, lane_t *l)
             }
         }
         else if (ieq(nm, nl, "transfer-encoding") || ieq(nm, nl, "upgrade") ||
-                 ieq(nm, nl, "expect")) {
+                 ieq(nm, nl, "expect") || ieq(nm, nl, "sec-websocket-key") ||
+                 ieq(nm, nl, "sec-websocket-version")) {
+            /* The last two make it a (broken) WebSocket handshake: httpmsg.is_handshake. */
             give_back(r, l, R_HANDBACK);
             return;
         }
@@ -1014,7 +1051,12 @@ start_request(Lanes *r, lane_t *l)
             ua = k;
         }
     }
-    if (hosts != 1 || length > l->max_body) {
+    /* The event loop's measure of a head (handshake.next_request): 431 past max_head. */
+    size_t measure = target_len;
+    for (int k = 0; k < nf; k++) {
+        measure += f[k].name_len + f[k].value_len + 4;
+    }
+    if (hosts != 1 || length > l->max_body || (long)measure > l->max_head) {
         give_back(r, l, R_HANDBACK);
         return;
     }
@@ -1205,7 +1247,7 @@ response_head(Lanes *r, lane_t *l)
     }
     long long length = -1;
     int chunked = 0, te = 0, close = !v11, keep_alive = 0;
-    int conn_idx[8], nconn = 0;
+    int conn_idx[MAX_FIELDS], nconn = 0; /* every Connection line: each names hop headers */
     for (int k = 0; k < nf; k++) {
         const unsigned char *nm = base + f[k].name;
         size_t nl = f[k].name_len;
@@ -1234,9 +1276,7 @@ response_head(Lanes *r, lane_t *l)
             if (conn_names(v, vl, (const unsigned char *)"keep-alive", 10)) {
                 keep_alive = 1;
             }
-            if (nconn < 8) {
-                conn_idx[nconn++] = k;
-            }
+            conn_idx[nconn++] = k; /* nf <= MAX_FIELDS */
         }
         else if (ieq(nm, nl, "content-type")) {
             l->kind_sse = vl >= 17 && ieq(v, 17, "text/event-stream");
@@ -1346,9 +1386,12 @@ response_bytes(Lanes *r, lane_t *l)
             break;
         }
         case RS_SIZE: {
-            size_t i = 0, size = 0;
-            int digits = 0;
-            while (i < avail && digits <= 16) {
+            /* httpmsg's _CHUNK_SIZE: 1-16 hex digits, [ \t]*, an extension, CRLF. 16 hex
+             * digits fit an unsigned 64-bit size; it is checked against CHUNK_MAX before it
+             * is used (a worker's ffffffffffffffff once wrapped a buffer's size). */
+            size_t i = 0;
+            unsigned long long size = 0;
+            while (i < avail && i <= 16) {
                 unsigned char c = p[i];
                 int v = (c >= '0' && c <= '9')   ? c - '0'
                         : (c >= 'a' && c <= 'f') ? c - 'a' + 10
@@ -1357,30 +1400,37 @@ response_bytes(Lanes *r, lane_t *l)
                 if (v < 0) {
                     break;
                 }
-                size = size * 16 + (size_t)v;
-                digits++;
+                if (i < 16) {
+                    size = (size << 4) | (unsigned long long)v;
+                }
                 i++;
             }
+            if (i > 16) {
+                fail(r, l, 0, "", "malformed response: chunk size of more than 16 digits");
+                return -1;
+            }
             size_t le = i;
-            while (le < avail && p[le] != '\r' && le - i < 1024) {
+            while (le < avail && le < CHUNK_LINE_LIMIT && (p[le] == ' ' || p[le] == '\t')) {
                 le++;
             }
-            if (le >= avail) {
-                if (avail > 2048) {
-                    fail(r, l, 0, "", "malformed response: bad chunk size");
-                    return -1;
+            if (le < avail && p[le] == ';') {
+                while (le < avail && le < CHUNK_LINE_LIMIT && is_value_char(p[le])) {
+                    le++;
                 }
-                return 0;
+            }
+            if (le < avail && (i == 0 || p[le] != '\r')) { /* a bad byte, or too long */
+                fail(r, l, 0, "", "malformed response: bad chunk size");
+                return -1;
             }
             if (le + 1 >= avail) {
-                return 0;
+                return 0; /* the line is not whole yet (at most CHUNK_LINE_LIMIT bytes) */
             }
-            int ext_ok = i == le || p[i] == ';';
-            for (size_t k = i; k < le && ext_ok; k++) {
-                ext_ok = is_value_char(p[k]);
-            }
-            if (digits == 0 || digits > 16 || !ext_ok || p[le + 1] != '\n') {
+            if (p[le + 1] != '\n') {
                 fail(r, l, 0, "", "malformed response: bad chunk size");
+                return -1;
+            }
+            if (size > CHUNK_MAX) {
+                fail(r, l, 0, "", "malformed response: chunk too large");
                 return -1;
             }
             l->win.off += le + 2;
@@ -1389,12 +1439,12 @@ response_bytes(Lanes *r, lane_t *l)
                 break;
             }
             char line[24];
-            int n = snprintf(line, sizeof line, "%zx\r\n", size);
+            int n = snprintf(line, sizeof line, "%llx\r\n", size);
             if (buf_add(&l->cout, line, (size_t)n) < 0) {
                 fail(r, l, 0, "", "no memory");
                 return -1;
             }
-            l->chunk_left = (long long)size;
+            l->chunk_left = (long long)size; /* at most CHUNK_MAX */
             l->rs = RS_DATA;
             break;
         }
@@ -1776,11 +1826,10 @@ run(void *arg)
     double last_check = mono();
     for (;;) {
         int n = epoll_wait(r->epfd, evs, MAX_EVENTS, 50);
-        pthread_mutex_lock(&r->mu);
-        if (r->stopping) {
-            pthread_mutex_unlock(&r->mu);
+        if (__atomic_load_n(&r->stopping, __ATOMIC_ACQUIRE)) {
             break;
         }
+        pthread_mutex_lock(&r->mu);
         lane_t *ctl = r->ctl_head;
         r->ctl_head = NULL;
         lane_t *dead = r->graveyard;
@@ -1897,19 +1946,35 @@ ensure_open(Lanes *r)
     return 0;
 }
 
-static void
+/* Stop the thread: 0 once it has exited, -1 when it has not within JOIN_DEADLINE_S (stuck: it
+ * keeps everything it may touch, which is then never freed; the process's exit ends it). No
+ * lock is taken on the way, so a thread stuck holding ``mu`` cannot hold up a shutdown. */
+static int
 Lanes_stop(Lanes *r)
 {
-    if (r->started) {
-        pthread_mutex_lock(&r->mu);
-        r->stopping = 1;
-        pthread_mutex_unlock(&r->mu);
-        uint64_t one = 1;
-        ssize_t w = write(r->wakefd, &one, sizeof one);
-        (void)w;
-        pthread_join(r->thread, NULL);
-        r->started = 0;
+    if (r->stuck) {
+        return -1;
     }
+    if (!r->started) {
+        return 0;
+    }
+    __atomic_store_n(&r->stopping, 1, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    ssize_t w = write(r->wakefd, &one, sizeof one);
+    (void)w;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += JOIN_DEADLINE_S;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_timedjoin_np(r->thread, NULL, &until);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        r->stuck = 1;
+        return -1;
+    }
+    r->started = 0;
+    return 0;
 }
 
 static PyObject *
@@ -1971,7 +2036,9 @@ Lanes_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 Lanes_dealloc(Lanes *r)
 {
-    Lanes_stop(r);
+    if (Lanes_stop(r) < 0) {
+        return; /* a thread that did not stop may still use all of it: leaked on purpose */
+    }
     for (uint32_t i = 0; i < r->nslots; i++) {
         if (r->slots[i] != NULL) {
             free_lane(r->slots[i]);
@@ -2027,6 +2094,11 @@ copy_names(PyObject *o, str_t **out, int *count)
         return -1;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_FIELDS) { /* an int count, and a search per header line */
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many names");
+        return -1;
+    }
     *out = calloc((size_t)n + 1, sizeof **out);
     if (*out == NULL) {
         Py_DECREF(seq);
@@ -2115,6 +2187,11 @@ Lanes_add(Lanes *r, PyObject *args)
     l->c_wr = l->w_wr = 1;
     pthread_mutex_lock(&r->mu);
     if (r->nfree == 0) {
+        if (r->nslots >= (1u << 30)) { /* the doubling below would wrap */
+            pthread_mutex_unlock(&r->mu);
+            free_lane(l);
+            return PyErr_NoMemory();
+        }
         uint32_t cap = r->nslots ? r->nslots * 2 : 64;
         lane_t **slots = realloc(r->slots, cap * sizeof *slots);
         uint32_t *fr = slots ? realloc(r->free_slots, cap * sizeof *fr) : NULL;
@@ -2409,7 +2486,14 @@ Lanes_close(Lanes *r, PyObject *Py_UNUSED(ignored))
     if (r->closed) {
         return PyList_New(0);
     }
-    Lanes_stop(r);
+    if (Lanes_stop(r) < 0) {
+        r->closed = 1;
+        PyErr_Format(PyExc_TimeoutError,
+                     "the lane thread did not stop within %d s; its connections are left to the "
+                     "process's exit",
+                     JOIN_DEADLINE_S);
+        return NULL;
+    }
     r->closed = 1;
     while (r->graveyard != NULL) {
         lane_t *l = r->graveyard;

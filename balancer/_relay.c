@@ -79,6 +79,13 @@
  * thread's next collection, or by ``close`` after the thread has stopped. ``close`` stops and
  * joins the thread before it lets go of the sessions, so no descriptor is closed under a recv.
  *
+ * Sizes from the wire are bounded before arithmetic: a frame's 7- or 16-bit length and a chunk's
+ * size (at most 8 hex digits) are compared with ``limit`` (at most 65535) before they are added
+ * to a position, so a carry is always less than one read buffer; the record stops at REC_MAX
+ * (NOMEM: its bytes kept, as any allocation failure). ``close`` waits JOIN_DEADLINE_S for the
+ * thread; past that it raises TimeoutError and leaves the thread and every session it holds
+ * as they are, never freed, for the process's exit to end.
+ *
  * Python objects are touched only by the calling thread, with the GIL; the relay thread never
  * takes the GIL.
  *
@@ -97,11 +104,14 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #define BUF_SIZE (256 * 1024)
 #define REC_NOTIFY 8192
+#define REC_MAX ((size_t)64 << 20) /* a record not taken past this: NOMEM, the bytes kept */
 #define MAX_EVENTS 256
+#define JOIN_DEADLINE_S 5 /* close() waits this long for the thread */
 
 enum { S_ACTIVE = 0, S_RETURNED = 1, S_RELEASED = 2 };
 enum { R_NONE = 0, R_FRAME = 1, R_EOF = 2, R_READ_ERROR = 3, R_WRITE_ERROR = 4, R_NOMEM = 5 };
@@ -149,7 +159,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t idle;
     pthread_t thread;
-    int started, stopping, closed;
+    int started, stopping, closed, stuck; /* stopping: atomic (close() takes no lock for it) */
     int epfd, wakefd, notifyfd;
     pid_t pid;
     unsigned char *buf; /* the thread's */
@@ -336,10 +346,13 @@ keep_bytes(Relay *r, sess_t *s, unsigned char *b, size_t from, size_t mid, size_
 static int
 append_record(Relay *r, sess_t *s, const unsigned char *p, size_t n, int *wake)
 {
+    if (n > REC_MAX || s->rec_len > REC_MAX - n) {
+        return -1; /* checked before the sum: it cannot wrap */
+    }
     if (s->rec_len + n > s->rec_cap) {
         size_t cap = s->rec_cap ? s->rec_cap : 4096;
         while (cap < s->rec_len + n) {
-            cap *= 2;
+            cap *= 2; /* below 2 * REC_MAX */
         }
         unsigned char *q = t_realloc(s->rec, cap);
         if (q == NULL) {
@@ -380,7 +393,7 @@ walk(const unsigned char *p, size_t n, long limit, unsigned long long *count, in
                 break;
             }
             length = ((size_t)p[pos + 2] << 8) | p[pos + 3];
-            if ((long)length > limit) {
+            if (length > (size_t)limit) { /* limit: 0..65535 */
                 *stop = 1;
                 break;
             }
@@ -439,7 +452,7 @@ walk_chunks(const unsigned char *p, size_t n, long limit, unsigned long long *co
         if (i + 2 > n) {
             break; /* the size line is cut short */
         }
-        if (p[i + 1] != '\n' || size == 0 || (long)size > limit) {
+        if (p[i + 1] != '\n' || size == 0 || size > (size_t)limit) { /* limit: 0..65535 */
             *stop = 1;
             break;
         }
@@ -473,6 +486,10 @@ on_readable(Relay *r, sess_t *s, int *wake)
     }
     unsigned char *b = r->buf;
     size_t have = s->keep_len - s->out_end;
+    if (have >= BUF_SIZE) { /* never: a carry is less than one frame or chunk of limit bytes */
+        give_back(r, s, R_FRAME, 0);
+        return;
+    }
     if (have) {
         memcpy(b, s->keep + s->out_end, have); /* still kept until the read says otherwise */
     }
@@ -602,7 +619,7 @@ run(void *arg)
         int woken = 0, nb = 0;
         /* 1. Collect. */
         pthread_mutex_lock(&r->mu);
-        if (r->stopping) {
+        if (__atomic_load_n(&r->stopping, __ATOMIC_ACQUIRE)) {
             pthread_mutex_unlock(&r->mu);
             break;
         }
@@ -767,16 +784,27 @@ Relay_close(Relay *r, PyObject *Py_UNUSED(ignored))
         r->closed = 1; /* a forked copy: the thread and the sockets are the parent's */
         Py_RETURN_NONE;
     }
-    pthread_mutex_lock(&r->mu);
-    r->stopping = 1;
-    pthread_mutex_unlock(&r->mu);
+    /* No lock on the way: a thread stuck holding mu cannot hold up a shutdown. */
+    __atomic_store_n(&r->stopping, 1, __ATOMIC_RELEASE);
     if (r->started) {
         uint64_t one = 1;
         ssize_t w = write(r->wakefd, &one, sizeof one);
         (void)w;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += JOIN_DEADLINE_S;
+        int rc;
         Py_BEGIN_ALLOW_THREADS
-        pthread_join(r->thread, NULL);
+        rc = pthread_timedjoin_np(r->thread, NULL, &until);
         Py_END_ALLOW_THREADS
+        if (rc != 0) { /* everything it may touch stays, never freed; the exit ends it */
+            r->closed = r->stuck = 1;
+            PyErr_Format(PyExc_TimeoutError,
+                         "the relay thread did not stop within %d s; its sessions are left to "
+                         "the process's exit",
+                         JOIN_DEADLINE_S);
+            return NULL;
+        }
         r->started = 0;
     }
     /* The thread is gone: nothing is busy. */
@@ -810,7 +838,13 @@ Relay_dealloc(Relay *r)
 {
     if (!r->closed && r->pid == getpid()) {
         PyObject *res = Relay_close(r, NULL);
+        if (res == NULL) {
+            PyErr_WriteUnraisable((PyObject *)r);
+        }
         Py_XDECREF(res);
+    }
+    if (r->stuck) {
+        return; /* a thread that did not stop may still use all of it: leaked on purpose */
     }
     free(r->buf);
     free(r->slots);
@@ -831,6 +865,9 @@ Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored))
 static int
 grow_slots(Relay *r)
 {
+    if (r->nslots >= (1u << 30)) {
+        return -1; /* the doubling would wrap */
+    }
     uint32_t grow = r->nslots ? r->nslots : 256;
     uint32_t n = r->nslots + grow;
     sess_t **slots = realloc(r->slots, n * sizeof(sess_t *));
@@ -866,18 +903,19 @@ Relay_add(Relay *r, PyObject *const *args, Py_ssize_t nargs)
     if (ensure_open(r) < 0) {
         return NULL;
     }
-    int wfd = PyLong_AsLong(args[0]);
-    int cfd = PyLong_AsLong(args[1]);
+    long wfd_l = PyLong_AsLong(args[0]);
+    long cfd_l = PyLong_AsLong(args[1]);
     long limit = PyLong_AsLong(args[2]);
     int record = PyObject_IsTrue(args[3]);
     int chunked = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
     if (PyErr_Occurred() || record < 0 || chunked < 0) {
         return NULL;
     }
-    if (wfd < 0 || cfd < 0 || limit < 0) {
+    if (wfd_l < 0 || cfd_l < 0 || wfd_l > INT_MAX || cfd_l > INT_MAX || limit < 0) {
         PyErr_SetString(PyExc_ValueError, "add: bad descriptor or limit");
         return NULL;
     }
+    int wfd = (int)wfd_l, cfd = (int)cfd_l;
     sess_t *s = calloc(1, sizeof(sess_t));
     if (s == NULL) {
         return PyErr_NoMemory();

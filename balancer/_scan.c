@@ -9,7 +9,9 @@
  * Returns where the walk stopped (the first frame that is anything else, or the end) and how
  * many frames it passed. It is the same walk as the Python loop in ``feed``, which stays as the
  * fallback where this module is not built; tests/test_frames.py runs both against the general
- * scanner. Payloads are never read, only headers: a pure function of the bytes, no state.
+ * scanner. Payloads are never read, only headers: a pure function of the bytes, no state. Every
+ * sum is of a position inside ``data``, ``hlen`` (2 or 6) and a length of at most 16 bits: none
+ * can wrap.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,7 +31,8 @@ skip_frames(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred()) {
         return NULL;
     }
-    if (pos < 0 || (mbit != 0 && mbit != 0x80) || hlen < 2) {
+    /* hlen is 2 or 6: anything else is a caller's bug, and a large one would wrap the sums. */
+    if (pos < 0 || (mbit != 0 && mbit != 0x80) || (hlen != 2 && hlen != 6)) {
         PyErr_SetString(PyExc_ValueError, "skip_frames: bad pos, mbit or hlen");
         return NULL;
     }

@@ -286,13 +286,21 @@ class Lanes:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        """Stop the thread; every lane still in it comes back (CLOSED: its client closes)."""
+        """Stop the thread; every lane still in it comes back (CLOSED: its client closes). A
+        thread that does not stop within ``_lanes.c``'s deadline is left, with its lanes, to the
+        process's exit (logged): a shutdown never hangs on it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.flush()
         self.loop.remove_reader(self._fd)
         self._c.events()  # those that came back on their own are in the list close() gives
-        for handle in self._c.close():
+        try:
+            handles = self._c.close()
+        except TimeoutError as exc:  # the thread is stuck: what it holds stays until the exit
+            log.error("%s (%d)", exc, len(self.owners))
+            self.owners.clear()
+            return
+        for handle in handles:
             self._back(handle)
         self.flush()

@@ -163,4 +163,7 @@ class Offload:
         for s in list(self.sessions.values()):
             s.reclaim()
         self.loop.remove_reader(self._fd)
-        self._relay.close()
+        try:
+            self._relay.close()
+        except TimeoutError as exc:  # the thread is stuck: what it holds stays until the exit
+            log.error("%s", exc)
