@@ -282,3 +282,48 @@ async def test_a_client_that_never_reads_is_cut_on_a_lane(stalls: Stalls) -> Non
         assert time.monotonic() < deadline, stalls.lb.log_tail()
         await asyncio.sleep(0.05)
     await wait_for_line(stalls.lb, "client not reading")
+
+
+# -- the admin listener and slow heads ----------------------------------------------------------
+
+
+async def trickle(port: int, first: bytes = b"") -> float:
+    """Connect to ``port``, send ``first`` (a whole request, its answer read) and then a request
+    head one byte a second: the seconds until wslb closed the connection (bounded)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if first:
+            w.write(first)
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(r.readexactly(length), 5)
+        t0 = time.monotonic()
+        for byte in b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"x" * 100:
+            try:
+                w.write(bytes([byte]))
+                got = await asyncio.wait_for(r.read(1), 1.0)
+            except TimeoutError:
+                continue  # still open: the next byte
+            except ConnectionError:
+                got = b""
+            assert got == b"", got  # wslb answers nothing to half a head: it closes
+            return time.monotonic() - t0
+        raise AssertionError("the trickled head was never cut")
+    finally:
+        w.transport.abort()
+
+
+async def test_the_admin_listener_drops_a_head_trickled_a_byte_a_second(stack: Stack) -> None:
+    """``timeouts.handshake`` (2 s here) bounds the first head of a connection and each next
+    one; normal admin requests are answered meanwhile."""
+    lb = stack.lb
+    first = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    slow = [asyncio.create_task(trickle(lb.admin_port)) for _ in range(20)]
+    slow.append(asyncio.create_task(trickle(lb.admin_port, first)))
+    while not all(t.done() for t in slow):
+        backends = await asyncio.to_thread(lb.admin, "/backends")
+        assert {b["id"] for b in backends} == {"a0", "a1"}
+        await asyncio.sleep(0.2)
+    for took in await asyncio.gather(*slow):
+        assert 1.5 <= took < 5.0, took

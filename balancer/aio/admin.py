@@ -18,6 +18,12 @@ supervisor only, and has none of these checks.
 Prometheus expects of an exporter; the metrics name backends, never a secret), still refusing
 other origins and, on loopback, rebinding names. Errors are JSON ``{"error": ...}``: a
 ``ControlError``'s status and message, 400 for a body that is not a JSON object.
+
+Slow heads: aiohttp waits for a request head as long as its client trickles it, so a few
+hundred connections sending a byte a second would hold the admin API's sockets for good. On
+both TCP listeners a connection's first head must arrive within ``timeouts.handshake``
+(``_HeadDeadline``), and every later one within as long of the answer before it (aiohttp's
+keep-alive timeout, which closes a connection still waiting for a whole head).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -85,6 +91,79 @@ def _int_arg(request: web.Request, name: str, default: int) -> int:
     return int(raw)
 
 
+class _HeadDeadline(asyncio.Protocol):
+    """aiohttp's handler of one connection, closed if its first request head is not whole
+    within ``timeout`` (module docstring). Everything else is the handler's."""
+
+    def __init__(self, inner: asyncio.Protocol, timeout: float) -> None:
+        self.inner = inner
+        self.timeout = timeout
+        self.timer: asyncio.TimerHandle | None = None
+        self.tail = b""  # the last bytes seen, for a blank line across two reads
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.timer = asyncio.get_running_loop().call_later(self.timeout, self._expired)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.timer is not None:
+            seen = self.tail + data
+            if b"\r\n\r\n" in seen:
+                self.timer.cancel()
+                self.timer = None
+                self.tail = b""
+            else:
+                self.tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def _expired(self) -> None:
+        self.timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        peer = transport.get_extra_info("peername")
+        log.info(
+            "admin connection from %s: no whole request head in %gs (timeouts.handshake)",
+            peer[0] if isinstance(peer, tuple) else peer,
+            self.timeout,
+        )
+        transport.abort()  # nothing is owed to it
+
+
+class _Site(web.SockSite):
+    """``web.SockSite`` whose connections get ``_HeadDeadline``."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, head_timeout: float) -> None:
+        super().__init__(runner, sock)
+        self.head_timeout = head_timeout
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        timeout = self.head_timeout
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _HeadDeadline(server(), timeout), sock=self._sock, backlog=self._backlog
+        )
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -98,14 +177,17 @@ class Admin:
         cfg: AdminCfg,
         unix_socket: str | None = None,
         metrics: Listener | None = None,
+        head_timeout: float = 10.0,
     ) -> None:
         """``unix_socket``: a serving process of ``workers: N`` (no token, no browser checks).
         Else ``cfg``'s TCP address; ``admin.token``, ``WSLB_ADMIN_TOKEN``, or one generated.
-        ``metrics``: the address of the token-less ``GET /metrics`` (``metrics.listen``)."""
+        ``metrics``: the address of the token-less ``GET /metrics`` (``metrics.listen``).
+        ``head_timeout``: ``timeouts.handshake``, for a request head (module docstring)."""
         self.control = control
         self.cfg = cfg
         self.unix_socket = unix_socket
         self.metrics_listen = metrics if unix_socket is None else None
+        self.head_timeout = head_timeout
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._streams: set[asyncio.Task[Any]] = set()  # GET /events/stream handlers
@@ -147,7 +229,7 @@ class Admin:
 
     async def start(self) -> None:
         cfg = self.cfg
-        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        self._runner = self._runner_of(self.make_app())
         await self._runner.setup()
         if self.unix_socket is not None:
             # Answers its supervisor only, in the supervisor's private (0700) run directory.
@@ -167,7 +249,7 @@ class Admin:
                 cfg.port,
                 path,
             )
-        await web.SockSite(self._runner, sock).start()
+        await _Site(self._runner, sock, self.head_timeout).start()
         if self.metrics_listen is not None:
             await self._start_metrics(self.metrics_listen)
 
@@ -175,10 +257,19 @@ class Admin:
         """The ``metrics.listen`` listener: ``GET /metrics`` and nothing else."""
         app = web.Application(middlewares=[self._metrics_guard, self._errors])
         app.router.add_get("/metrics", self.metrics)
-        self._metrics_runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._metrics_runner = self._runner_of(app)
         await self._metrics_runner.setup()
         sock = self._metrics_sock = self._listening(1, at.host, at.port)
-        await web.SockSite(self._metrics_runner, sock).start()
+        await _Site(self._metrics_runner, sock, self.head_timeout).start()
+
+    def _runner_of(self, app: web.Application) -> web.AppRunner:
+        """A runner whose kept-alive connections wait ``head_timeout`` for a next head (on
+        TCP; the supervisor's Unix socket keeps aiohttp's wait)."""
+        if self.unix_socket is not None:
+            return web.AppRunner(app, access_log=None, handle_signals=False)
+        return web.AppRunner(
+            app, access_log=None, handle_signals=False, keepalive_timeout=self.head_timeout
+        )
 
     def _listening(self, which: int, host: str, port: int) -> socket.socket:
         """The old code's socket a restart passed (``which``: 0 admin, 1 metrics), else one
@@ -242,7 +333,7 @@ class Admin:
                 self._sock = sock
             else:
                 self._metrics_sock = sock
-            await web.SockSite(runner, sock).start()
+            await _Site(runner, sock, self.head_timeout).start()
 
     async def stop(self) -> None:
         for task in list(self._streams):

@@ -471,6 +471,7 @@ def build(
         config.admin,
         link.admin_socket if link is not None else None,
         config.metrics.listen,
+        head_timeout=config.timeouts.handshake,
     )
     background: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if isinstance(control, FanoutControl):
