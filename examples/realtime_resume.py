@@ -9,14 +9,16 @@ neither the SDK nor the worker behind wslb notices more than a short pause.
 
 - The client names its session's resume secret itself (``extra_headers``:
   ``X-WSLB-Resume-Token``), so it need not read the 101's headers, which the SDK keeps to itself.
-- It counts every server event it receives: one event is one WebSocket message, the unit wslb
-  counts in.
+- It counts every server event it receives in this session: one event is one WebSocket
+  message, the unit wslb counts in.
 - The SDK reconnects by itself after an abnormal close (1006: no close frame, the network) and
   calls ``on_reconnecting`` first: the hook returns the token and the count
   (``X-WSLB-Resume-From``), and wslb sends the events from that one on. After a close wslb sent
-  (1001, 1012: a drain, a restart) there is nothing to resume: the hook sends the token alone,
-  which starts a new session with the same key (the worker still holds the conversation). The
-  SDK queues what the client sends meanwhile and sends it on the new connection.
+  (1001, 1012: a drain, a restart), or when the resume keeps failing (a 409: the grace ran out),
+  there is nothing to resume: the hook names a new token and counts from 0 again, which starts
+  a new session with the same key (the worker still holds the conversation). A count is one
+  session's: carried over into another, wslb refuses it (409). The SDK queues what the client
+  sends meanwhile and sends it on the new connection.
 
 ``--cut-after N`` shows it without a network: the client aborts its own TCP connection (an RST,
 no close frame) after N deltas of the first answer.
@@ -38,11 +40,15 @@ TOKEN_HEADER = "X-WSLB-Resume-Token"
 FROM_HEADER = "X-WSLB-Resume-From"
 
 
+RESUME_TRIES = 3  # reconnects that ask to resume before a new session is started
+
+
 class Resume:
-    """The session's token and the count of server events received, over all connections."""
+    """The session's token and the count of server events received in this session, over all
+    its connections."""
 
     def __init__(self) -> None:
-        self.token = secrets.token_urlsafe(24)  # 16-128 URL-safe characters (SPEC section 13)
+        self.token = secrets.token_urlsafe(24)  # 192 random bits (22-128 URL-safe characters)
         self.count = 0
 
     def headers(self) -> dict[str, str]:
@@ -50,12 +56,14 @@ class Resume:
         return {TOKEN_HEADER: self.token}
 
     def on_reconnecting(self, event: ReconnectingEvent) -> ReconnectingOverrides | None:
-        """The SDK's reconnect hook: token and count after a loss, the token alone after a
-        close from the server (a new session)."""
+        """The SDK's reconnect hook: token and count after a loss; a new token and a count
+        from 0 after a close from the server, or resumes that failed (a new session)."""
         headers = {k: v for k, v in dict(event.extra_headers).items() if k != FROM_HEADER}
-        headers[TOKEN_HEADER] = self.token
-        if event.close_code == 1006:  # no close frame: the connection was lost
+        if event.close_code == 1006 and event.attempt <= RESUME_TRIES:  # the connection was lost
             headers[FROM_HEADER] = str(self.count)
+        else:
+            self.token, self.count = secrets.token_urlsafe(24), 0
+        headers[TOKEN_HEADER] = self.token
         what = f"resume from event {self.count}" if FROM_HEADER in headers else "new session"
         print(
             f"\n[reconnecting after close {event.close_code} (attempt {event.attempt}): {what}]",

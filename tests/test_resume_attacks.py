@@ -27,10 +27,14 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import InvalidStatus
 from websockets.http11 import Request, Response
 
+from balancer.config import ConfigError, parse
+from balancer.resume import FailureThrottle
+from balancer.session_core import Mode, ResumeRefused, SessionCore
 from tests.procs import Worker, Wslb, free_port, pool_config
 from tests.test_auth import SECRET, token
 from tests.test_lanes import Recorder, exchanges, needs_lanes, recorded, served
 from tests.test_resume import Client, metric
+from tests.test_session_core import resumable, written
 
 __all__ = ["recorded"]  # the fixture, imported for its name
 
@@ -361,3 +365,56 @@ def test_failed_resumes_are_throttled_per_address(chat: Wslb) -> None:
     assert results.get("unknown") == statuses.count(409)
     assert results.get("throttled") == statuses.count(429)
     assert lb.output().count("too many failed resumes from 127.0.0.1") == 1
+
+
+def test_the_throttle_is_a_bucket_per_address_refilled_over_its_window() -> None:
+    """``FailureThrottle`` without I/O: 3 failures per 3 s; another address is not held; one
+    try comes back each second; one log line per address and window."""
+    t = FailureThrottle(3, 3.0)
+    for _ in range(3):
+        assert t.retry_after("a", 0.0) == 0.0
+        t.failed("a", 0.0)
+    assert t.retry_after("a", 0.0) == pytest.approx(1.0)
+    assert t.retry_after("b", 0.0) == 0.0
+    assert t.retry_after("a", 1.0) == 0.0  # one back
+    t.failed("a", 1.0)
+    assert t.retry_after("a", 1.5) == pytest.approx(0.5)
+    assert t.first_refusal("a", 1.5) and not t.first_refusal("a", 4.0)
+    assert t.first_refusal("a", 4.6)
+    off = FailureThrottle(0, 3.0)
+    off.failed("a", 0.0)
+    assert off.retry_after("a", 0.0) == 0.0
+
+
+def test_the_throttle_is_configured_per_pool() -> None:
+    cfg = parse(
+        pool_config(
+            [{"id": "w", "url": "ws://127.0.0.1:1"}],
+            resume={"enabled": True, "max_failures": 3, "failure_window": "1m"},
+        )
+    )
+    assert (cfg.pools[0].resume.max_failures, cfg.pools[0].resume.failure_window) == (3, 60.0)
+    for bad in ({"max_failures": -1}, {"failure_window": "0s"}):
+        with pytest.raises(ConfigError):
+            parse(pool_config([{"id": "w", "url": "ws://127.0.0.1:1"}], resume=bad))
+
+
+def test_the_core_checks_a_count_against_what_the_lost_connection_was_given() -> None:
+    """Sans I/O: 3 messages before the loss, 5 more while detached. A count of 4 (or 8) is
+    not this session's: refused, nothing changed; 3 gets the 5, and the next loss checks
+    against all 8; a snapshot keeps the bound."""
+    c = resumable()
+    written(c, b"a", b"b", b"c")
+    c.client_lost(now=1.0)
+    later = written(c, *(b"%d" % i for i in range(5)))
+    for n in (4, 8):
+        with pytest.raises(ResumeRefused) as err:
+            c.attach(n)
+        assert err.value.why == "count_ahead" and "(3)" in err.value.reason
+    assert c.mode is Mode.DETACHED
+    restored = SessionCore.restore(c.snapshot())
+    with pytest.raises(ResumeRefused):
+        restored.attach(4)
+    assert c.attach(3) == later
+    c.client_lost(now=2.0)
+    assert c.attach(8) == b""

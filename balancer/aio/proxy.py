@@ -335,7 +335,7 @@ class ClientConnection(asyncio.Protocol):
             return
         pool, req, key, sid, _ = routed
         if pool.cfg.resume.enabled and resume.token is not None:
-            if self._resume_throttled():
+            if self._resume_throttled(pool):
                 return
             live = st.find_resumable(resume.token)  # by token: a newer session may have the key
             arriving = st.arriving
@@ -351,19 +351,19 @@ class ClientConnection(asyncio.Protocol):
                     return
             if live is not None and live.sid == sid:
                 if resume.count is not None or not ending(live):
-                    self._resume(live, req, key, resume)
+                    self._resume(pool, live, req, key, resume)
                     return
                 # A plain upgrade naming the token of its own session that is closing: the
                 # new session takes the token over.
             elif resume.count is not None:  # a reconnect, and nothing to resume
-                self._resume_failed("unknown")
+                self._resume_failed(pool, "unknown")
                 raise HandshakeReject(
                     409,
                     "no session to resume: unknown or expired token, or another key",
                     details={"resume": "unknown"},
                 )
             elif live is not None:
-                self._token_taken()
+                self._token_taken(pool)
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"
@@ -408,7 +408,7 @@ class ClientConnection(asyncio.Protocol):
                 other = st.find_resumable(token)  # named meanwhile by another upgrade?
                 if other is not None and not (other.sid == sid and ending(other)):
                     transport.close()
-                    self._token_taken()
+                    self._token_taken(pool)
             self._start_session(pool, backend, sid, req, transport, proto, response, trailing, key)
             return
         status = 502 if tried else 503
@@ -460,16 +460,17 @@ class ClientConnection(asyncio.Protocol):
         req = without_wslb_params(req)  # wslb_resume, wslb_from: wslb's, not the worker's
         return Routed(pool, req, key, sid, given is not None)
 
-    def _resume_throttled(self) -> bool:
+    def _resume_throttled(self, pool: Pool) -> bool:
         """Rule 8: True (refused here with 429) while this address has spent its failed
         resumes; the refusal is logged once per address and window, counted each time."""
         st = self.state
         now = st.loop.time()
-        wait = st.resume_failures.retry_after(self.peer, now)
+        failures = st.resume_failures(pool)
+        wait = failures.retry_after(self.peer, now)
         if wait <= 0:
             return False
         st.stats.resumes["throttled"] += 1
-        logged = st.resume_failures.first_refusal(self.peer, now)
+        logged = failures.first_refusal(self.peer, now)
         if logged:
             log.warning("too many failed resumes from %s: refused for a while", self.peer)
         rej = HandshakeReject(
@@ -481,22 +482,22 @@ class ClientConnection(asyncio.Protocol):
         self.reject(rej, logged=False)
         return True
 
-    def _token_taken(self) -> NoReturn:
+    def _token_taken(self, pool: Pool) -> NoReturn:
         """A token is one session's, never shared: refused (409), counted as a failure."""
-        self._resume_failed("taken")
+        self._resume_failed(pool, "taken")
         raise HandshakeReject(
             409,
             "this resume token belongs to another session: name a new one",
             details={"resume": "taken"},
         )
 
-    def _resume_failed(self, result: str) -> None:
+    def _resume_failed(self, pool: Pool, result: str) -> None:
         """A resume that failed: counted by ``result`` and taken from this address's bucket."""
         st = self.state
         st.stats.resumes[result] += 1
-        st.resume_failures.failed(self.peer, st.loop.time())
+        st.resume_failures(pool).failed(self.peer, st.loop.time())
 
-    def _resume(self, s: Session, req: ClientRequest, key: str, resume: Resume) -> None:
+    def _resume(self, pool: Pool, s: Session, req: ClientRequest, key: str, resume: Resume) -> None:
         """Rule 8: the reconnect of a session's client (its token matched). A half-open old
         connection is taken over; the client gets a 101 with ``X-WSLB-Resumed: N``, what it
         missed from message N on, then the live stream. 409 when that cannot be done."""
@@ -505,7 +506,7 @@ class ClientConnection(asyncio.Protocol):
         if not core.detached_at and s.client is Leg.OPEN and not s.closing:
             s.take_over()  # the old connection still looked open (a network change)
         if not core.detached_at:
-            self._resume_failed("closed")
+            self._resume_failed(pool, "closed")
             raise HandshakeReject(
                 409, "the session has ended; start a new one", details={"resume": "closed"}
             )
@@ -522,7 +523,7 @@ class ClientConnection(asyncio.Protocol):
             missed = s.attach(ct, n, switching_protocols(headers))
         except ResumeRefused as exc:
             self.session = None
-            self._resume_failed("refused")
+            self._resume_failed(pool, "refused")
             raise HandshakeReject(
                 409,
                 f"cannot resume: {exc.reason}",

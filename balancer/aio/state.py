@@ -42,9 +42,6 @@ __all__ = ["ServerState"]
 
 log = logging.getLogger("wslb")
 
-RESUME_FAILURES = 10  # failed resumes an address may make per RESUME_FAILURE_WINDOW, then 429
-RESUME_FAILURE_WINDOW = 10.0
-
 
 class ServerState:
     """Pools, live sessions, connection counts, closing, counters and timers of one process."""
@@ -80,8 +77,8 @@ class ServerState:
         # Rule 8: every session with a resume token, by the token's digest. A token belongs to
         # one session: a new session on a key never hides the detached one its client resumes.
         self.by_token: dict[bytes, Session] = {}
-        # Failed resumes per client address (a token is a secret: guessing stays slow).
-        self.resume_failures = FailureThrottle(RESUME_FAILURES, RESUME_FAILURE_WINDOW)
+        # Failed resumes per pool and client address (a token is a secret: guessing stays slow).
+        self._resume_failures: dict[str, FailureThrottle] = {}
         # workers: N: a session another serving process holds, adopted here (handover.py).
         self.fetch_session: Callable[[str, str, Any], Awaitable[Session | None]] | None = None
         # A restart's new code while the old one is still handing its sessions on: a resume
@@ -238,6 +235,17 @@ class ServerState:
         self.stats.detached = len(self.detached_sessions)
         if on and counted:
             self.emit("detached", session=s.sid, backend=s.backend.id, grace_s=s.core.grace)
+
+    def resume_failures(self, pool: Pool) -> FailureThrottle:
+        """The failed resumes of ``pool``'s clients (``resume.max_failures``), made anew when a
+        reload changes its settings."""
+        cfg = pool.cfg.resume
+        t = self._resume_failures.get(pool.name)
+        if t is None or (t.limit, t.window) != (cfg.max_failures, cfg.failure_window):
+            t = self._resume_failures[pool.name] = FailureThrottle(
+                cfg.max_failures, cfg.failure_window
+            )
+        return t
 
     def token_bound(self, s: Session, old: str | None) -> None:
         """``s`` took resume token ``s.resume_token`` (``old``: its previous one)."""

@@ -757,8 +757,15 @@ class _Builder(_Reader):
         buffer = self.size(raw, "buffer", p, d.buffer)
         if buffer < 4096:
             self.error((*p, "buffer"), "must be at least 4KiB (a few messages of an answer)")
+        window = self.duration(raw, "failure_window", p, d.failure_window)
+        if window <= 0:
+            self.error((*p, "failure_window"), "must be more than 0")
         return ResumeCfg(
-            enabled=self.boolean(raw, "enabled", p, d.enabled), grace=grace, buffer=buffer
+            enabled=self.boolean(raw, "enabled", p, d.enabled),
+            grace=grace,
+            buffer=buffer,
+            max_failures=self.at_least_0(raw, "max_failures", p, d.max_failures),
+            failure_window=window,
         )
 
     def backends(self, item: dict[object, object], p: _Path) -> tuple[BackendCfg, ...]:

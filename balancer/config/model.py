@@ -153,11 +153,15 @@ class FailoverCfg:
 class ResumeCfg:
     """Client resume (SPEC section 13, docs/resume.md): a client whose connection drops
     without a close reconnects within ``grace`` and gets what it missed (up to ``buffer``
-    bytes kept per session) and the live stream after it."""
+    bytes kept per session) and the live stream after it. ``max_failures`` failed resumes per
+    client address and ``failure_window`` (each serving process counts its own), then 429 until
+    the address's bucket refills; 0 turns the throttle off."""
 
     enabled: bool = False
     grace: float = 30.0
     buffer: int = 1024**2
+    max_failures: int = 10
+    failure_window: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
