@@ -503,27 +503,41 @@ async def test_413_for_a_body_over_max_body(stack: Stack) -> None:
 
 
 async def test_slow_sse_reader_blocks_the_workers_writes(stack: Stack) -> None:
-    """Backpressure: a client that stops reading stops the worker, with bounded buffers."""
+    """Backpressure: a client that stops reading stops the worker, with bounded buffers. The
+    buffers on the way (the kernel's grow while they fill) take a while to fill, so the test
+    waits for the worker's count to stay put for a second (bounded), not for a fixed time."""
     before = await _progress(stack)
     r, w = await asyncio.open_connection("127.0.0.1", stack.lb.port)
     try:
         # The app and the client share the host: pin the key so the flood and /progress meet.
         w.write(b"GET /flood?n=300000&size=1024 HTTP/1.1\r\nHost: x\r\nX-Session-Id: flood\r\n\r\n")
         await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
-        await asyncio.sleep(2.0)
-        a = await _progress(stack)
-        await asyncio.sleep(1.0)
-        b = await _progress(stack)
+        b = await _settled(stack, quiet=1.0, timeout=20.0)  # the worker is blocked
         written = b - before
-        assert b == a, (a, b)  # the worker is blocked, not writing more
         assert written < 40 * 1024 * 1024, written  # kernel buffers + wslb's write buffer
         got = 0
         while got < 4 * 1024 * 1024:  # reading again lets it go on
             got += len(await asyncio.wait_for(r.read(65536), 5))
-        await asyncio.sleep(0.3)
-        assert await _progress(stack) > b
+        deadline = time.monotonic() + 5
+        while await _progress(stack) <= b:
+            assert time.monotonic() < deadline, "the worker did not write again"
+            await asyncio.sleep(0.05)
     finally:
         w.close()
+
+
+async def _settled(stack: Stack, quiet: float, timeout: float) -> int:
+    """The worker's flood count once it has not moved for ``quiet`` seconds (at most
+    ``timeout`` seconds of polling, else the test fails)."""
+    deadline = time.monotonic() + timeout
+    last, since = await _progress(stack), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"the worker still writes: {last} bytes"
+        await asyncio.sleep(0.1)
+        now = await _progress(stack)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 async def _progress(stack: Stack) -> int:
