@@ -38,6 +38,15 @@ def scoped_key(owner: str, key: str) -> str:
     return f"{tag}~{key}"
 
 
+def key_owner(key: str, address: str) -> str:
+    """Whom a held place of the scoped key ``key`` counts against (``pools[].
+    affinity_hold_per_client``): the owner its tag names; a key a token's claim gave (not
+    scoped) counts against its client's ``address``."""
+    if key[OWNER_TAG_LEN : OWNER_TAG_LEN + 1] == "~":
+        return "owner:" + key[:OWNER_TAG_LEN]
+    return address
+
+
 _CHALLENGE = [(b"www-authenticate", b'Bearer realm="wslb", error="invalid_token"')]
 
 

@@ -37,7 +37,7 @@ bounds then mean nothing, and real conversations' places are given up first, bei
 oldest). So a client holds at most ``affinity_hold_per_client`` places at once: its next one
 gives up its own longest-quiet place. The client is the address ``detach`` is given (the one
 wslb counts the connection from, for sessions, plain requests and lanes alike), or with
-``auth.jwt`` (``owners``) the owner whose tag the scoped key carries: many users behind one
+``auth.jwt`` (``client_of``) the owner whose tag the scoped key carries: many users behind one
 address. A key given up keeps its remembered placement (it goes back to its worker while the
 bounds allow), only its place stops counting; live sessions are never touched.
 
@@ -81,7 +81,6 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
 from balancer import selection
-from balancer.auth import OWNER_TAG_LEN
 from balancer.backend import AdminState, Backend, Change, Upstream
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
@@ -188,7 +187,7 @@ class Pool:
         affinity_size: int = 100_000,
         seed: int | None = None,
         hold_s: float | None = None,
-        owners: bool = False,
+        client_of: Callable[[str, str], str] | None = None,
     ):
         self.cfg = cfg
         self.name = cfg.name
@@ -229,9 +228,9 @@ class Pool:
         self._holds_of: dict[str, OrderedDict[str, None]] = {}
         self._holder: dict[str, str] = {}
         self.per_client = cfg.affinity_hold_per_client
-        # Keys carry their owner's tag (``auth.jwt``: ``auth.scoped_key``): a place is the
-        # owner's, not the address's.
-        self.owners = owners
+        # Whose a key's place is, from the key and its client's address (with ``auth.jwt``,
+        # ``auth.key_owner``: the owner a scoped key names); None: the address.
+        self.client_of = client_of
         self._rr = selection.SmoothRoundRobin()
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
@@ -653,17 +652,11 @@ class Pool:
                 if conv is not None:
                     self._count(conv, backend)
                 if client is not None and self.per_client > 0:
-                    self._hold_for(self._client(key, client), key)
+                    who = client if self.client_of is None else self.client_of(key, client)
+                    self._hold_for(who, key)
             elif conv is not None and conv.on is backend:
                 self._lapse(key, backend)
         self._publish(backend)
-
-    def _client(self, key: str, address: str) -> str:
-        """Whose place the key's is: its owner's tag with JWT (a key a token's claim gave has
-        none: its address's), else the client address."""
-        if self.owners and key[OWNER_TAG_LEN : OWNER_TAG_LEN + 1] == "~":
-            return "owner:" + key[:OWNER_TAG_LEN]
-        return address
 
     def _hold_for(self, client: str, key: str) -> None:
         """Count the key's new place as ``client``'s; past the bound its longest-quiet place

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from balancer.aio import lanes, offload
-from balancer.auth import scoped_key
+from balancer.auth import key_owner, scoped_key
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
 from tests.procs import Wslb, free_port, spawn, stop, wait_port
@@ -40,7 +40,7 @@ def two_backend_pool(per_client: int = 64, owners: bool = False) -> Pool:
         backends=tuple(BackendCfg(id=f"w{i}", url=f"ws://127.0.0.1:{9100 + i}") for i in (0, 1)),
         affinity_hold_per_client=per_client,
     )
-    return Pool(cfg, seed=1, owners=owners)
+    return Pool(cfg, seed=1, client_of=key_owner if owners else None)
 
 
 def turn(pool: Pool, key: str, client: str, now: float) -> str:

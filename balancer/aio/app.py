@@ -55,6 +55,7 @@ from balancer.aio.multi import ProcessGroup
 from balancer.aio.proxy import ClientConnection
 from balancer.aio.restart import Handed, Restarter, RestartError, TakeOver, announce, exec_now
 from balancer.aio.state import ServerState
+from balancer.auth import key_owner
 from balancer.board import Board
 from balancer.config import Config, ConfigError, Listener
 from balancer.frames import CloseCode
@@ -396,7 +397,8 @@ def build(
     """The parts of this process for its mode (module docstring)."""
     loop = asyncio.get_running_loop()
     stats = Stats()
-    pools = [Pool(p, owners=config.auth.jwt is not None) for p in config.pools]
+    client_of = key_owner if config.auth.jwt is not None else None  # affinity_hold_per_client
+    pools = [Pool(p, client_of=client_of) for p in config.pools]
     supervising = link is None and config.workers > 1
     board: Board | None = None
     group: ProcessGroup | None = None
