@@ -187,7 +187,7 @@ class ServerState:
         found = self.find_backend(backend.id)
         if found is None:
             return None
-        return workerauth.token_for(found[0].cfg, backend.cfg)
+        return workerauth.credential_for(found[0].cfg, backend.cfg, handoff=handoff)
 
     def forget_upstream_tls(self) -> None:
         """Reread upstream TLS files on the next connection (a reload)."""
