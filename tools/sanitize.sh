@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The C modules (balancer/_scan.c, _relay.c, _lanes.c) built with AddressSanitizer and
+# UndefinedBehaviorSanitizer into a scratch directory outside the source tree, then the fuzz tests
+# (tests/test_c_fuzz.py, tests/test_fuzz.py) run against those builds: any overflow, out-of-bounds
+# access or undefined arithmetic aborts the run with the sanitizer's report.
+#
+#   tools/sanitize.sh                  # build, then the fuzz tests
+#   tools/sanitize.sh -k chunk         # extra arguments go to pytest
+#   WSLB_SANITIZE_DIR=/tmp/asan tools/sanitize.sh
+#
+# Needs gcc with its libasan and libubsan (Debian's gcc has both) and the test extras installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+out=${WSLB_SANITIZE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/wslb/asan}
+py=${PYTHON:-python3}
+asan=$(gcc -print-file-name=libasan.so)
+ubsan=$(gcc -print-file-name=libubsan.so)
+for lib in "$asan" "$ubsan"; do
+    if [ ! -e "$lib" ]; then
+        echo "sanitize: gcc has no $(basename "$lib") (apt-get install gcc)" >&2
+        exit 2
+    fi
+done
+include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+rm -rf "$out/balancer"
+mkdir -p "$out/balancer"
+flags=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+       -g -O1 -fPIC -shared -pthread -Wall -Werror=implicit-function-declaration)
+for mod in _scan _relay _lanes; do
+    gcc "${flags[@]}" -I"$include" "balancer/$mod.c" -o "$out/balancer/$mod$suffix"
+done
+echo "sanitize: built $out/balancer in $(($(date +%s) - start)) s"
+# The interpreter is not instrumented: the runtimes are preloaded, and its own allocations that
+# live until exit are not leaks worth reporting.
+export LD_PRELOAD="$asan $ubsan${LD_PRELOAD:+ $LD_PRELOAD}"
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:allocator_may_return_null=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export WSLB_SANITIZED="$out"
+rc=0
+timeout "${WSLB_SANITIZE_TIMEOUT:-600}" "$py" -m pytest -q -n 0 -p tests.fuzz.sanitized \
+    tests/test_c_fuzz.py tests/test_fuzz.py "$@" || rc=$?
+echo "sanitize: build and fuzz took $(($(date +%s) - start)) s (exit $rc)"
+exit $rc
