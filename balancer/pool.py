@@ -67,7 +67,7 @@ through another process has no size there, and does not move for cost.
 Under ``workers: N`` each process keeps its own holds and publishes its live sessions plus
 held places on the board, so every process's bounds count them (``remote_sessions``); a key that
 returns through another process than the one holding its place is counted twice until that hold
-expires, which errs on the side of a tighter bound.
+expires, which errs on the side of a tighter bound. The per-client bound is per process too.
 """
 
 from __future__ import annotations
