@@ -21,7 +21,8 @@ else. The rules, from the event loop's side:
   batches (``flush``, every ``TICK_S`` and before a metrics scrape).
 - **Given back**: the first request the thread does not take (its bytes come back unread:
   ``HttpClient.lane_back`` parses, routes and answers it as ever), the client's or the worker's
-  end, a failure (the thread answered as rule 4 says), ``IDLE_S`` without a request, and a
+  end, a failure (the thread answered as rule 4 says; a client that takes nothing of an answer
+  for ``timeouts.backpressure`` is cut), ``IDLE_S`` without a request, and a
   ``release``: the worker not ready any more (a drain, health), the balancer stopping
   (``stop``). A drain's or shutdown's timeout ``abort``\\s a lane mid-exchange.
 
