@@ -70,7 +70,8 @@
  * Shutdown. ``close`` waits JOIN_DEADLINE_S for the thread to stop (it looks at ``stopping``
  * every 50 ms, and ``close`` takes no lock on the way). Past that it raises TimeoutError: the
  * thread, its lanes and their sockets are left as they are, never freed (it may still touch
- * them), for the process's exit to end.
+ * them), for the process's exit to end. Test-only: ``_spin(on)`` makes every lane thread spin
+ * without a lock until it is cleared (tests/test_hostile_worker.py); inert unless set.
  *
  * Locking. One mutex ``mu`` guards the slots, the event queue, the control list, the graveyard,
  * the log buffer and the counts. Everything else of an ACTIVE lane is the thread's alone; a
@@ -1818,6 +1819,10 @@ free_lane(lane_t *l)
     free(l);
 }
 
+/* Test-only (``_spin``, tests/test_hostile_worker.py): while set, the thread spins without a
+ * lock, as one that met what it could not handle once did; inert unless a test sets it. */
+static int test_spin;
+
 static void *
 run(void *arg)
 {
@@ -1826,6 +1831,8 @@ run(void *arg)
     double last_check = mono();
     for (;;) {
         int n = epoll_wait(r->epfd, evs, MAX_EVENTS, 50);
+        while (__atomic_load_n(&test_spin, __ATOMIC_RELAXED)) {
+        }
         if (__atomic_load_n(&r->stopping, __ATOMIC_ACQUIRE)) {
             break;
         }
@@ -2547,8 +2554,26 @@ static PyTypeObject LanesType = {
     .tp_new = Lanes_new,
 };
 
+static PyObject *
+lanes_spin(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+    __atomic_store_n(&test_spin, on, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef lanes_functions[] = {
+    {"_spin", lanes_spin, METH_O,
+     "_spin(on): test-only, every lane thread spins (without a lock) until it is cleared."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef lanes_module = {
-    PyModuleDef_HEAD_INIT, "_lanes", "The lane thread (see balancer/_lanes.c).", -1, NULL, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_lanes", "The lane thread (see balancer/_lanes.c).", -1, lanes_functions, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC

@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from pathlib import Path
 import pytest
 
 from balancer.aio import lanes, offload
+from balancer.metrics import Stats
+from balancer.pool import Backend
 from tests.procs import Wslb, free_port
 from tests.test_http_proxy import metric
 from tests.test_lanes import exchanges, served
@@ -289,3 +293,66 @@ async def test_a_request_the_event_loop_refuses_is_refused_the_same_through_a_la
     assert exchanges(lb) == before  # not the lane's: the event loop answered it
     await assert_both_paths_serve(lb, "c3")
     await assert_stops_on_sigterm(lb)
+
+
+# -- a thread that does not stop cannot hold up a shutdown ------------------------------------
+
+
+class _Owner:
+    lane_backend: Backend | None = None
+
+    def lane_back(self, back: lanes.Back) -> None:
+        raise AssertionError("a stuck thread's lane came back")
+
+    def lane_check(self) -> None:
+        pass
+
+    def abort_lane(self, why: str) -> None:
+        pass
+
+
+@needs_lanes
+async def test_close_gives_up_on_a_thread_that_does_not_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lane thread spinning (as ``8000000000000000`` once made it): ``close`` returns after
+    its deadline, logs it and leaves the lane to the exit, instead of hanging the shutdown."""
+    from balancer import _lanes
+
+    ln = lanes.Lanes(asyncio.get_running_loop(), Stats(), False)
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    spec: lanes.Spec = (
+        b"/x\0host\0h",
+        (b"host",),
+        b"/x",
+        b"",
+        b"",
+        (),
+        (),
+        b"",
+        16384,
+        100,
+        1000,
+        5.0,
+        5.0,
+        2.0,
+        0.0,
+        b"peer",
+        b"k",
+        b"p",
+        b"b",
+    )
+    ln.add(_Owner(), a.fileno(), c.fileno(), b"", spec)
+    _lanes._spin(True)
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.ERROR, "wslb.http"):
+            ln.close()  # as the event loop calls it: it blocks until the deadline
+        took = time.monotonic() - t0
+    finally:
+        _lanes._spin(False)  # the thread sees its stop now and ends
+        for s in (a, b, c, d):
+            s.close()
+    assert 4.5 < took < 10, took
+    assert "did not stop within 5 s" in caplog.text, caplog.text
