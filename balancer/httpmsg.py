@@ -32,6 +32,7 @@ import h11
 from balancer.handshake import WSLB_PREFIX, ClientRequest, HandshakeReject
 
 __all__ = [
+    "CHUNK_MAX",
     "END",
     "IDEMPOTENT",
     "LANE_DROP",
@@ -302,6 +303,9 @@ _FIELD: Final = re.compile(
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[\t -~\x80-\xff]*)?\r\n")
 _DIGITS: Final = re.compile(rb"[0-9]{1,18}")
 _CHUNK_LINE_LIMIT: Final = 4096  # a chunk-size line with its extensions
+CHUNK_MAX: Final = 1 << 40
+"""The largest chunk a worker may announce (``_lanes.c``'s ``CHUNK_MAX``): a size past it is a
+bad answer on every path, not a body forwarded until the worker closes."""
 # States of ``ResponseReader``.
 _HEAD, _LENGTH, _SIZE, _DATA, _DATA_END, _TRAILER, _CLOSE, _DONE = range(8)
 
@@ -503,6 +507,8 @@ class ResponseReader:
                     break
                 self.buf = buf[m.end() :]
                 size = int(m[1], 16)
+                if size > CHUNK_MAX:
+                    raise BadResponse("chunk size too large")
                 if size:
                     self.left = size
                     self.state = _DATA

@@ -139,6 +139,23 @@ def test_identical_content_lengths_pass_once() -> None:
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX0\r\n\r\n",
             "chunk not followed by CRLF",
         ),
+        # A hostile worker's sizes: past CHUNK_MAX (2^40), 2^63, 2^64 - 1, a 17th digit.
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10000000001\r\nx",
+            "chunk size too large",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n8000000000000000\r\nx",
+            "chunk size too large",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nx",
+            "chunk size too large",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1ffffffffffffffff\r\nx",
+            "bad chunk size",
+        ),
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel",
             "the worker closed the connection before the body ended",
