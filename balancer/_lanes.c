@@ -1297,10 +1297,12 @@ response_head(Lanes *r, lane_t *l)
     int n = snprintf(line, sizeof line, "HTTP/1.1 %d ", status);
     int bad = buf_add(o, line, (size_t)n) || buf_add(o, base + rs, reason_len) ||
               buf_add(o, "\r\n", 2);
+    int lengths = 0; /* equal Content-Lengths (checked above) reach the client as one, as h11's */
     for (int k = 0; k < nf && !bad; k++) {
         const unsigned char *nm = base + f[k].name;
         size_t nl = f[k].name_len;
-        if (in_set(nm, nl, l->resp_drop, l->n_resp_drop)) {
+        if (in_set(nm, nl, l->resp_drop, l->n_resp_drop) ||
+            (ieq(nm, nl, "content-length") && lengths++ > 0)) {
             continue;
         }
         int named = 0;

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from balancer.aio.httpproxy import _LANE_SIG
+from balancer.aio.lanes import Spec
 from balancer.httpmsg import LANE_DROP, RESPONSE_DROP
 
 TARGET = b"/t"
@@ -40,7 +41,8 @@ def signature(target: bytes = TARGET, host: bytes = HOST) -> bytes:
     return b"".join(sig)
 
 
-def spec(max_head: int = 16384, max_headers: int = 100, t_server: float = 2.0) -> tuple[Any, ...]:
+def spec(max_head: int = 16384, max_headers: int = 100, t_server: float = 2.0) -> Spec:
+    """A spec as ``Exchange.lane_spec`` makes it (balancer.aio.lanes.Spec)."""
     return (
         signature(),
         _LANE_SIG,
