@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The C modules (balancer/_scan.c, _relay.c, _lanes.c) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer into a scratch directory outside the source tree, then the fuzz tests
-# (tests/test_c_fuzz.py, tests/test_fuzz.py) run against those builds: any overflow, out-of-bounds
+# (tests/test_c_fuzz.py, tests/test_fuzz.py, the C-against-Python tests of
+# tests/test_frames.py and tests/test_offload.py) run against those builds: any overflow, out-of-bounds
 # access or undefined arithmetic aborts the run with the sanitizer's report.
 #
 #   tools/sanitize.sh                  # build, then the fuzz tests
@@ -14,6 +15,11 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 out=${WSLB_SANITIZE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/wslb/asan}
 py=${PYTHON:-python3}
+if ! command -v gcc >/dev/null || [ ! -e "$(gcc -print-file-name=libasan.so)" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then  # a fresh Debian CI machine
+        apt-get install -y -q gcc >/dev/null || true
+    fi
+fi
 asan=$(gcc -print-file-name=libasan.so)
 ubsan=$(gcc -print-file-name=libubsan.so)
 for lib in "$asan" "$ubsan"; do
@@ -38,8 +44,18 @@ export LD_PRELOAD="$asan $ubsan${LD_PRELOAD:+ $LD_PRELOAD}"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export WSLB_SANITIZED="$out"
+export WSLB_FUZZ_EXAMPLES=${WSLB_FUZZ_EXAMPLES:-500}  # tests/test_c_fuzz.py: more than its default
 rc=0
-timeout "${WSLB_SANITIZE_TIMEOUT:-600}" "$py" -m pytest -q -n 0 -p tests.fuzz.sanitized \
-    tests/test_c_fuzz.py tests/test_fuzz.py "$@" || rc=$?
+tests=(
+    tests/test_c_fuzz.py
+    tests/test_fuzz.py
+    tests/test_frames.py::test_fast_path_matches_general_path_over_any_chunking
+    tests/test_frames.py::test_c_and_python_loops_agree_at_every_length_boundary
+    tests/test_frames.py::test_c_loop_arguments_and_buffers
+    tests/test_offload.py::test_stops_at_the_first_frame_it_must_not_take
+    tests/test_offload.py::test_chunked_stops_at_the_first_chunk_it_must_not_take
+)
+timeout "${WSLB_SANITIZE_TIMEOUT:-600}" "$py" -m pytest -q -n 0 -p no:cacheprovider --capture=sys \
+    -p tests.fuzz.sanitized "${tests[@]}" "$@" || rc=$?
 echo "sanitize: build and fuzz took $(($(date +%s) - start)) s (exit $rc)"
 exit $rc

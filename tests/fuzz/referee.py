@@ -103,12 +103,6 @@ def h11_requests(data: bytes, eof: bool = True) -> Parsed:
         except h11.RemoteProtocolError as exc:
             return Parsed(out, f"h11: {exc}")
         if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
-            if event is h11.PAUSED and conn.our_state is h11.SEND_RESPONSE:
-                conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
-                conn.send(h11.EndOfMessage())
-                if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                    conn.start_next_cycle()
-                    continue
             return Parsed(out, None)
         if isinstance(event, h11.Request):
             out.append(

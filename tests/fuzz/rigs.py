@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from balancer.aio.httpproxy import _LANE_SIG
 from balancer.aio.lanes import Spec
@@ -70,6 +70,14 @@ class Stuck(AssertionError):
     """The C thread did not return a lane within the deadline."""
 
 
+def stuck(host: LanesHost | None, given: str) -> NoReturn:
+    """Fail for a thread that stopped coming back; every later example on ``host`` fails the
+    same way (from here, so that hypothesis sees one failure, not a flaky one)."""
+    if host is not None and not host.stuck:
+        host.stuck = given
+    raise Stuck(f"the C thread did not come back within {WAIT_S} s, given {given}")
+
+
 def leak(obj: object) -> None:
     """Keep ``obj`` alive past the interpreter's exit: its dealloc would join a stuck thread."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
@@ -82,7 +90,7 @@ class LanesHost:
         self.module = module
         self.c = module.Lanes((0.1, 1.0))
         self.returned: set[int] = set()
-        self.stuck = False
+        self.stuck = ""  # what the thread was given when it stopped coming back
 
     def poll(self, timeout: float) -> None:
         select.select([self.c.fileno()], [], [], timeout)
@@ -107,6 +115,8 @@ class LaneRig:
     """A lane between a test client (``client``) and a test worker (``worker``)."""
 
     def __init__(self, host: LanesHost, carry: bytes = b"", **kw: Any) -> None:
+        if host.stuck:  # the thread is lost: every later example would fail for that alone
+            stuck(None, host.stuck)
         self.host = host
         self.client, self._cours = socket.socketpair()
         self._wours, self.worker = socket.socketpair()
@@ -121,8 +131,7 @@ class LaneRig:
         deadline = time.monotonic() + WAIT_S
         while not self.returned():
             if time.monotonic() > deadline:
-                self.host.stuck = True
-                raise Stuck(f"the lane did not come back within {WAIT_S} s ({what})")
+                stuck(self.host, what)
             self.host.poll(0.05)
         carry, reason, _, _, exchanges, _ = self.host.c.remove(self.handle)
         self.back = Back(bytes(carry), reason, exchanges)
