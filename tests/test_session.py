@@ -121,6 +121,7 @@ class FakeHost:
         self.finished: list[Session] = []
         self.lost: list[Session] = []  # sessions held for failover (Rule 6)
         self.away: list[tuple[Session, bool]] = []  # detached (Rule 8), or back
+        self.tokens: dict[Session, str | None] = {}
 
     def session_started(self, s: Session) -> None:
         self.live.append(s)
@@ -140,6 +141,9 @@ class FakeHost:
 
     def handed_off(self, s: Session) -> None:
         self.live.remove(s)
+
+    def token_bound(self, s: Session, old: str | None) -> None:
+        self.tokens[s] = s.resume_token  # the host's token index, as ServerState keeps it
 
 
 REQ = ClientRequest("/ws", "/ws", "", [], b"k", [], "h")
