@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -252,7 +253,9 @@ async def never_read(lb: Wslb, app_port: int, sid: str, first: bool = False) -> 
         assert ended is not None, f"the worker still writes {STALL_S + 15:.0f}s on: {lb.log_tail()}"
         return ended - t0
     finally:
-        w.transport.abort()
+        w.transport.abort()  # and its socket closed before the test's loop is (else a
+        with contextlib.suppress(ConnectionError):  # ResourceWarning in a later test's gc)
+            await w.wait_closed()
 
 
 async def wait_for_line(lb: Wslb, text: str) -> None:
@@ -319,7 +322,9 @@ async def trickle(port: int, first: bytes = b"") -> float:
             return time.monotonic() - t0
         raise AssertionError("the trickled head was never cut")
     finally:
-        w.transport.abort()
+        w.transport.abort()  # and its socket closed before the test's loop is (else a
+        with contextlib.suppress(ConnectionError):  # ResourceWarning in a later test's gc)
+            await w.wait_closed()
 
 
 async def test_the_admin_listener_drops_a_head_trickled_a_byte_a_second(stack: Stack) -> None:
