@@ -29,7 +29,7 @@ from balancer.auth import key_owner, scoped_key
 from balancer.config import BackendCfg, PoolCfg
 from balancer.pool import Pool
 from tests.procs import Wslb, free_port, spawn, stop, wait_port
-from tests.test_http_proxy import App, Stack, metric
+from tests.test_http_proxy import App, Stack, metric, serve
 
 ATTACKER = "127.0.0.1"
 VICTIM = "127.0.0.2"  # loopback answers the whole 127/8: a second client address
@@ -118,29 +118,21 @@ def test_zero_means_no_bound_and_jwt_owners_are_counted_apart() -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("anon")
-    apps = [App(tmp), App(tmp)]
-    cfg: dict[str, Any] = {
-        "pools": [
-            {
-                "name": "p",
-                "backends": [{"id": f"a{i}", "url": a.url} for i, a in enumerate(apps)],
-                "affinity_hold": "10m",  # nothing expires during the test
-                "drain": {"migrate": False},
-            }
-        ],
-        "timeouts": {"backpressure": "2s", "handshake": "2s", "shutdown_grace": "0.5s"},
-    }
-    lb = Wslb(cfg, tmp)
-    try:
-        lb.start(wait_ready=False)
-        lb.wait_ready(until=lambda bs: all(b["state"] == "active" for b in bs))
-        yield Stack(lb, apps)
-    finally:
-        if lb.proc is not None:
-            lb.stop()
-        for a in apps:
-            a.stop()
+    def config_of(apps: list[App]) -> dict[str, Any]:
+        return {
+            "pools": [
+                {
+                    "name": "p",
+                    "backends": [{"id": f"a{i}", "url": a.url} for i, a in enumerate(apps)],
+                    "affinity_hold": "10m",  # nothing expires during the test
+                    "drain": {"migrate": False},
+                }
+            ],
+            "timeouts": {"backpressure": "2s", "handshake": "2s", "shutdown_grace": "0.5s"},
+        }
+
+    with serve(tmp_path_factory.mktemp("anon"), config_of) as st:
+        yield st
 
 
 async def counted_held(lb: Wslb) -> int:

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,11 +110,13 @@ def config(apps: list[App], **http: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def serve(tmp: Path) -> Iterator[Stack]:
-    """Two uvicorn apps and a wslb with ``config`` in front, every backend active; all stopped
-    at the end."""
+def serve(
+    tmp: Path, config_of: Callable[[list[App]], dict[str, Any]] | None = None
+) -> Iterator[Stack]:
+    """Two uvicorn apps and a wslb with ``config`` (or ``config_of`` the apps) in front, every
+    backend active; all stopped at the end."""
     apps = [App(tmp), App(tmp)]
-    lb = Wslb(config(apps), tmp)
+    lb = Wslb((config_of or config)(apps), tmp)
     try:
         lb.start(wait_ready=False)
         lb.wait_ready(until=lambda bs: all(b["state"] == "active" for b in bs))
