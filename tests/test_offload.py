@@ -225,11 +225,16 @@ def run_until_returned(
         returned = any(h == p.handle for h, _ in relay.events())
         if not returned and len(got) == len(data) == first_other and not eof:
             break  # all fast, no end: nothing will return it
-    writer.join()
     carry, backlog, record, frames, nbytes, reason, _ = relay.remove(p.handle)
     got += read_available(p.cpeer)
-    rest = read_available(p.wours, until_eof=eof, timeout=1.0)
-    return Run(bytes(got) + backlog, carry, rest, record, frames, nbytes, reason, returned)
+    # What the worker still writes is read here while it does: a session given back early (a
+    # chunked body whose client stopped taking it) leaves more than a socket buffer unread.
+    rest = bytearray()
+    while writer.is_alive():
+        rest += read_available(p.wours, timeout=0.05)
+    writer.join()
+    rest += read_available(p.wours, until_eof=eof, timeout=1.0)
+    return Run(bytes(got) + backlog, carry, bytes(rest), record, frames, nbytes, reason, returned)
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -328,14 +333,24 @@ def test_chunked_stops_at_the_first_chunk_it_must_not_take(relay: Any, seed: int
         forwarded, carry, rest, record = run.forwarded, run.carry, run.rest, run.record
         frames, nbytes = run.frames, run.nbytes
         assert forwarded + carry + rest == data and record == b""
-        assert len(forwarded) == first_other and nbytes == len(python_chunks(forwarded)[0])
-        assert frames == count_chunks(forwarded)
+        assert nbytes == len(python_chunks(forwarded)[0]) and frames == count_chunks(forwarded)
+        # The client stopped taking the body (its socket buffer full: a loaded machine's reader
+        # here lags): given back at a chunk boundary before the one it must not take (or before
+        # the EOF), and the event loop keeps the clock.
+        client_full = (
+            run.returned
+            and run.reason == C().FRAME
+            and (len(forwarded) < first_other or first_other == len(data))
+        )
+        if not client_full:
+            assert len(forwarded) == first_other
         # Python's reader, from the chunk boundary on, ends as it would have on the whole body.
         head, _ = python_chunks(forwarded)
         tail_data, tail_end = python_chunks(carry + rest)
         all_data, all_end = python_chunks(data)
         assert head + tail_data == all_data and tail_end == all_end
-        run.check_returned(first_other < len(data), eof)
+        if not client_full:
+            run.check_returned(first_other < len(data), eof)
     finally:
         p.close()
 
