@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -73,7 +74,11 @@ async def test_serving_processes_and_spawned_workers_ignore_the_cwd(tmp_path: Pa
     try:
         wait_port(admin, timeout=30, proc=proc)
         wait_port(worker, timeout=30, proc=proc)
-        token = admintoken.read(admin, env)
+        # The admin port accepts (its socket listens) a moment before the generated token's
+        # file is written: wait for the file, bounded.
+        deadline = time.monotonic() + 30
+        while (token := admintoken.read(admin, env)) is None and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
         assert token
         for i in range(20):  # both serving processes take sessions
             async with connect(f"ws://127.0.0.1:{port}/ws?session=c{i}") as ws:
