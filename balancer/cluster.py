@@ -24,6 +24,26 @@ path (sessions, scraped signals, health) stays local to each instance. Keys (val
 ``P drain/{id}/{instance}``
     ``{"state": draining|drained, "left", "migrated"}`` under the instance's lease: each
     instance's drain progress; a dead instance's reports vanish with its lease.
+``P placements/{pool}/{digest}``
+    ``{"backend", "first", "at"}``: where a session key was last placed (the affinity table,
+    shared by the tier; ``digest`` is a hash of the key, which never leaves the instance), the
+    key's first ready backend on the ring then, and when (Unix time). Written in batches off
+    the hot path on a lease of the affinity window's length, not the instance's (a key's place
+    outlives the instance that placed it, and expires by itself when every instance is gone).
+
+Placements (:class:`Placements`): every instance applies the prefix's placements from its full
+read and watch into a bounded table and reads it locally, so a key's reconnect through any
+instance finds the worker holding its conversation without a round trip to etcd. An instance
+writes a placement when it places a key (:meth:`Placements.remember`: to its own table at once,
+to etcd with the next batch) and refreshes it when the key's session ends, at most once per
+``REFRESH_S`` per key; a returning key whose placement is unchanged writes nothing. While a write
+waits, the instance keeps its own value over what the watch says of that key. Two instances that
+place the same *new* key within the watch's latency both write it: the last write wins, and
+every instance follows it. Writes wait in a bounded queue while etcd is away; past
+``QUEUE_MAX`` the oldest are dropped (and counted): those keys are then placed again by the
+ring when they return. A full read merges into the table rather than replacing it: an entry
+etcd lost (a restore from empty) is kept until it ages out, and one that expired there has aged
+out here too.
 
 :class:`Snapshot` is the instance's copy of the prefix (a full read, then watch events applied in
 order). :func:`plan` compares what it says with the local pools and returns the actions that
@@ -35,13 +55,17 @@ is harmless (idempotent). The ``_op``/``compare_*`` helpers build etcd v3 JSON-g
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
-from collections.abc import Iterable, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from balancer.backend import AdminState
 from balancer.config import BackendCfg, Config, ConfigError, parse_backend
+from balancer.pool import AFFINITY_TTL
 
 __all__ = [
     "ACTIVE",
@@ -51,6 +75,8 @@ __all__ = [
     "BackendRecord",
     "DrainReport",
     "Local",
+    "Placement",
+    "Placements",
     "Remove",
     "SetState",
     "Snapshot",
@@ -81,6 +107,11 @@ BACKENDS = "backends/"
 STATE = "state/"
 INSTANCES = "instances/"
 DRAIN = "drain/"
+PLACEMENTS = "placements/"
+
+REFRESH_S = AFFINITY_TTL / 10  # a placement is written again when older than this
+QUEUE_MAX = 10_000  # placements waiting for etcd; past it the oldest are dropped
+TABLE_MAX = 100_000  # placements kept per pool (the local affinity table's size)
 
 
 def normalize_prefix(prefix: str) -> str:
@@ -199,6 +230,182 @@ class DrainReport:
         return cls(str(data["state"]), int(data.get("left", 0)), int(data.get("migrated", 0)))
 
 
+def digest(key: str) -> str:
+    """A session key's name in etcd: a stable hash (keys are the clients', never shared)."""
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """``P placements/{pool}/{digest}``: where a key was last placed."""
+
+    backend: str
+    first: str | None  # the key's first ready backend on the ring then
+    at: float  # Unix time of the placement (or its last refresh)
+
+    def encode(self) -> str:
+        return json.dumps({"backend": self.backend, "first": self.first, "at": self.at})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Placement:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or not isinstance(data.get("backend"), str):
+            raise ValueError("backend missing")
+        first = data.get("first")
+        if first is not None and not isinstance(first, str):
+            raise ValueError("first must be a backend id or null")
+        return cls(data["backend"], first, float(data.get("at", 0.0)))
+
+
+class Placements:
+    """The tier's affinity table as one instance knows it, and its writes to etcd (module
+    docstring). ``clock`` is Unix time: the table is shared between machines."""
+
+    def __init__(
+        self,
+        *,
+        size: int = TABLE_MAX,
+        queue: int = QUEUE_MAX,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.size = size
+        self.queue_max = queue
+        self.clock = clock
+        self._tables: dict[str, OrderedDict[str, Placement]] = {}  # pool -> digest -> placement
+        self._queue: OrderedDict[str, Placement] = OrderedDict()  # relative key -> to write
+        self.written = 0  # placements written to etcd
+        self.dropped = 0  # placements dropped from a full queue (etcd away too long)
+        # Called when the queue stops being empty (the shell's writer wakes up).
+        self.on_queued: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    # -- what the watch says ---------------------------------------------------------------
+
+    @staticmethod
+    def _split(rel: str) -> tuple[str, str] | None:
+        pool, sep, dig = rel[len(PLACEMENTS) :].rpartition("/")
+        return (pool, dig) if sep and pool and dig else None
+
+    def put(self, rel: str, raw: bytes) -> None:
+        """A placement read or watched (``rel``: its key under the prefix)."""
+        where = self._split(rel)
+        if where is None or rel in self._queue:  # our own write is due: it supersedes this
+            return
+        try:
+            p = Placement.decode(raw)
+        except ValueError:
+            return  # not ours to judge: the key is placed by the ring, as if unknown
+        self._set(where[0], where[1], p)
+
+    def delete(self, rel: str) -> None:
+        """A placement gone from etcd (its lease expired)."""
+        where = self._split(rel)
+        if where is None or rel in self._queue:
+            return
+        table = self._tables.get(where[0])
+        if table is not None:
+            table.pop(where[1], None)
+
+    def _set(self, pool: str, dig: str, p: Placement) -> None:
+        table = self._tables.get(pool)
+        if table is None:
+            table = self._tables[pool] = OrderedDict()
+        table[dig] = p
+        table.move_to_end(dig)
+        while len(table) > self.size:
+            table.popitem(last=False)
+
+    # -- the pool's side (``balancer.pool.SharedPlacements``, through ``view``) ------------
+
+    def recall(self, pool: str, key: str, ttl: float) -> Placement | None:
+        table = self._tables.get(pool)
+        p = table.get(digest(key)) if table is not None else None
+        if p is None or self.clock() - p.at > ttl:
+            return None
+        return p
+
+    def remember(self, pool: str, key: str, backend: str, first: str | None) -> None:
+        """The key is placed on ``backend``: known here now, written to etcd unless etcd has
+        it already (same placement, younger than ``REFRESH_S``)."""
+        dig = digest(key)
+        now = self.clock()
+        table = self._tables.get(pool)
+        cur = table.get(dig) if table is not None else None
+        same = cur is not None and (cur.backend, cur.first) == (backend, first)
+        if same and cur is not None and now - cur.at < REFRESH_S:
+            return
+        p = Placement(backend, first, now)
+        self._set(pool, dig, p)
+        self._write(f"{PLACEMENTS}{pool}/{dig}", p)
+
+    def touch(self, pool: str, key: str, backend: str) -> bool:
+        """The key's session on ``backend`` ended: refresh its placement if it is still there
+        and due. False when the table does not know the key (the caller remembers it)."""
+        table = self._tables.get(pool)
+        cur = table.get(digest(key)) if table is not None else None
+        if cur is None:
+            return False
+        if cur.backend == backend:
+            self.remember(pool, key, backend, cur.first)
+        return True
+
+    def view(self, pool: str) -> PoolPlacements:
+        return PoolPlacements(self, pool)
+
+    # -- writes (the shell sends them) -----------------------------------------------------
+
+    def _write(self, rel: str, p: Placement) -> None:
+        was_empty = not self._queue
+        self._queue[rel] = p
+        self._queue.move_to_end(rel)
+        while len(self._queue) > self.queue_max:
+            self._queue.popitem(last=False)
+            self.dropped += 1
+        if was_empty and self.on_queued is not None:
+            self.on_queued()
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def take(self, n: int) -> list[tuple[str, Placement]]:
+        """Up to ``n`` writes, oldest first (until ``done`` or ``failed`` they stay ours)."""
+        out = []
+        for rel, p in self._queue.items():
+            out.append((rel, p))
+            if len(out) >= n:
+                break
+        return out
+
+    def done(self, batch: Iterable[tuple[str, Placement]]) -> None:
+        """The batch is in etcd: its echoes may apply (unless a newer write is queued)."""
+        for rel, p in batch:
+            if self._queue.get(rel) is p:
+                del self._queue[rel]
+                self.written += 1
+
+
+class PoolPlacements:
+    """One pool's view of :class:`Placements` (what ``Pool.placements`` calls)."""
+
+    __slots__ = ("pool", "table")
+
+    def __init__(self, table: Placements, pool: str) -> None:
+        self.table = table
+        self.pool = pool
+
+    def remember(self, key: str, backend_id: str, first: str | None) -> None:
+        self.table.remember(self.pool, key, backend_id, first)
+
+    def touch(self, key: str, backend_id: str) -> bool:
+        return self.table.touch(self.pool, key, backend_id)
+
+    def recall(self, key: str, ttl: float) -> tuple[str, str | None, float] | None:
+        p = self.table.recall(self.pool, key, ttl)
+        return None if p is None else (p.backend, p.first, p.at)
+
+
 class Snapshot:
     """The instance's copy of the prefix: a full read, then watch events in revision order."""
 
@@ -207,6 +414,8 @@ class Snapshot:
         self.kv: dict[str, tuple[bytes, int]] = {}  # relative key -> (value, mod_revision)
         self.revision = 0
         self.bad: dict[str, str] = {}  # relative key -> why its value was ignored
+        # ``P placements/``: kept apart from ``kv`` (many keys; the diff never reads them).
+        self.placements = Placements()
         # Decoded backend records by key, valid for one mod_revision: the diff runs often and
         # a record's validation (the config file's rules) is not free.
         self._records: dict[str, tuple[int, BackendRecord | str]] = {}
@@ -216,30 +425,42 @@ class Snapshot:
         return text[len(self.prefix) :] if text.startswith(self.prefix) else None
 
     def reset(self, kvs: Iterable[Mapping[str, Any]], revision: int) -> None:
-        """Replace everything with a full range read (gateway ``kvs`` entries)."""
+        """Replace everything with a full range read (gateway ``kvs`` entries); placements
+        are merged (module docstring)."""
         self.kv.clear()
         for kv in kvs:
             self.put(kv)
         self.revision = revision
 
-    def put(self, kv: Mapping[str, Any]) -> None:
+    def put(self, kv: Mapping[str, Any]) -> bool:
+        """Apply a key's value; True unless it is a placement (the diff has nothing to do)."""
         rel = self._rel(unb64(kv["key"]))
-        if rel is not None:
-            self.kv[rel] = (unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
+        if rel is None:
+            return False
+        value = unb64(kv.get("value", ""))
+        if rel.startswith(PLACEMENTS):
+            self.placements.put(rel, value)
+            return False
+        self.kv[rel] = (value, int(kv.get("mod_revision", 0)))
+        return True
 
-    def delete(self, kv: Mapping[str, Any]) -> None:
+    def delete(self, kv: Mapping[str, Any]) -> bool:
         rel = self._rel(unb64(kv["key"]))
-        if rel is not None:
-            self.kv.pop(rel, None)
+        if rel is None:
+            return False
+        if rel.startswith(PLACEMENTS):
+            self.placements.delete(rel)
+            return False
+        self.kv.pop(rel, None)
+        return True
 
-    def event(self, ev: Mapping[str, Any]) -> None:
-        """One watch event (``type`` absent means PUT: the gateway omits zero values)."""
+    def event(self, ev: Mapping[str, Any]) -> bool:
+        """One watch event (``type`` absent means PUT: the gateway omits zero values); True
+        when it changed what the diff reads."""
         kv = ev.get("kv", {})
-        if ev.get("type") == "DELETE":
-            self.delete(kv)
-        else:
-            self.put(kv)
+        changed = self.delete(kv) if ev.get("type") == "DELETE" else self.put(kv)
         self.revision = max(self.revision, int(kv.get("mod_revision", 0)))
+        return changed
 
     def mod_revision(self, rel: str) -> int:
         """0 when the key does not exist (what a ``create``/``mod`` compare expects)."""

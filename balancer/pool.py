@@ -68,6 +68,12 @@ Under ``workers: N`` each process keeps its own holds and publishes its live ses
 held places on the board, so every process's bounds count them (``remote_sessions``); a key that
 returns through another process than the one holding its place is counted twice until that hold
 expires, which errs on the side of a tighter bound. The per-client bound is per process too.
+
+In cluster mode (``placements``) the affinity table is the tier's, shared through etcd
+(``balancer.cluster.Placements``): each instance writes its placements there and reads
+everyone's from its own copy, and a returning key found there goes home whatever this
+instance's load view (``selection.consistent``'s ``sticky``), so every instance sends it to
+the same worker. Holds, pending placements and conversations stay per instance.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ __all__ = [
     "Pool",
     "Relayed",
     "SharedLoad",
+    "SharedPlacements",
     "Upstream",
 ]
 
@@ -146,6 +153,22 @@ class Conversation:
     turns: int = 0
     context: float = 0.0  # estimated tokens
     on: Backend | None = None  # where it is counted: its live session's or held place's backend
+
+
+class SharedPlacements(Protocol):
+    """The affinity table of a cluster's instances (``balancer.cluster.Placements``)."""
+
+    def remember(self, key: str, backend_id: str, first: str | None) -> None:
+        """Record a key's placement for every instance."""
+        ...
+
+    def touch(self, key: str, backend_id: str) -> bool:
+        """Refresh the key's placement if still on ``backend_id``; False if it is unknown."""
+        ...
+
+    def recall(self, key: str, ttl: float) -> tuple[str, str | None, float] | None:
+        """The key's placement (backend, first ready backend then, time) if younger than ttl."""
+        ...
 
 
 class SharedLoad(Protocol):
@@ -235,6 +258,8 @@ class Pool:
         self._random = random.Random(seed)
         # Session counts shared with the other processes of ``workers: N`` (None: alone).
         self.shared: SharedLoad | None = None
+        # The affinity table the instances of a cluster share (None: not in cluster mode).
+        self.placements: SharedPlacements | None = None
         self._listeners: list[PoolListener] = []
         self._readmit_at = math.inf  # the earliest end of an ejection (``readmit``)
         for bc in cfg.backends:
@@ -446,6 +471,7 @@ class Pool:
                 remembered=remembered[:2] if remembered is not None else None,
                 context=conv.context if conv is not None and conv.context > 0 else None,
                 size=self._new_size(),
+                sticky=self.placements is not None,
             )
             for b, why in choice.passed:
                 b.refused[why] = b.refused.get(why, 0) + 1
@@ -486,18 +512,24 @@ class Pool:
         backend.consecutive_failures = 0
         self._publish(backend)
         aff = self._affinity
-        first = next(
-            (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
-        )
+        first = self._first_ready(key)
         aff[key] = (backend.id, first, now)
         if self.shared is not None:
             self.shared.remember(key, backend.id, first)
+        if self.placements is not None:
+            self.placements.remember(key, backend.id, first)
         aff.move_to_end(key)
         conv = self._convs.get(key)
         if conv is None:
             conv = self._convs[key] = Conversation()
         self._count(conv, backend)
         self._prune(now)
+
+    def _first_ready(self, key: str) -> str | None:
+        """The key's first ready backend on the ring (recorded with its placement)."""
+        return next(
+            (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
+        )
 
     def attach_request(self, backend: Backend) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
@@ -642,6 +674,9 @@ class Pool:
                 self._affinity.move_to_end(key)
             if self.shared is not None:
                 self.shared.touch(key, backend.id)
+            if self.placements is not None and not self.placements.touch(key, backend.id):
+                # Forgotten meanwhile (a session longer than the window): placed here still.
+                self.placements.remember(key, backend.id, self._first_ready(key))
             conv = self._convs.get(key)
             if conv is not None and relayed is not None:
                 self._relayed(conv, relayed)
@@ -698,8 +733,11 @@ class Pool:
             self.shared.publish(backend.id, backend.sessions + backend.held)
 
     def _remembered(self, key: str) -> tuple[str, str | None, float] | None:
-        """The key's last placement: from the board under ``workers: N`` (the process that
-        accepts a key's reconnect need not be the one that placed it), else this process's."""
+        """The key's last placement: from the cluster's shared table, or the board under
+        ``workers: N`` (the instance or process that accepts a key's reconnect need not be the
+        one that placed it), else this process's."""
+        if self.placements is not None:
+            return self.placements.recall(key, AFFINITY_TTL)
         if self.shared is not None:
             return self.shared.recall(key, AFFINITY_TTL)
         return self._affinity.get(key)

@@ -49,6 +49,12 @@ on ``balance``. Nothing here imports the pool.
 - A hard ceiling stays: a returning key leaves a home that would go above ``affinity_ceiling``
   x its weighted share (the same bound with the ceiling in place of ``c``), e.g. when the pool
   empties around the conversations one worker holds; it then walks its ring as a new key does.
+- *Sticky homes* (``sticky``: cluster mode, where the affinity table is the tier's): a returning
+  key goes home, with neither the ceiling nor the cost rule. Both read a load view that is each
+  instance's own (its sessions and holds now, the others' as of its last scrape), so applying
+  them would send one key to different workers from different instances; the key's worker is
+  a fact every instance shares instead. Only new keys, and keys whose home is not ready or
+  whose first ready backend changed, are placed by the bounded-load rules.
 
 A key holding a place on a ready backend is already counted there: placing it anywhere adds
 nothing to the total, and taking its own place back adds nothing there.
@@ -174,6 +180,7 @@ def consistent(
     *,
     context: float | None = None,
     size: float = 0.0,
+    sticky: bool = False,
 ) -> Choice:
     """Bounded-load consistent hashing over ``ready`` (not empty), placing for the whole
     conversation and moving a returning key only when it pays (module docstring).
@@ -181,7 +188,8 @@ def consistent(
     ``walk`` is the key's ring walk (backend ids, nearest first). ``held_on`` is the backend the
     key holds a place on, if any; ``remembered`` its last placement: (backend placed on, the
     key's first ready backend then). ``context``: the key's estimated context tokens (None:
-    unknown); ``size``: the tokens a new conversation is expected to grow into.
+    unknown); ``size``: the tokens a new conversation is expected to grow into; ``sticky``: a
+    returning key stays home whatever the loads (module docstring).
     """
     by_id = {b.id: b for b in ready}
     holder = held_on if held_on is not None and by_id.get(held_on.id) is held_on else None
@@ -201,6 +209,8 @@ def consistent(
     else:
         home = holder
     left: tuple[Backend, str] | None = None
+    if home is not None and sticky:
+        return Choice(home)
     if home is not None:
         if not fits(home, max(rules.factor, rules.ceiling)):
             left = (home, "ceiling")

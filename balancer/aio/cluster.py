@@ -25,6 +25,12 @@ The key layout and the diff are in :mod:`balancer.cluster`. Here:
   ``wslb_worker_active_sessions``) minus the sessions this instance holds there at that moment.
   Bounds and least_conn then see every instance's load, as of the last scrape. A stale scrape
   counts no remote sessions.
+- **Placements** (the shared affinity table, ``balancer.cluster.Placements``): every pool reads
+  the instance's copy (``Pool.placements``); a writer task sends the queued placements to etcd
+  as transactions of puts (at most ``TXN_OPS`` each, the first at once, the next ``BATCH_S``
+  later), on a lease granted every ``PLACEMENT_LEASE_EVERY`` with a TTL of the affinity window
+  plus that, so a placement outlives its writer by the window and no longer. A failed write
+  stays queued and is tried again; nothing on the hot path waits for it.
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ from balancer.cluster import (
     seed_txn,
 )
 from balancer.config import BackendCfg, ClusterCfg
-from balancer.pool import Backend, Pool
+from balancer.pool import AFFINITY_TTL, Backend, Pool
 
 __all__ = ["Cluster", "ClusterControl", "Etcd", "EtcdError"]
 
@@ -91,6 +97,10 @@ BACKOFF_MIN, BACKOFF_MAX = 0.1, 2.0
 TICK = 0.2  # drain reports, the periodic diff, remote session counts
 WRITE_WAIT = 1.0  # an admin write waits this long for its own instance to apply it
 STARTUP_WAIT = 3.0  # start() waits this long for the first sync before routing on the file
+BATCH_S = 0.05  # placements: the least time between two write transactions
+TXN_OPS = 128  # placements per transaction (etcd's default --max-txn-ops)
+PLACEMENT_LEASE_EVERY = 60.0  # a fresh placements lease this often...
+PLACEMENT_LEASE_TTL = int(AFFINITY_TTL + 2 * PLACEMENT_LEASE_EVERY)  # ...lasting the window+
 
 
 class EtcdError(Exception):
@@ -220,6 +230,7 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
         self._etcd: Etcd | None = None
+        self._share_placements()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -234,6 +245,7 @@ class Cluster:
             ("sync", self._run()),
             ("lease", self._keepalive()),
             ("tick", self._tick()),
+            ("placements", self._write_placements()),
         ):
             self._tasks.append(loop.create_task(coro, name=f"cluster-{name}"))
         try:
@@ -300,9 +312,10 @@ class Cluster:
                 self.ever_synced = True
                 self._first.set()
                 log.info("in sync with etcd at revision %d", self.snap.revision)
+            changed = False
             for ev in events:
-                self.snap.event(ev)
-            if events:
+                changed = self.snap.event(ev) or changed
+            if changed:  # placements alone change nothing the diff reads
                 self.apply()
 
     async def _run(self) -> None:
@@ -441,6 +454,49 @@ class Cluster:
             if b.admin_state != ACTIVE:
                 log.info("backend %s: undrained by %s (etcd)", bid, state.by)
                 self.local.spawn(drainer.undrain(b))
+
+    # -- placements (module docstring) -----------------------------------------------------
+
+    def _share_placements(self) -> None:
+        """Every pool reads and writes the tier's affinity table."""
+        self.placements = self.snap.placements
+        self._placements_due = asyncio.Event()
+        self.placements.on_queued = self._placements_due.set
+        self._placement_lease = 0
+        self._placement_lease_at = 0.0
+        for pool in self.state.pools:
+            pool.placements = self.placements.view(pool.name)
+
+    async def _write_placements(self) -> None:
+        table = self.placements
+        loop = self.state.loop
+        delay = BACKOFF_MIN
+        while True:
+            await self._placements_due.wait()
+            self._placements_due.clear()
+            while table.queued():
+                try:
+                    if not self._placement_lease or (
+                        loop.time() - self._placement_lease_at > PLACEMENT_LEASE_EVERY
+                    ):
+                        self._placement_lease = await self.etcd.grant(PLACEMENT_LEASE_TTL)
+                        self._placement_lease_at = loop.time()
+                    batch = table.take(TXN_OPS)
+                    ops = [
+                        put_op(self.prefix + rel, p.encode(), self._placement_lease)
+                        for rel, p in batch
+                    ]
+                    await self.etcd.txn({"compare": [], "success": ops, "failure": []})
+                    table.done(batch)
+                    delay = BACKOFF_MIN
+                except EtcdError as exc:
+                    if "lease not found" in str(exc):
+                        self._placement_lease = 0  # etcd lost it (restored empty)
+                    log.debug("placements: %s", exc)  # the keepalive reports outages
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, BACKOFF_MAX)
+                    continue
+                await asyncio.sleep(BATCH_S)
 
     # -- periodic work ---------------------------------------------------------------------
 
@@ -639,6 +695,23 @@ class _Collector(Collector):
         )
         resync.add_metric([], c.resyncs)
         yield resync
+        table = c.placements
+        known = GaugeMetricFamily(
+            "wslb_cluster_placements", "Key placements this instance knows (the shared table)"
+        )
+        known.add_metric([], len(table))
+        yield known
+        writes = CounterMetricFamily(
+            "wslb_cluster_placement_writes", "Key placements this instance wrote to etcd"
+        )
+        writes.add_metric([], table.written)
+        yield writes
+        dropped = CounterMetricFamily(
+            "wslb_cluster_placement_writes_dropped",
+            "Key placements never written: the queue was full while etcd was away",
+        )
+        dropped.add_metric([], table.dropped)
+        yield dropped
 
 
 class ClusterControl:
