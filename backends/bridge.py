@@ -29,6 +29,11 @@ Routes, on one port (as ``backends.worker``):
 - ``POST /wslb/sessions/{sid}/freeze`` and ``/thaw``: the handoff API; a WebSocket upgrade with
   ``X-WSLB-Resume: SID`` continues a thawed session (no ``hello``). 404 with ``--no-handoff``.
   Who may call them (and the upgrades) is the reference worker's rule (``backends.auth``).
+- Parking (``backends.park``; docs/protocol.md section 4a), as the reference worker: an
+  upgrade with ``X-WSLB-Park`` whose leg is lost without a close frame keeps streaming into a
+  bounded window (a full window pauses the engine's stream over TCP) until an
+  ``X-WSLB-Reattach`` upgrade continues it, or its grace ends. A connection dropped for a lost
+  engine is never parked.
 - The engine's API key: ``--engine-api-key-file PATH`` or ``$WSLB_ENGINE_API_KEY``; the old
   ``--engine-api-key KEY`` is refused (exit 2), since ``ps`` shows a command line to everyone.
 
@@ -148,6 +153,8 @@ from backends.server import (
     handoffs_metric,
     inter_token_latency_metric,
     json_error,
+    parked_sessions_metric,
+    reattaches_metric,
     run_process,
     serve_until_signal,
     subprotocols,
@@ -212,6 +219,8 @@ METRIC_NAMES = (
     "wslb_worker_engine_up",
     "wslb_worker_connections_total",
     "wslb_worker_handoffs_total",
+    "wslb_worker_parked_sessions",
+    "wslb_worker_reattaches_total",
     "wslb_worker_engine_errors_total",
     "wslb_worker_inter_token_latency_seconds_sum",  # a histogram: also _count and _bucket
     "wslb_worker_inter_token_latency_seconds_count",
@@ -1079,6 +1088,8 @@ class _BridgeCollector(Collector):
         )
         yield connections_metric(b)
         yield handoffs_metric(b)
+        yield parked_sessions_metric(b)
+        yield reattaches_metric(b)
         yield CounterMetricFamily(
             "wslb_worker_engine_errors", "Answers the engine failed", value=b.engine_errors
         )

@@ -27,6 +27,13 @@ A connection's states; every subclass keeps these rules:
   closed with 1012.
 - Dropped (the bridge only, an engine lost mid-answer): nothing more is sent; the transport is
   aborted, so wslb takes it for a crashed worker.
+- Parked (``backends.park``, only with wslb's ``X-WSLB-Park``): the leg ended without a close
+  frame from wslb and none of the above happened; the answer goes on into the connection's
+  window (a full window pauses it), the grace timer runs, and an ``X-WSLB-Reattach`` upgrade
+  moves the same ``Connection`` to its new WebSocket (``ws`` and ``transport`` replaced, the
+  counts restarted for the new leg), written the window from the client's count first. A
+  handler whose ``ws`` is no longer its connection's leaves the connection be. A freeze never
+  takes a connection off its leg (409).
 - ``attached`` turns False with a freeze or a retirement and never back: the server no longer
   counts the connection for its session, so closing it cannot touch a session that lives on
   elsewhere. An attached connection that closes is ``abandon``-ed (its session stays for a
@@ -65,6 +72,7 @@ from backends.auth import ENV as WORKER_TOKEN_ENV
 from backends.auth import HEADER as WORKER_TOKEN_HEADER
 from backends.auth import WorkerAuth
 from backends.handoff import ProtocolError, StateError
+from backends.park import Park, ParkError, ParkParams, ParkState, parse_count, parse_park
 from backends.protocol.openai_http import SSE_DONE, SSE_HEADERS, ApiError, read_json, sse
 from backends.protocol.realtime import Cancel, RealtimeSession, Respond, Send
 from backends.protocol.responses import Respond as ResponsesRespond
@@ -75,8 +83,12 @@ from backends.wire import (
     MAX_SESSION_ID_LEN,
     MAX_STATE_BYTES,
     METRICS_CONTENT_TYPE,
+    PARK_HEADER,
     READY_PREFIX,
+    REATTACH_FROM_HEADER,
+    REATTACH_HEADER,
     RESUME_HEADER,
+    RESUMED_HEADER,
     Histogram,
     Outbox,
 )
@@ -106,11 +118,16 @@ __all__ = [
     "handoffs_metric",
     "inter_token_latency_metric",
     "json_error",
+    "parked_sessions_metric",
+    "reattaches_metric",
     "run_process",
     "serve_until_signal",
     "subprotocols",
     "worker_auth_from_args",
 ]
+
+REATTACH_RESULTS = ("resumed", "unknown", "expired", "count_ahead", "taken_over")
+"""``wslb_worker_reattaches_total``'s results."""
 
 Event: TypeAlias = dict[str, Any]
 """A Realtime client event, as a thaw's transcript carries it."""
@@ -232,6 +249,18 @@ class Connection(abc.ABC, Generic[Q]):
         self.frozen = False
         self.attached = True
         self.dropped = False
+        self.closed_here = False
+        """The worker closed this WebSocket itself (an ending, never a park)."""
+        self.park: Park | None = None
+        """The park parameters and the window (``backends.park``), when wslb sent them."""
+        self.transport: asyncio.Transport | None = None
+        """The current leg's TCP transport (aborted by a takeover, or the bridge's ``drop``)."""
+        self._room = asyncio.Event()
+        self.waiting = False
+        """A parked ``send`` waits for room (what it sends is not counted yet)."""
+        self.grace_timer: asyncio.TimerHandle | None = None
+        """While parked: ends the session when the grace is over."""
+        """Set when a parked ``send`` may look again (a leg is back, or the park ended)."""
 
     async def send(self, obj: dict[str, Any]) -> None:
         # Counted before the write, which aiohttp does synchronously (no compression) before
@@ -240,8 +269,31 @@ class Connection(abc.ABC, Generic[Q]):
             raise ConnectionResetError("session frozen")
         if self.dropped:
             raise ConnectionResetError("connection dropped")
+        park = self.park
+        if park is None:
+            self.sent += 1
+            await self.ws.send_str(dumps(obj))
+            return
+        while park.must_wait():  # no leg and the window full: the answer pauses, never drops
+            self._room.clear()
+            self.waiting = True  # a token may be made and not sent: no freeze meanwhile
+            try:
+                await self._room.wait()
+            finally:
+                self.waiting = False
+            if self.frozen or self.dropped or park.state is ParkState.ENDED:
+                raise ConnectionResetError("session ended")
+        text = dumps(obj)
         self.sent += 1
-        await self.ws.send_str(dumps(obj))
+        park.record(text)
+        if park.attached:
+            # A lost leg is no error here: the text is in the window, and the reader parks.
+            with contextlib.suppress(ConnectionError):
+                await self.ws.send_str(text)
+
+    def wake(self) -> None:
+        """A parked ``send`` may look again: a leg is back, or the park ended."""
+        self._room.set()
 
     async def error(self, message: str) -> None:
         with contextlib.suppress(ConnectionError):
@@ -325,6 +377,7 @@ class Connection(abc.ABC, Generic[Q]):
     def retire(self) -> None:
         """Another connection of the session was frozen: stop this one and close it (1012)."""
         self.halt()
+        self.closed_here = True
         task = asyncio.create_task(self.ws.close(code=1012, message=b"session moved"))
         self.owner.background(task)
 
@@ -340,6 +393,7 @@ class Connection(abc.ABC, Generic[Q]):
         except Exception:
             # A bug must not leave a connection that silently never answers again.
             self.owner.logger.exception("answer failed on session %s", self.sid)
+            self.closed_here = True
             with contextlib.suppress(Exception):
                 await self.ws.close(code=1011, message=b"internal error")
 
@@ -497,6 +551,10 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         self.requests = 0
         """OpenAI HTTP requests in flight: a drain waits for them as for the WebSockets."""
         self.handoffs = {"freeze": 0, "thaw": 0}
+        # Parking (``backends.park``): per session, its parked connection; reattaches by result.
+        self._parked: dict[str, ConnT] = {}
+        self.reattaches = dict.fromkeys(REATTACH_RESULTS, 0)
+        self._shutting = False
         self.itl = Histogram(ITL_BUCKETS)
         self.draining = False
         self.registry = CollectorRegistry()
@@ -574,9 +632,18 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         """SIGTERM: ``drain`` for ``--drain-grace`` seconds (``hurry``: a second signal)."""
         await self.drain(self.config.drain_grace, hurry)
 
+    @property
+    def parked(self) -> int:
+        """Sessions parked now (their wslb leg lost, waiting for a reattach)."""
+        return len(self._parked)
+
     async def close(self, timeout: float | None = None) -> None:
-        """Stop: health 503, close every WebSocket with 1001, then stop the server."""
+        """Stop: health 503, end the parked sessions, close every WebSocket with 1001, then
+        stop the server."""
         self.draining = True
+        self._shutting = True
+        for conn in list(self._parked.values()):
+            self._end_parked(conn)
         limit = self.config.close_timeout if timeout is None else timeout
         if self.connections:
             await asyncio.gather(
@@ -743,10 +810,12 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
             return refused
         sid = request.match_info["sid"]
         conns = self._by_session.get(sid, [])
-        live = [c for c in conns if not c.frozen and not c.dropped]
+        live = [c for c in conns if not c.frozen and not c.dropped and _on_leg(c)]
         if not live:
             if any(c.frozen for c in conns):
                 return json_error(409, f"session {sid!r} is already frozen")
+            if any(not _on_leg(c) for c in conns):
+                return json_error(409, f"session {sid!r} is parked or reattaching (try again)")
             return json_error(404, f"no open connection for session {sid!r}")
         conn = live[-1]
         state = conn.freeze()
@@ -816,6 +885,9 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
     # -- WebSocket --------------------------------------------------------------------------
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        reattach = request.headers.get(REATTACH_HEADER)
+        if reattach is not None:
+            return await self._reattach(request, reattach)
         resume = request.headers.get(RESUME_HEADER)
         refused = self._unauthorized(request, handoff=resume is not None)
         if refused is not None:
@@ -834,55 +906,236 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
             sid = named or uuid.uuid4().hex
         if not sid or len(sid) > MAX_SESSION_ID_LEN:
             return json_error(400, "session id empty or too long")
-        ws = web.WebSocketResponse(
-            protocols=self.config.subprotocols,
-            compress=False,
-            timeout=self.config.close_timeout,
-        )
+        params: ParkParams | None = None
+        raw_park = request.headers.get(PARK_HEADER)
+        if raw_park is not None:
+            try:
+                params = parse_park(raw_park)
+            except ParkError as exc:
+                return json_error(400, f"{PARK_HEADER}: {exc}")
+        ws = self._new_ws()
         if not ws.can_prepare(request).ok:
-            return web.json_response(
-                {"error": "expected a WebSocket upgrade"},
-                status=426,
-                headers={"Upgrade": "websocket", "Connection": "Upgrade"},
-            )
+            return _not_an_upgrade()
         claim = self._claim(sid, resume is not None)
         if isinstance(claim, web.Response):
             return claim
         ws.headers["X-Session-Id"] = sid
+        if params is not None:
+            ws.headers[PARK_HEADER] = "ok"
         await ws.prepare(request)
         self.connections_total += 1
         conn = self._new_connection(request, ws, sid, claim)
+        conn.transport = request.transport
+        if params is not None:
+            conn.park = Park(params)
         self.connections.add(conn)
         self._idle.clear()
         self._by_session.setdefault(sid, []).append(conn)
         events = self._attach(conn, claim, resume is not None)
+        conn.answers = asyncio.create_task(conn.answer_loop())
+        opening = conn.greet() if resume is None else conn.on_resume(events)
+        await self._serve(conn, ws, opening)
+        return ws
+
+    def _new_ws(self) -> web.WebSocketResponse:
+        return web.WebSocketResponse(
+            protocols=self.config.subprotocols,
+            compress=False,
+            timeout=self.config.close_timeout,
+        )
+
+    async def _serve(
+        self, conn: ConnT, ws: web.WebSocketResponse, opening: Coroutine[Any, Any, None]
+    ) -> None:
+        """Write ``opening``, then read client messages until the leg ends; then end the
+        connection, or park it (``backends.park``) when the leg was lost without a close
+        frame, or leave it be when a reattach took it to another leg."""
+        lost = False
         try:
-            conn.answers = asyncio.create_task(conn.answer_loop())
-            if resume is None:
-                await conn.greet()
-            else:
-                await conn.on_resume(events)
-            async for msg in ws:
+            await opening
+            while True:
+                msg = await ws.receive()
                 if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                    # CLOSE: wslb's close frame; CLOSING: ours; CLOSED, ERROR: the leg is lost.
+                    lost = msg.type in (WSMsgType.CLOSED, WSMsgType.ERROR)
                     break
-                if conn.frozen:
-                    continue  # the balancer replays it to the session's new worker
+                if conn.frozen or conn.ws is not ws:
+                    continue  # frozen: the balancer replays it to the session's new worker
                 conn.received += 1
                 if msg.type == WSMsgType.TEXT:
                     await conn.on_text(msg.data)
                 else:
                     await conn.on_binary()
         except ConnectionError:
-            pass
+            lost = True
         finally:
-            if conn.answers is not None:
-                conn.answers.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.answers
-            if conn.attached:
-                self._detach(conn)
-            self._forget(conn)
+            if conn.ws is ws:  # else a reattach took the session to another leg
+                if lost and self._may_park(conn):
+                    self._park(conn)
+                else:
+                    await self._end(conn)
+
+    def _may_park(self, conn: ConnT) -> bool:
+        return _parkable(conn) and not self._shutting
+
+    def _park(self, conn: ConnT) -> None:
+        """The leg was lost: keep the session for ``grace`` seconds (``backends.park``)."""
+        park = conn.park
+        assert park is not None
+        park.lost()
+        older = self._parked.get(conn.sid)
+        if older is not None and older is not conn:
+            self._end_parked(older)  # one parked connection per session: the newest
+        self._parked[conn.sid] = conn
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(park.params.grace, self._end_parked, conn)
+        conn.grace_timer = handle
+        self.logger.info(
+            "session %s parked: leg lost after message %d, kept %.3gs for a reattach",
+            conn.sid,
+            park.window.next,
+            park.params.grace,
+        )
+
+    def _end_parked(self, conn: ConnT) -> None:
+        """A parked connection's grace is over (or the worker stops): end it as a client
+        leaving ends it."""
+        if self._parked.get(conn.sid) is conn:
+            del self._parked[conn.sid]
+        if conn.grace_timer is not None:
+            conn.grace_timer.cancel()
+            conn.grace_timer = None
+        if conn.park is not None and conn.park.state is ParkState.ENDED:
+            return
+        self.background(asyncio.create_task(self._end(conn)))
+
+    async def _end(self, conn: ConnT) -> None:
+        """The connection is over: its answer cancelled, the session detached (``abandon``)."""
+        if conn.park is not None:
+            conn.park.end()
+            conn.wake()
+        if conn.answers is not None:
+            conn.answers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await conn.answers
+        if conn.attached:
+            self._detach(conn)
+        self._forget(conn)
+
+    async def _reattach(self, request: web.Request, raw_sid: str) -> web.StreamResponse:
+        """``X-WSLB-Reattach``: continue a parked session on this leg (``backends.park``)."""
+        refused = self._unauthorized(request, handoff=True)
+        if refused is not None:
+            return refused
+        sid = raw_sid.strip()
+        named = request.headers.get("X-Session-Id", "").strip()
+        if named and named != sid:
+            return json_error(400, f"{REATTACH_HEADER} and X-Session-Id name different sessions")
+        if not sid or len(sid) > MAX_SESSION_ID_LEN:
+            return json_error(400, "session id empty or too long")
+        raw_from = request.headers.get(REATTACH_FROM_HEADER)
+        raw_park = request.headers.get(PARK_HEADER)
+        if raw_from is None or raw_park is None:
+            return json_error(
+                400, f"a reattach needs {REATTACH_FROM_HEADER} and {PARK_HEADER} beside it"
+            )
+        try:
+            n = parse_count(raw_from, REATTACH_FROM_HEADER)
+        except ParkError as exc:
+            return json_error(400, str(exc))
+        try:
+            params = parse_park(raw_park)
+        except ParkError as exc:
+            return json_error(400, f"{PARK_HEADER}: {exc}")
+        if params.base != n:
+            return json_error(400, f"{PARK_HEADER} base must equal {REATTACH_FROM_HEADER}")
+        ws = self._new_ws()
+        if not ws.can_prepare(request).ok:
+            return _not_an_upgrade()
+        conn = self._reattachable(sid)
+        park = None if conn is None else conn.park
+        if conn is None or park is None:
+            self.reattaches["unknown"] += 1
+            return web.json_response(
+                {"error": f"no parked session {sid!r} here", "resume": "unknown"}, status=409
+            )
+        refusal = park.judge(params.token, n)
+        if refusal is not None:
+            self.reattaches[refusal] += 1
+            if refusal == "unknown":
+                return web.json_response(
+                    {"error": f"no parked session {sid!r} here", "resume": "unknown"},
+                    status=409,
+                )
+            why = (
+                f"message {n} is no longer kept (the window starts at {park.window.first})"
+                if refusal == "expired"
+                else f"message {n} was never sent ({park.window.next} sent)"
+            )
+            return web.json_response(
+                {"error": why, "resume": "refused", "reason": refusal}, status=409
+            )
+        # Accepted: taken synchronously, before the 101's await, so nothing else can take it.
+        taken_over = not park.parked
+        self.reattaches["taken_over" if taken_over else "resumed"] += 1
+        if self._parked.get(sid) is conn:
+            del self._parked[sid]
+        if conn.grace_timer is not None:
+            conn.grace_timer.cancel()
+            conn.grace_timer = None
+        old_transport = conn.transport
+        park.reattach(params)
+        conn.ws = ws
+        conn.transport = request.transport
+        conn.sent = park.window.next - n  # this leg's count: the replay, then what follows
+        conn.received = 0
+        if taken_over and old_transport is not None:
+            old_transport.abort()  # nothing more on the old leg: its reader leaves it be
+        self.logger.info(
+            "session %s reattached from message %d (%s)",
+            sid,
+            n,
+            "taken over" if taken_over else "resumed",
+        )
+        ws.headers["X-Session-Id"] = sid
+        ws.headers[RESUMED_HEADER] = str(n)
+        ws.headers[PARK_HEADER] = "ok"
+        try:
+            await ws.prepare(request)
+        except ConnectionError:  # the new leg is gone already: park again (or end)
+            if conn.ws is ws:
+                if self._may_park(conn):
+                    self._park(conn)
+                else:
+                    await self._end(conn)
+            return ws
+        self.connections_total += 1
+        await self._serve(conn, ws, self._replay(conn, ws, n))
         return ws
+
+    def _reattachable(self, sid: str) -> ConnT | None:
+        """The session's parked connection, else its newest one with park parameters still
+        on a leg (a takeover)."""
+        parked = self._parked.get(sid)
+        if parked is not None:
+            return parked
+        conns: list[ConnT] = self._by_session.get(sid, [])
+        for conn in conns[::-1]:
+            if _parkable(conn):
+                return conn
+        return None
+
+    async def _replay(self, conn: ConnT, ws: web.WebSocketResponse, n: int) -> None:
+        """Write the window from message ``n`` on the new leg, then go live (``caught_up``)."""
+        park = conn.park
+        assert park is not None
+        while conn.ws is ws and park.state is ParkState.REPLAYING:
+            if n >= park.window.next:
+                park.caught_up()  # no await since the check: nothing can slip in between
+                conn.wake()
+                return
+            await ws.send_str(park.window.get(n))  # kept: nothing trims while replaying
+            n += 1
 
     @abc.abstractmethod
     def _claim(self, sid: str, resume: bool) -> ClaimT | web.Response:
@@ -937,6 +1190,34 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
 # -- metrics both export (the same names and help texts: wslb reads them) --------------------
 
 
+def _parkable(conn: Connection[Any]) -> bool:
+    """The connection has park parameters and a session that may go on: not ended, frozen,
+    retired, dropped or closed by the worker, its answer task running."""
+    answers = conn.answers
+    return (
+        conn.park is not None
+        and conn.park.state is not ParkState.ENDED
+        and conn.attached
+        and not (conn.frozen or conn.dropped or conn.closed_here)
+        and answers is not None
+        and not answers.done()
+    )
+
+
+def _on_leg(conn: Connection[Any]) -> bool:
+    """The connection has its leg (no park, or attached, no send waiting for room): a freeze
+    can take it at a message boundary."""
+    return conn.park is None or (conn.park.attached and not conn.waiting)
+
+
+def _not_an_upgrade() -> web.Response:
+    return web.json_response(
+        {"error": "expected a WebSocket upgrade"},
+        status=426,
+        headers={"Upgrade": "websocket", "Connection": "Upgrade"},
+    )
+
+
 def active_sessions_metric(count: int) -> Metric:
     return GaugeMetricFamily(
         "wslb_worker_active_sessions",
@@ -949,6 +1230,25 @@ def connections_metric(server: Server[Any, Any, Any, Any]) -> Metric:
     return CounterMetricFamily(
         "wslb_worker_connections", "WebSocket connections accepted", value=server.connections_total
     )
+
+
+def parked_sessions_metric(server: Server[Any, Any, Any, Any]) -> Metric:
+    return GaugeMetricFamily(
+        "wslb_worker_parked_sessions",
+        "Sessions whose wslb leg dropped, kept for a reattach (also counted as active)",
+        value=server.parked,
+    )
+
+
+def reattaches_metric(server: Server[Any, Any, Any, Any]) -> Metric:
+    family = CounterMetricFamily(
+        "wslb_worker_reattaches",
+        "Reattach upgrades of parked sessions, by result",
+        labels=["result"],
+    )
+    for result, count in server.reattaches.items():
+        family.add_metric([result], count)
+    return family
 
 
 def handoffs_metric(server: Server[Any, Any, Any, Any]) -> Metric:

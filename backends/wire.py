@@ -24,9 +24,13 @@ __all__ = [
     "MAX_SESSION_ID_LEN",
     "MAX_STATE_BYTES",
     "METRICS_CONTENT_TYPE",
+    "PARK_HEADER",
     "READY_PREFIX",
     "REALTIME_PATH",
+    "REATTACH_FROM_HEADER",
+    "REATTACH_HEADER",
     "RESPONSES_PATH",
+    "RESUMED_HEADER",
     "RESUME_HEADER",
     "Histogram",
     "Outbox",
@@ -34,6 +38,11 @@ __all__ = [
 
 READY_PREFIX = "wslb-worker ready"  # the line printed once listening
 RESUME_HEADER = "X-WSLB-Resume"
+# Parking (``backends.park``): the park parameters of an upgrade, and a reattach's headers.
+PARK_HEADER = "X-WSLB-Park"
+REATTACH_HEADER = "X-WSLB-Reattach"
+REATTACH_FROM_HEADER = "X-WSLB-Reattach-From"
+RESUMED_HEADER = "X-WSLB-Resumed"
 REALTIME_PATH = "/v1/realtime"  # the OpenAI Realtime protocol; every other path: the chat protocol
 RESPONSES_PATH = "/v1/responses"  # the OpenAI Responses API's WebSocket mode
 MAX_SESSION_ID_LEN = 512  # wslb's keys: 256 characters, plus an owner's scope (TAG~KEY) with JWT

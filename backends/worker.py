@@ -50,6 +50,13 @@ One aiohttp server on one port (docs/protocol.md):
     transcript's queued client events are acted on after the old worker's unsent events). 409
     if SID was not thawed here; 400 if ``X-Session-Id`` names another session.
 
+- Parking (``backends.park``; docs/protocol.md section 4a): an upgrade with ``X-WSLB-Park``
+  keeps a bounded window of what it sent; its leg lost without a close frame, the session is
+  parked (the answer goes on into the window, pausing when it is full) for the grace, and an
+  upgrade with ``X-WSLB-Reattach: SID`` and ``X-WSLB-Reattach-From: N`` (the handoff secret
+  only) continues it: the window from message N, then the live stream. 409 ``unknown``,
+  ``expired`` or ``count_ahead`` otherwise.
+
 Chat protocol, JSON text messages, one WebSocket message each:
 
 - worker on connect: ``{"type":"hello","worker":ID,"session":SID}``
@@ -147,6 +154,8 @@ from backends.server import (
     handoffs_metric,
     inter_token_latency_metric,
     json_error,
+    parked_sessions_metric,
+    reattaches_metric,
     run_process,
     serve_until_signal,
     subprotocols,
@@ -198,6 +207,8 @@ METRIC_NAMES = (
     "wslb_worker_kv_capacity_tokens",
     "wslb_worker_connections_total",
     "wslb_worker_handoffs_total",
+    "wslb_worker_parked_sessions",
+    "wslb_worker_reattaches_total",
     "wslb_worker_kv_transfer_tokens_total",
     "wslb_worker_inter_token_latency_seconds_sum",  # a histogram: also _count and _bucket
     "wslb_worker_inter_token_latency_seconds_count",
@@ -578,6 +589,8 @@ class _WorkerCollector(Collector):
         )
         yield connections_metric(worker)
         yield handoffs_metric(worker)
+        yield parked_sessions_metric(worker)
+        yield reattaches_metric(worker)
         yield CounterMetricFamily(
             "wslb_worker_kv_transfer_tokens",
             "KV cache tokens copied in from another worker by a thaw",
