@@ -53,6 +53,7 @@ __all__ = [
     "StateError",
     "TranscriptHead",
     "chat_messages",
+    "peer_credential",
     "proxied_credential",
     "queue_full",
     "read_prompt",
@@ -83,6 +84,7 @@ Msg: TypeAlias = dict[str, str]
 RESERVED_PREFIX: Final = "/wslb/"
 """Where a worker serves the worker protocol's internal routes; never a client's to reach."""
 _RESERVED_SEGMENT: Final = RESERVED_PREFIX.strip("/")
+_PEER_LABEL: Final = b"wslb peer instance v1"
 _PROXIED_LABEL: Final = b"wslb proxied client traffic v1"
 
 
@@ -119,6 +121,14 @@ def proxied_credential(secret: str) -> str:
     it opens no internal route."""
     mac = hmac.new(secret.encode("utf-8"), _PROXIED_LABEL, hashlib.sha256)
     return "proxied-" + mac.hexdigest()
+
+
+def peer_credential(secret: str) -> str:
+    """The credential one wslb instance shows another when it carries a client's resume to
+    the instance holding the session (``aio/peers.py``): made from the tier's worker secret, so
+    only instances that hold it forward, and it is neither the secret nor the proxied one."""
+    mac = hmac.new(secret.encode("utf-8"), _PEER_LABEL, hashlib.sha256)
+    return "peer-" + mac.hexdigest()
 
 
 class ProtocolError(Exception):

@@ -456,13 +456,15 @@ def upstream_request(
     secure_client: bool = False,
     resume: bool = False,
     worker_token: str | None = None,
+    extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> tuple[h11.Request, bytes]:
     """wslb's own upgrade request to a worker and the key whose accept token it expects.
 
     The client's query string is appended to the worker URL's path, so workers can read it.
     ``client_host`` is appended to the request's ``X-Forwarded-For``; None sends the header as
     it is (``ClientRequest.forwarded_for`` made it already). ``worker_token``: wslb's
-    credential (``balancer.workerauth``), in a header no client can set.
+    credential (``balancer.workerauth``), in a header no client can set; ``extra``: wslb's
+    own headers to the worker (parking, a reattach: ``balancer.resume``).
     """
     nonce = bytes(generate_nonce())
     target = upstream_path
@@ -492,6 +494,7 @@ def upstream_request(
         headers.append((b"sec-websocket-protocol", ", ".join(req.subprotocols).encode("latin-1")))
     if resume:
         headers.append((b"x-wslb-resume", session_id.encode("latin-1")))
+    headers.extend(extra)
     for name, value in req.headers:
         if name not in _HOP_BY_HOP and not name.startswith(WSLB_PREFIX):
             headers.append((name, value))

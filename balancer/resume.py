@@ -27,13 +27,18 @@ from balancer.handshake import ClientRequest, HandshakeReject
 __all__ = [
     "COUNT_RULE",
     "FROM_HEADER",
+    "HANDOVER_REASON",
     "NO_RESUME",
+    "PARK_HEADER",
+    "REATTACH_FROM_HEADER",
+    "REATTACH_HEADER",
     "RESUMED_HEADER",
     "TOKEN_HEADER",
     "TOKEN_RULE",
     "FailureThrottle",
     "Resume",
     "new_token",
+    "park_value",
     "read_resume",
     "same_token",
     "token_digest",
@@ -41,6 +46,16 @@ __all__ = [
 ]
 
 TOKEN_HEADER = b"x-wslb-resume-token"
+# wslb -> a worker that parks (docs/protocol.md, "Parking"): the park parameters of a leg, and a
+# reattach of a parked session from the client's count.
+PARK_HEADER = b"x-wslb-park"
+REATTACH_HEADER = b"x-wslb-reattach"
+REATTACH_FROM_HEADER = b"x-wslb-reattach-from"
+# The close a stop sends a client whose session its worker keeps: a 1012 whose reason ends in
+# ": resume" is not an ending: the client reconnects (through any instance) and resumes.
+HANDOVER_REASON = "wslb stopping: resume"
+PARK_GRACE_MAX = 3600.0  # what a worker takes (seconds)
+PARK_WINDOW_MAX = 64 * 1024 * 1024
 FROM_HEADER = b"x-wslb-resume-from"
 RESUMED_HEADER = b"x-wslb-resumed"
 # 22 characters of base64url carry 132 bits: a client-named token is at least as hard to guess
@@ -102,6 +117,16 @@ def without_wslb_params(req: ClientRequest) -> ClientRequest:
     query = urlencode(kept)
     target = req.path + ("?" + query if query else "")
     return dataclasses.replace(req, query=query, target=target)
+
+
+def park_value(base: int, grace: float, window: int, token: str) -> bytes:
+    """The ``X-WSLB-Park`` value of a worker leg whose first message is the session's message
+    ``base``: the worker keeps the session ``grace`` seconds if the leg drops without a close,
+    with a window of ``window`` bytes; ``token``'s digest is what a reattach must name."""
+    grace = min(grace, PARK_GRACE_MAX)
+    window = min(window, PARK_WINDOW_MAX)
+    digest = token_digest(token).hex()
+    return f"base={base}; grace={grace:g}; window={window}; token={digest}".encode("ascii")
 
 
 def new_token() -> str:

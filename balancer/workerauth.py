@@ -47,6 +47,7 @@ __all__ = [
     "TOKEN_RULE",
     "credential_for",
     "spawn_token",
+    "tier_secret",
     "token_for",
     "valid_token",
 ]
@@ -88,6 +89,16 @@ def token_for(
     env = os.environ if env is None else env
     if backend.spawn is not None:
         return spawn_token(env)
+    if pool.worker_auth is not None:
+        return pool.worker_auth.token
+    default = env.get(ENV, "").split(",")[0].strip()
+    return default if valid_token(default) else None
+
+
+def tier_secret(pool: PoolCfg, env: MutableMapping[str, str] | None = None) -> str | None:
+    """The secret the instances of a tier share for ``pool`` (its ``worker_auth.token``, else
+    ``$WSLB_WORKER_TOKEN``), or None. A spawn token is each process's own: never shared."""
+    env = os.environ if env is None else env
     if pool.worker_auth is not None:
         return pool.worker_auth.token
     default = env.get(ENV, "").split(",")[0].strip()

@@ -61,11 +61,14 @@ from balancer.config import Config, ConfigError, Listener
 from balancer.frames import CloseCode
 from balancer.metrics import BalancerCollector, Stats
 from balancer.pool import Pool
+from balancer.resume import HANDOVER_REASON
 from balancer.version import version
 
 __all__ = ["ProcessLink", "Runtime", "build", "run", "run_loop", "serve"]
 
 log = logging.getLogger("wslb")
+
+HANDOVER_POLL = 0.01  # a session in the middle of a message is tried again this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +287,27 @@ class Runtime:
         self._background = [self.state.loop.create_task(run()) for run in self.background]
         await self.admin.start()
 
+    async def _hand_over(self, deadline: float) -> None:
+        """Before the grace: each session whose worker parks it is handed over (its worker
+        keeps it, its client is told to resume through another instance), at its next
+        message boundary; carried connections (``aio/peers.py``) are dropped, so their clients
+        resume again. Sessions on other servers keep relaying through the grace."""
+        state = self.state
+        for splice in list(state.carried):
+            splice.end()
+        handed = 0
+        while state.loop.time() < deadline:
+            left = [s for s in state.sessions if s.parks and s.core.window is not None]
+            if not left:
+                break
+            for s in left:
+                if s.hand_over(CloseCode.SERVICE_RESTART, HANDOVER_REASON):
+                    handed += 1
+            if any(s.parks and s.core.window is not None for s in state.sessions):
+                await asyncio.sleep(HANDOVER_POLL)
+        if handed:
+            log.info("shutdown: %d sessions handed over to their workers", handed)
+
     async def shutdown(self) -> None:
         """Graceful stop; see the module docstring."""
         state = self.state
@@ -301,6 +325,7 @@ class Runtime:
         if state.lanes is not None:  # lanes come back at their next boundary, then close
             state.lanes.stop()
             await state.lanes.wait_empty(t.shutdown_grace)
+        await self._hand_over(state.loop.time() + t.shutdown_grace)
         if state.sessions or state.requests:
             log.info(
                 "shutdown: waiting up to %.1fs for %d sessions and %d HTTP requests",
@@ -464,6 +489,7 @@ def build(
             local_monitors.on_probe = local.worker_reports
         if config.cluster is not None:
             cluster = Cluster(local, config.cluster)
+            state.peers = cluster.peers  # a resume held by another instance (aio/peers.py)
             registry.register(cluster.collector())
             control = ClusterControl(local, cluster)
             if local_monitors is not None:

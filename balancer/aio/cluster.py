@@ -355,7 +355,11 @@ class Cluster:
             try:
                 if not self.lease:
                     self.lease = await self.etcd.grant(LEASE_TTL)
-                    record = {"admin": self._admin_url(), "started": time.time()}
+                    record = {
+                        "admin": self._admin_url(),
+                        "started": time.time(),
+                        "client": self._client_address(),
+                    }
                     await self.etcd.put(
                         self.prefix + INSTANCES + self.instance, json.dumps(record), self.lease
                     )
@@ -375,6 +379,27 @@ class Cluster:
     def _admin_url(self) -> str:
         a = self.state.config.admin
         return f"http://{a.host}:{a.port}"
+
+    def _client_address(self) -> dict[str, Any]:
+        """Where the other instances carry a client's resume to (``aio/peers.py``): this
+        instance's first listener, at ``cluster.advertise`` or a host they can reach."""
+        first = self.state.config.listen[0]
+        host = self.cfg.advertise or first.host
+        if host in ("", "0.0.0.0", "::"):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
+        return {"host": host, "port": first.port, "tls": first.tls is not None}
+
+    def peers(self) -> list[tuple[str, dict[str, Any]]]:
+        """The other live instances and their client listeners (sorted by id)."""
+        out = []
+        for name, record in sorted(self.snap.instances().items()):
+            client = record.get("client")
+            if name != self.instance and isinstance(client, dict):
+                out.append((name, client))
+        return out
 
     # -- applying the shared state ---------------------------------------------------------
 

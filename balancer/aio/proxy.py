@@ -18,13 +18,22 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 from urllib.parse import parse_qsl
 
 import h11
 
-from balancer import proxyproto
+from balancer import proxyproto, workerauth
 from balancer.aio.httpproxy import HttpClient, Routed
+from balancer.aio.peers import (
+    PEER_CLIENT_HEADER,
+    PEER_HEADER,
+    carry,
+    peer_address,
+    peer_request,
+    valid_peer,
+)
 from balancer.aio.session import ClientLeg, Leg, Session, pause_reading
 from balancer.aio.state import ServerState
 from balancer.auth import scoped_key
@@ -46,10 +55,14 @@ from balancer.httpmsg import is_handshake
 from balancer.proxyproto import forwarded_client, is_trusted
 from balancer.resume import (
     NO_RESUME,
+    PARK_HEADER,
+    REATTACH_FROM_HEADER,
+    REATTACH_HEADER,
     RESUMED_HEADER,
     TOKEN_HEADER,
     Resume,
     new_token,
+    park_value,
     read_resume,
     without_wslb_params,
 )
@@ -166,6 +179,8 @@ class ClientConnection(asyncio.Protocol):
         self.target = "-"
         self.http: HttpClient | None = None  # serving plain HTTP (aio/httpproxy.py)
         self.resume = NO_RESUME  # what the upgrade said about resuming (balancer/resume.py)
+        self.token: str | None = None  # the session's resume token, once decided
+        self.carried = False  # another instance of the tier carried this resume here
 
     # -- asyncio callbacks -----------------------------------------------------------------
 
@@ -334,8 +349,9 @@ class ClientConnection(asyncio.Protocol):
         if routed is None:
             return
         pool, req, key, sid, _ = routed
+        self._from_peer(event, pool)
         if pool.cfg.resume.enabled and resume.token is not None:
-            if self._resume_throttled(pool):
+            if not self.carried and self._resume_throttled(pool):
                 return
             live = st.find_resumable(resume.token)  # by token: a newer session may have the key
             arriving = st.arriving
@@ -355,7 +371,9 @@ class ClientConnection(asyncio.Protocol):
                     return
                 # A plain upgrade naming the token of its own session that is closing: the
                 # new session takes the token over.
-            elif resume.count is not None:  # a reconnect, and nothing to resume
+            elif resume.count is not None:  # a reconnect, and nothing to resume here
+                if not self.carried and await self._elsewhere(event, pool, req, key, sid, resume):
+                    return
                 self._resume_failed(pool, "unknown")
                 raise HandshakeReject(
                     409,
@@ -367,6 +385,11 @@ class ClientConnection(asyncio.Protocol):
         tried: list[str] = []
         limit = len(pool.backends)
         last_error = "no worker available"
+        extra: list[tuple[bytes, bytes]] = []
+        if pool.cfg.resume.enabled:  # Rule 8: the client's secret for its reconnect
+            self.token = self.resume.token or new_token()
+            r = pool.cfg.resume
+            extra.append((PARK_HEADER, park_value(0, r.grace, r.buffer, self.token)))
         while len(tried) < limit:
             backend = pool.select(sid, tried, st.loop.time())
             if backend is None:
@@ -374,7 +397,7 @@ class ClientConnection(asyncio.Protocol):
             tried.append(backend.id)
             try:
                 transport, proto, response, trailing = await open_upstream(
-                    st, backend, req, sid, self.secure
+                    st, backend, req, sid, self.secure, extra=extra
                 )
             except UpstreamReject as exc:
                 st.stats.handshake_failures[backend.id] += 1
@@ -492,7 +515,10 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def _resume_failed(self, pool: Pool, result: str) -> None:
-        """A resume that failed: counted by ``result`` and taken from this address's bucket."""
+        """A resume that failed: counted by ``result`` and taken from this address's bucket.
+        Not a resume another instance carried here: that one counts its client's outcome."""
+        if self.carried:
+            return
         st = self.state
         st.stats.resumes[result] += 1
         st.resume_failures(pool).failed(self.peer, st.loop.time())
@@ -538,6 +564,107 @@ class ClientConnection(asyncio.Protocol):
         if self.reader.trailing:
             s.client_data(self.reader.trailing)
 
+    def _from_peer(self, event: h11.Request, pool: Pool) -> None:
+        """A resume another instance of the tier carried here (``aio/peers.py``): believed
+        only with the tier's peer credential; counted under the client's address it names."""
+        given: bytes | None = None
+        for name, value in event.headers:
+            if name == PEER_HEADER:
+                given = bytes(value)
+        if given is None or not valid_peer(given, workerauth.tier_secret(pool.cfg)):
+            return
+        self.carried = True
+        for name, value in event.headers:
+            if name == PEER_CLIENT_HEADER:
+                address = peer_address(bytes(value))
+                if address is not None:
+                    self._client_is(address)
+
+    async def _elsewhere(
+        self,
+        event: h11.Request,
+        pool: Pool,
+        req: ClientRequest,
+        key: str,
+        sid: str,
+        resume: Resume,
+    ) -> bool:
+        """A reconnect this instance holds nothing of: carried to the instance of the tier
+        that holds the session, else reattached at a worker that parked it. True when done
+        (the client has its answer)."""
+        st = self.state
+        secret = workerauth.tier_secret(pool.cfg)
+        assert self.transport is not None
+        if st.peers is not None and secret is not None:
+            request = peer_request(event, secret, self.peer)
+            t = st.timeouts
+            ct = self.transport
+            holder = await carry(
+                st.loop, ct, request, st.peers(), st.carried, t.connect, t.handshake
+            )
+            if holder is not None:
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+                self.gone = True  # the splice has the connection now
+                if self.counted:
+                    self.counted = False
+                    st.connection_closed(self.peer)
+                st.stats.resumes["carried"] += 1
+                log.info("session %s: resume carried to instance %s", sid, holder)
+                return True
+        return await self._reattach(pool, req, key, sid, resume)
+
+    async def _reattach(
+        self, pool: Pool, req: ClientRequest, key: str, sid: str, resume: Resume
+    ) -> bool:
+        """Reattach the session at a worker that parked it when its leg to another instance
+        dropped (docs/protocol.md, "Parking"): the key's worker first, then the pool's others.
+        Raises ``HandshakeReject`` (409 refused) when the worker holds it but not from that
+        count."""
+        st = self.state
+        n, token = resume.count, resume.token
+        assert n is not None and token is not None
+        r = pool.cfg.resume
+        extra = [
+            (REATTACH_HEADER, sid.encode("latin-1")),
+            (REATTACH_FROM_HEADER, str(n).encode()),
+            (PARK_HEADER, park_value(n, r.grace, r.buffer, token)),
+        ]
+        first = pool.last_backend(sid)
+        order = sorted(pool.backends.values(), key=lambda b: (b.id != first, b.id))
+        for backend in order:
+            try:
+                transport, proto, subprotocol, trailing = await open_upstream(
+                    st, backend, req, sid, self.secure, extra=extra, handoff=True
+                )
+            except UpstreamReject as exc:
+                if exc.status == 409:
+                    details = _json_object(exc.body)
+                    if details.get("resume") == "refused":
+                        self._resume_failed(pool, "refused")
+                        reason = str(details.get("reason", "refused"))
+                        raise HandshakeReject(
+                            409,
+                            f"cannot resume: {reason}",
+                            details={"resume": "refused", "reason": reason},
+                        ) from None
+                continue
+            except (OSError, TimeoutError):
+                continue
+            if self.gone:
+                transport.close()
+                return True
+            self.token = token
+            self._start_session(
+                pool, backend, sid, req, transport, proto, subprotocol, trailing, key, resumed=n
+            )
+            st.stats.resumes["reattached"] += 1
+            st.emit("resumed", session=sid, backend=backend.id, count=n, replayed_bytes=0)
+            log.info("session %s reattached at worker %s from message %d", sid, backend.id, n)
+            return True
+        return False
+
     def _plain(self, event: h11.Request) -> None:
         """Serve this connection's plain HTTP (``aio/httpproxy.py``) from this request on."""
         assert self.transport is not None
@@ -571,6 +698,7 @@ class ClientConnection(asyncio.Protocol):
         subprotocol: str | None,
         worker_trailing: bytes,
         client_key: str,
+        resumed: int | None = None,
     ) -> None:
         assert self.transport is not None
         if self.timer is not None:
@@ -594,10 +722,14 @@ class ClientConnection(asyncio.Protocol):
         session.timing = (proto.connect_s, proto.answer_s)
         session.subprotocol = subprotocol
         headers = accept_headers(req.key, subprotocol, client_key)
-        if pool.cfg.resume.enabled:  # Rule 8: the client's secret for its reconnect
-            token = self.resume.token or new_token()
-            session.resume_token = token
-            headers.append((TOKEN_HEADER, token.encode()))
+        session.parks = proto.parks
+        if pool.cfg.resume.enabled and self.token is not None:  # Rule 8
+            session.resume_token = self.token
+            if resumed is not None:  # reattached at a worker that parked the session
+                assert session.core.window is not None
+                session.core.window.base_msg = resumed
+                headers.append((RESUMED_HEADER, str(resumed).encode()))
+            headers.append((TOKEN_HEADER, self.token.encode()))
         ctransport.write(switching_protocols(headers))
         state.stats.handshake_duration.observe(state.loop.time() - self.opened)
         ctransport.set_protocol(ClientLeg(session))
@@ -614,6 +746,15 @@ class ClientConnection(asyncio.Protocol):
         pause_reading(wtransport, False)
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A worker's JSON answer as a dict ({} when it is not one)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 async def open_upstream(
     state: ServerState,
     backend: Backend,
@@ -621,8 +762,14 @@ async def open_upstream(
     sid: str,
     secure: bool,
     resume: bool = False,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+    handoff: bool | None = None,
 ) -> tuple[asyncio.Transport, UpstreamHandshake, str | None, bytes]:
     """Connect to a worker and complete wslb's own upgrade there.
+
+    ``extra``: wslb's own headers (``upstream_request``); ``handoff``: show the worker the
+    handoff secret (default: on a ``resume`` upgrade), as a reattach must. The handshake
+    protocol says whether the worker parks the leg (``UpstreamHandshake.parks``).
 
     Returns the transport (reading paused), its handshake protocol (holding any bytes that came
     after the 101), the negotiated subprotocol and the bytes that came with the 101.
@@ -636,7 +783,8 @@ async def open_upstream(
         sid,
         secure_client=secure,
         resume=resume,
-        worker_token=state.worker_token(backend, handoff=resume),
+        worker_token=state.worker_token(backend, handoff=resume if handoff is None else handoff),
+        extra=extra,
     )
     timeouts = state.timeouts
     # perf_counter, not loop.time(): uvloop's clock is cached per loop turn in milliseconds,
@@ -661,6 +809,7 @@ async def open_upstream(
         if response.status_code != 101:  # a refusal: ``trailing`` holds its body
             check_upstream_response(response, nonce, req.subprotocols, trailing)
         subprotocol = check_upstream_response(response, nonce, req.subprotocols)
+        proto.parks = any(n == PARK_HEADER and v.strip() == b"ok" for n, v in response.headers)
     except BaseException:
         transport.abort()
         raise
@@ -677,6 +826,7 @@ class UpstreamHandshake(asyncio.Protocol):
             asyncio.get_running_loop().create_future()
         )
         self.eof = False
+        self.parks = False  # the worker's 101 said ``X-WSLB-Park: ok`` (it parks this leg)
         self.extra = bytearray()  # bytes that arrive after the 101, before the switch-over
         self.transport: asyncio.Transport | None = None
         # A refusal (a final answer other than 101) and its body, read up to the limit, so

@@ -270,6 +270,7 @@ class Session(asyncio.Protocol):
         "frame_waiter",
         "journal",
         "offload_at",
+        "parks",
         "peer",
         "pool",
         "relay",
@@ -324,6 +325,9 @@ class Session(asyncio.Protocol):
             now=self.since,
         )
         self.token: str | None = None  # Rule 8: the client's secret (set via ``resume_token``)
+        # The worker said it parks this leg (``X-WSLB-Park: ok``): a leg it loses without a
+        # close keeps the session there, which a stop hands over (``hand_over``).
+        self.parks = False
         self.subprotocol: str | None = None  # agreed in the first 101 (a reconnect's too)
         for t in (ct, wt):
             t.set_write_buffer_limits(high=limits.write_buffer_high)
@@ -822,6 +826,38 @@ class Session(asyncio.Protocol):
             return False
         pause_reading(self.wt, True)  # nothing more towards the client on this connection
         self.ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
+        return True
+
+    def hand_over(self, code: int, reason: str) -> bool:
+        """A stop hands the session to its worker and its client to the tier: the worker leg
+        is let go without a close frame (a FIN once what wslb sent is flushed: the worker
+        parks the session and goes on answering into its window), and the client gets a close
+        frame saying where to go on (``code``, ``reason``: reconnect and resume). Only between
+        messages both ways, so the client's count is exact; False (nothing done) otherwise:
+        the caller tries again. A detached session (no client) only lets the worker go."""
+        self.reclaim()
+        core = self.core
+        detached = bool(core.detached_at)
+        if not self.parks or core.closing or not core.ws.at_message_boundary:
+            return False
+        if not detached and not core.may_detach():
+            return False
+        self.state.wheel.cancel(self)
+        wt = self.wt
+        wt.set_protocol(Retired())
+        pause_reading(wt, False)  # read and dropped: the worker's window has it
+        if wt.can_write_eof():
+            wt.write_eof()  # the worker reads what wslb sent, then its EOF: it parks
+            self.state.loop.call_later(self.settings.timeouts.close, wt.abort)
+        else:
+            wt.close()
+        if not detached:
+            ct = self.ct
+            ct.set_protocol(Retired())
+            ct.write(build_frame(OP_CLOSE, close_payload(code, reason)))
+            ct.close()
+        self.pool.detach(self.backend)
+        self.state.handed_off(self)
         return True
 
     def drop_client(self) -> None:

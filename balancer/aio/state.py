@@ -26,6 +26,7 @@ from balancer import workerauth
 from balancer.aio.httpproxy import Exchange, Keepalive
 from balancer.aio.lanes import Lanes
 from balancer.aio.offload import Offload
+from balancer.aio.peers import Splice
 from balancer.aio.session import Session, SessionSettings
 from balancer.aio.wheel import TimerWheel
 from balancer.auth import Authenticator
@@ -84,6 +85,10 @@ class ServerState:
         # A restart's new code while the old one is still handing its sessions on: a resume
         # for one not here yet waits for it (aio/restart.py) instead of a 409.
         self.arriving: asyncio.Event | None = None
+        # Cluster mode: the other live instances' client listeners, for a resume this one does
+        # not hold (aio/peers.py), and the connections this one carries to them.
+        self.peers: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None
+        self.carried: set[Splice] = set()
         self.connections = 0
         self.per_client: Counter[str] = Counter()  # open connections per client address
         self.closing = False

@@ -959,7 +959,12 @@ class _Builder(_Reader):
             # Each instance holds one lease and drains its own sessions: one process per instance.
             self.error(p, f"cluster mode runs one process per instance: set workers: 1 (not "
                        f"{workers}) and run more instances")  # fmt: skip
-        return ClusterCfg(etcd, self.string(c, "prefix", p, ClusterCfg("").prefix))
+        advertise = self.string(c, "advertise", p, "") or None
+        if advertise is not None and ":" not in advertise and not _valid_host(advertise):
+            self.error((*p, "advertise"), "must be a host name or an IP address")
+        return ClusterCfg(
+            etcd, self.string(c, "prefix", p, ClusterCfg("").prefix), advertise=advertise
+        )
 
 
 def _valid_host(host: str) -> bool:

@@ -364,6 +364,10 @@ class ClusterCfg:
 
     etcd: str
     prefix: str = "/wslb/"
+    # The host other instances reach this one's first listener at, to carry a client's resume
+    # to the instance holding its session (None: the listener's host, or when that is a
+    # wildcard, what this host's name resolves to: the pod IP on Kubernetes).
+    advertise: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

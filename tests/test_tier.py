@@ -1,0 +1,148 @@
+"""Continuity across the instances of a tier: three wslb instances in cluster mode over a real
+etcd, behind HAProxy in TCP mode (round robin: each connection may land on another instance),
+in front of reference workers. The clients resume as docs/resume.md says (``Resumer``).
+
+- a client cut mid-answer reconnects through another instance: every token once, in order;
+- ``kill -9`` of an instance with answers in flight: every answer whole through the others;
+- SIGTERM of an instance (a rollout): the same, idle sessions too;
+- a stock ``websockets`` server behind a cut client: whole while the holder lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.lib.resumer import Resumer
+from tests.procs import Procs, free_port, wait_port
+from tests.tier import Tier, until, workers
+
+TOKENS = 60
+
+
+async def answer(c: Resumer, turn: int, n: int, cut_after: int | None = None) -> list[int]:
+    """Ask for ``n`` tokens; the indices received, in order (a cut after ``cut_after``)."""
+    await c.send({"type": "prompt", "text": f"q{turn}", "max_tokens": n})
+    got: list[int] = []
+    while True:
+        m = await c.recv()
+        if m["type"] == "token":
+            assert m["turn"] == turn, m
+            got.append(m["i"])
+            if cut_after is not None and len(got) == cut_after:
+                c.drop()
+        elif m["type"] == "done":
+            assert m["turn"] == turn and m["tokens"] == n, m
+            return got
+        else:
+            raise AssertionError(f"unexpected {m}")
+
+
+async def opened(url: str, key: str) -> Resumer:
+    c = Resumer(url, key)
+    await c.open()
+    hello = await c.recv()
+    assert hello["type"] == "hello", hello
+    return c
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Any:
+    ws = workers(3)
+    t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws]).start()
+    try:
+        yield t
+    finally:
+        t.stop()
+        for w in ws:
+            w.kill()  # their parked sessions would hold a drain up for their grace
+
+
+async def test_a_cut_client_resumes_through_another_instance(tier: Tier) -> None:
+    clients = [await opened(tier.url, f"cut-{i}") for i in range(6)]
+    got = await asyncio.gather(*(answer(c, 1, TOKENS, cut_after=10) for c in clients))
+    for c, indices in zip(clients, got, strict=True):
+        assert indices == list(range(TOKENS)), (c.key, indices)
+        assert c.reconnects == 1
+    # The next turn continues the conversation on the same session.
+    again = await asyncio.gather(*(answer(c, 2, 5) for c in clients))
+    assert all(g == list(range(5)) for g in again)
+    carried = tier.total("wslb_resumes_total", result="carried")
+    local = tier.total("wslb_resumes_total", result="resumed")
+    assert carried >= 1 and carried + local >= 6, (carried, local)
+    assert tier.total("wslb_resumes_total", result="unknown") == 0
+    for c in clients:
+        await c.close()
+
+
+async def test_kill_9_of_an_instance_loses_no_answer(tier: Tier) -> None:
+    clients = [await opened(tier.url, f"kill-{i}") for i in range(9)]
+    tasks = [asyncio.ensure_future(answer(c, 1, TOKENS)) for c in clients]
+    await until(lambda: all(c.count >= 10 for c in clients), 20, "answers under way")
+    held = tier.holding()
+    victim = tier.lbs[held.index(max(held))]
+    victim.kill()
+    got = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert all(g == list(range(TOKENS)) for g in got), got
+    moved = [c for c in clients if c.reconnects]
+    assert len(moved) == max(held), (held, [c.reconnects for c in clients])
+    assert tier.total("wslb_resumes_total", result="reattached") == max(held)
+    again = await asyncio.gather(*(answer(c, 2, 5) for c in clients))
+    assert all(g == list(range(5)) for g in again)
+    for c in clients:
+        await c.close()
+
+
+async def test_sigterm_hands_every_session_over(tier: Tier) -> None:
+    streaming = [await opened(tier.url, f"term-{i}") for i in range(9)]
+    idle = [await opened(tier.url, f"idle-{i}") for i in range(6)]
+    tasks = [asyncio.ensure_future(answer(c, 1, TOKENS)) for c in streaming]
+    await until(lambda: all(c.count >= 10 for c in streaming), 20, "answers under way")
+    held = tier.holding()
+    victim = tier.lbs[held.index(max(held))]
+    code = await asyncio.to_thread(tier.terminate, victim)
+    assert code == 0
+    got = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert all(g == list(range(TOKENS)) for g in got), got
+    assert "handed over to their workers" in victim.output()
+    # The idle ones were told to resume too: their next turn is turn 2 of the same session.
+    for c in idle:
+        assert await answer(c, 1, 3) == [0, 1, 2]
+    assert sum(c.reconnects for c in streaming + idle) == max(held)
+    for c in streaming + idle:
+        await c.close()
+
+
+async def test_a_stock_server_session_is_whole_while_its_instance_lives(tmp_path: Path) -> None:
+    with Procs(tmp_path) as procs:
+        port = free_port()
+        cmd = [sys.executable, "-m", "tests.servers.websockets_counter", "--port", str(port)]
+        procs.spawn("stock", [*cmd, "--rate", "50"])
+        wait_port(port)
+        t = Tier(tmp_path, [{"id": "s", "url": f"ws://127.0.0.1:{port}"}]).start()
+        try:
+            clients = [Resumer(t.url, f"stock-{i}") for i in range(6)]
+            for c in clients:
+                await c.open()
+
+            async def count(c: Resumer) -> list[str | bytes]:
+                assert c.ws is not None
+                await c.ws.send("40")
+                out: list[str | bytes] = []
+                while True:
+                    raw = await c.recv_raw()
+                    if raw == "end":
+                        return out
+                    out.append(raw)
+                    if len(out) == 10 and c.reconnects == 0:
+                        c.drop()
+
+            got = await asyncio.gather(*(count(c) for c in clients))
+            assert all(g == [str(i) for i in range(40)] for g in got), got
+            assert t.total("wslb_resumes_total", result="carried") >= 1
+        finally:
+            t.stop()
