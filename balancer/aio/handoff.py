@@ -26,6 +26,7 @@ from balancer.aio.session import Session, Upgraded
 from balancer.aio.state import ServerState
 from balancer.handshake import UpstreamReject, quote_key
 from balancer.pool import Backend
+from balancer.resume import PARK_HEADER, park_value
 
 __all__ = [
     "CONNS_PER_WORKER",
@@ -184,9 +185,13 @@ class HandoffClient:
     ) -> tuple[asyncio.Transport, Upgraded, bytes]:
         """A worker leg on ``backend`` with ``X-WSLB-Resume`` (after its thaw); closed again if
         the session ended meanwhile (``closed``)."""
+        extra = []
+        window, token, r = s.core.window, s.resume_token, s.pool.cfg.resume
+        if window is not None and token is not None:  # the new leg parks as the first did
+            extra.append((PARK_HEADER, park_value(window.sent(), r.grace, r.buffer, token)))
         try:
             wt, proto, _, trailing = await open_upstream(
-                self.state, backend, s.req, s.sid, s.secure, resume=True
+                self.state, backend, s.req, s.sid, s.secure, resume=True, extra=extra
             )
         except (OSError, TimeoutError, UpstreamReject) as exc:
             raise HandoffError("resume", str(exc) or type(exc).__name__) from None

@@ -142,6 +142,7 @@ class Upgraded(Protocol):
 
     extra: bytearray  # bytes that arrived after the 101, before the switch-over
     eof: bool
+    parks: bool  # the worker parks this leg if it drops without a close
 
 
 def unsent_bytes(transport: asyncio.BaseTransport) -> int:
@@ -757,6 +758,7 @@ class Session(asyncio.Protocol):
         """Make ``wt`` (open on ``target`` with ``X-WSLB-Resume``) the worker leg."""
         old_backend = self.backend
         self.core.new_leg(target.id, leg_start_msg, moved=moved)
+        self.parks = proto.parks
         # The new leg is offered to the relay thread afresh (it may be plain where the old was TLS).
         self.offload_at = OFFLOAD_AFTER if self.state.offload is not None else NEVER
         self.wt = wt
@@ -984,6 +986,7 @@ class Session(asyncio.Protocol):
             "timer": None if self.timer is None else max(0.0, self.timer.when - now),
             "resume_token": self.resume_token,
             "subprotocol": self.subprotocol,
+            "parks": self.parks,
         }
 
     @classmethod
@@ -1038,6 +1041,7 @@ class Session(asyncio.Protocol):
         s.timing = (data["timing"][0], data["timing"][1])
         s.resume_token = data["resume_token"]
         s.subprotocol = data["subprotocol"]
+        s.parks = bool(data.get("parks", False))  # an older snapshot: a leg that does not park
         if data["timer"] is not None:
             s._schedule_tick(data["timer"] or 0.001)
         parked = wt.get_protocol()
