@@ -11,6 +11,7 @@ in front of reference workers. The clients resume as docs/resume.md says (``Resu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from typing import Any
 import pytest
 
 from bench.lib.resumer import Resumer
+from tests.engines import EngineSetupError, LlamaServer, gemma_gguf, llama_server
 from tests.procs import Procs, free_port, wait_port
+from tests.test_bridge import STORY, BridgeProc
 from tests.tier import Tier, until, workers
 
 TOKENS = 60
@@ -146,3 +149,53 @@ async def test_a_stock_server_session_is_whole_while_its_instance_lives(tmp_path
             assert t.total("wslb_resumes_total", result="carried") >= 1
         finally:
             t.stop()
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("how", ["kill", "term"])
+async def test_engine_bridges_lose_no_answer_to_a_lost_instance(tmp_path: Path, how: str) -> None:
+    """Two engine bridges on real llama-servers behind the tier: an instance killed (or
+    stopped) mid-answer; every answer goes on through the others, each chunk once, in order."""
+    try:
+        llama_server(), gemma_gguf()  # built and cached once per machine
+    except EngineSetupError as e:
+        pytest.skip(f"the engine cannot be made here: {e}")
+    with contextlib.ExitStack() as stack:
+        bridges = []
+        for i in range(2):
+            engine = LlamaServer(tmp_path / f"llama-{i}.log", parallel=2, threads=1).start()
+            stack.callback(engine.stop)
+            bridge = BridgeProc(engine.url, f"llama-{i}", "--temperature", "0")
+            stack.callback(bridge.stop)
+            bridges.append(bridge)
+        for bridge in bridges:
+            bridge.wait_health(200, timeout=30)
+        backends = [{"id": b.id, "url": f"ws://127.0.0.1:{b.port}"} for b in bridges]
+        t = Tier(tmp_path, backends, pool={"health": {"path": "/healthz", "interval": "0.5s"}})
+        stack.callback(t.stop)
+        t.start()
+        clients = [await opened(t.url, f"engine-{how}-{i}") for i in range(4)]
+        prompt = {"type": "prompt", "text": STORY, "max_tokens": 120, "temperature": 0}
+
+        async def story(c: Resumer) -> list[int]:
+            await c.send(prompt)
+            got: list[int] = []
+            while (m := await c.recv())["type"] != "done":
+                assert m["type"] == "token" and m["turn"] == 1, m
+                got.append(m["i"])
+            return got
+
+        tasks = [asyncio.ensure_future(story(c)) for c in clients]
+        await until(lambda: all(c.count >= 6 for c in clients), 60, "answers under way")
+        held = t.holding()
+        victim = t.lbs[held.index(max(held))]
+        if how == "kill":
+            victim.kill()
+        else:
+            assert await asyncio.to_thread(t.terminate, victim) == 0
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        for g in got:
+            assert g == list(range(len(g))) and len(g) > 10, g
+        assert sum(c.reconnects for c in clients) == max(held) > 0
+        for c in clients:
+            await c.close()
