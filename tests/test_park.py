@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -437,3 +438,38 @@ async def test_a_realtime_session_parks_too(worker: WorkerProc) -> None:
     assert deltas == " ".join(token_text(sid, 1, i) for i in range(100))
     assert got[-1]["response"]["status"] == "incomplete"  # max_output_tokens reached
     await again.close()
+
+
+async def test_a_draining_worker_still_takes_reattaches() -> None:
+    """SIGTERM: new plain upgrades get 503, a reattach is served; a parked session holds the
+    drain open and ends with the rest at the drain grace."""
+    w = start_worker("--tokens-per-s", str(RATE), "--drain-grace", "2", credential=True)
+    try:
+        sid = new_sid()
+        ws = await open_parked(w, sid)
+        await ws.send(json.dumps({"type": "prompt", "text": "hi", "max_tokens": 5000}))
+        got = [await recv(ws) for _ in range(5)]
+        drop(ws)
+        await parked(w, 1)
+        w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the drain has begun once health says so
+            async with aiohttp.ClientSession() as http, http.get(f"{w.http}/healthz") as r:
+                if r.status == 503:
+                    break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        status, _ = await refused(w, {**WORKER_AUTH, "X-Session-Id": new_sid()})
+        assert status == 503
+        again = await reattach(w, sid, len(got))
+        for _ in range(20):
+            got.append(await recv(again))
+        assert [m["i"] for m in got[1:]] == list(range(len(got) - 1))
+        drop(again)
+        await parked(w, 1)
+        # Still open: it ends at the drain grace, and the worker exits cleanly.
+        assert await asyncio.to_thread(w.proc.wait, TIMEOUT) == 0
+        log = w.stderr()
+        assert "Traceback" not in log, log
+    finally:
+        w.stop()
