@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
+from balancer.contract import peer_credential
 from bench.lib.resumer import Resumer
 from tests.engines import EngineSetupError, LlamaServer, gemma_gguf, llama_server
-from tests.procs import Procs, free_port, wait_port
+from tests.procs import WORKER_TOKEN, Procs, Worker, Wslb, free_port, pool_config, wait_port
 from tests.test_bridge import STORY, BridgeProc
-from tests.tier import Tier, until, workers
+from tests.tier import Tier, metric, until, workers
 
 TOKENS = 60
 
@@ -199,3 +203,74 @@ async def test_engine_bridges_lose_no_answer_to_a_lost_instance(tmp_path: Path, 
         assert sum(c.reconnects for c in clients) == max(held) > 0
         for c in clients:
             await c.close()
+
+
+# -- the tier's own headers, as an attacker sends them --------------------------------------
+
+
+@pytest.fixture
+def lone(tmp_path: Path) -> Any:
+    """One instance (no cluster), resume on, in front of one reference worker."""
+    w = Worker("a1", ["--tokens-per-s", "200"]).start()
+    cfg = pool_config([{"id": w.id, "url": w.url}], resume={"enabled": True})
+    lb = Wslb(cfg, tmp_path).start()
+    try:
+        yield lb
+    finally:
+        lb.stop()
+        w.kill()
+
+
+async def _refusal(url: str, headers: dict[str, str]) -> int:
+    try:
+        async with connect(url, additional_headers=headers, open_timeout=5):
+            return 101
+    except InvalidStatus as exc:
+        return exc.response.status_code
+
+
+async def test_a_forged_peer_header_buys_no_free_guesses(lone: Wslb) -> None:
+    """``X-WSLB-Peer`` without the tier's credential is any client's header: its failed
+    resumes are counted and throttled (10 per 10 s), as without it."""
+    forged = {"X-WSLB-Peer": "peer-" + "0" * 64, "X-WSLB-Peer-Client": "203.0.113.9"}
+    statuses = []
+    for i in range(11):
+        headers = {**forged, "X-WSLB-Resume-Token": f"guess{i:02d}" + "x" * 20}
+        statuses.append(
+            await _refusal(f"{lone.url}/ws?session=alice", {**headers, "X-WSLB-Resume-From": "3"})
+        )
+    assert statuses == [409] * 10 + [429], statuses
+    assert metric(lone, "wslb_resumes_total", result="unknown") == 10
+
+
+async def test_a_carried_miss_is_the_receivers_to_count(lone: Wslb) -> None:
+    """With the tier's credential (an instance), a miss is a plain 409, counted and throttled
+    by the instance that carried it, not here; nothing is carried on or reattached."""
+    peer = {"X-WSLB-Peer": peer_credential(WORKER_TOKEN), "X-WSLB-Peer-Client": "203.0.113.9"}
+    statuses = []
+    for i in range(12):
+        headers = {**peer, "X-WSLB-Resume-Token": f"miss{i:02d}" + "x" * 20}
+        headers["X-WSLB-Resume-From"] = "1"
+        statuses.append(await _refusal(f"{lone.url}/ws?session=bob", headers))
+    assert statuses == [409] * 12, statuses
+    assert metric(lone, "wslb_resumes_total", result="unknown") == 0
+    assert metric(lone, "wslb_resumes_total", result="reattached") == 0
+
+
+async def test_a_clients_park_and_reattach_headers_never_reach_the_worker(lone: Wslb) -> None:
+    """A client sending the worker's own reattach headers through wslb to take alice's session:
+    they are dropped (were they forwarded, the worker would refuse the proxied credential with
+    401); the client gets a new session of its own and alice's answer goes on."""
+    alice = await opened(lone.url, "alice")
+    await alice.send({"type": "prompt", "text": "q", "max_tokens": 3})
+    forged = {
+        "X-WSLB-Reattach": "alice",
+        "X-WSLB-Reattach-From": "0",
+        "X-WSLB-Park": "base=0; grace=30; window=65536; token=" + "0" * 64,
+    }
+    async with connect(f"{lone.url}/ws?session=mallory", additional_headers=forged) as ws:
+        hello = json.loads(await ws.recv())
+        assert hello == {"type": "hello", "worker": "a1", "session": "mallory"}, hello
+    while (await alice.recv())["type"] != "done":
+        pass
+    await alice.close()
