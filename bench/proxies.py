@@ -75,6 +75,7 @@ from bench.lib.launch import Procs, free_port, wait_port  # noqa: E402
 from bench.lib.launch import Wslb as WslbProcess  # noqa: E402
 from bench.lib.load import ClientProc, Target  # noqa: E402
 from bench.lib.machine import command_output, loadavg, lscpu, machine, machine_line, source_state  # noqa: E402
+from bench.lib.nginx import nginx_binary, nginx_config  # noqa: E402
 from bench.lib.rawws import (  # noqa: E402
     IP_BIND_ADDRESS_NO_PORT,
     SNI,
@@ -403,7 +404,8 @@ def _host_ports(backends: Sequence[str]) -> list[tuple[str, int]]:
 
 
 class Nginx(Proxy):
-    """nginx as a WebSocket reverse proxy, hashing ``?session=`` consistently over the workers."""
+    """nginx as a WebSocket reverse proxy, hashing ``?session=`` consistently over the workers
+    (``bench.lib.nginx``'s config)."""
 
     kind = "nginx"
 
@@ -412,66 +414,20 @@ class Nginx(Proxy):
         d = procs.logdir / "nginx"
         d.mkdir(exist_ok=True)
         (d / "nginx.conf").write_text(self.config(d, procs.logdir, backends))
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        nginx = nginx_binary()
         self._launch(procs, [nginx, "-p", f"{d}/", "-c", f"{d}/nginx.conf", "-e", f"{d}/e.log"])
 
     def config(self, d: Path, logdir: Path, backends: Sequence[str]) -> str:
-        """nginx.conf. With TLS, as nginx's "Configuring HTTPS servers" has it: ``listen ...
-        ssl``, the certificate and key, a shared session cache (its "HTTPS server
-        optimization"); TLS 1.2 and 1.3, session tickets on (the defaults)."""
-        servers = "".join(f"    server {h}:{p};\n" for h, p in _host_ports(backends))
-        temp = "".join(
-            f"  {k}_temp_path {d}/{k};\n"
-            for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        servers = _host_ports(backends)
+        return nginx_config(
+            d,
+            logdir,
+            self.port,
+            servers,
+            cores=self.cores,
+            tls=self.tls,
+            plain_port=self.plain_port,
         )
-        listen = f"    listen 127.0.0.1:{self.port} backlog=4096;\n"
-        if self.tls is not None:
-            listen = (
-                f"    listen 127.0.0.1:{self.port} ssl backlog=4096;\n"
-                f"    listen 127.0.0.1:{self.plain_port} backlog=4096;\n"
-                f"    ssl_certificate {self.tls.cert};\n"
-                f"    ssl_certificate_key {self.tls.key};\n"
-                "    ssl_protocols TLSv1.2 TLSv1.3;\n"
-                "    ssl_session_cache shared:SSL:10m;\n"
-                "    ssl_session_timeout 10m;\n"
-            )
-        return f"""\
-daemon off;
-master_process on;
-worker_processes {self.cores};
-worker_rlimit_nofile {nofile()};
-pid {d}/nginx.pid;
-error_log {logdir}/nginx-error.log warn;
-events {{
-  worker_connections {nofile() - 100};
-  use epoll;
-}}
-http {{
-  access_log off;
-{temp}
-  map $http_upgrade $connection_upgrade {{
-    default upgrade;
-    ''      close;
-  }}
-  upstream workers {{
-    hash $arg_session consistent;
-{servers}  }}
-  server {{
-{listen}    location / {{
-      proxy_pass http://workers;
-      proxy_http_version 1.1;
-      proxy_set_header Upgrade $http_upgrade;
-      proxy_set_header Connection $connection_upgrade;
-      proxy_set_header Host $host;
-      proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-      proxy_connect_timeout 5s;
-      proxy_read_timeout 1h;
-      proxy_send_timeout 1h;
-      proxy_buffering off;
-    }}
-  }}
-}}
-"""
 
 
 class Haproxy(Proxy):

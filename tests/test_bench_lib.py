@@ -146,14 +146,15 @@ def _allowed(mod: str, in_lib: bool) -> bool:
     if top == "bench":
         return mod == "bench.lib" or mod.startswith("bench.lib.")
     if top == "tests":
-        return not in_lib and (mod == "tests.engines" or mod.startswith("tests.engines."))
+        return not in_lib and mod in ("tests.engines", "tests.tier")
     return True
 
 
 def test_no_bench_script_imports_another_nor_the_tests() -> None:
     """What the scripts share lives in bench/lib, so that a script can change without breaking
     another and the launcher has one home (tests/procs.py re-exports it). Of tests/ a script
-    may use only the llama-server build cache (tests.engines); bench/lib nothing at all."""
+    may use only the llama-server build cache (tests.engines) and the etcd-and-HAProxy tier
+    (tests.tier); bench/lib nothing at all."""
     scripts = sorted(p for p in BENCH.glob("*.py") if p.name != "__init__.py")
     lib = sorted((BENCH / "lib").glob("*.py"))
     assert len(scripts) >= 9 and lib

@@ -76,6 +76,7 @@ class Tier:
         self.lbs: list[Wslb] = [self._new() for _ in range(instances)]
         self.port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None
+        self.old_proxies: list[subprocess.Popen[bytes]] = []  # reloaded, finishing their own
         self.conf = tmp / "haproxy.cfg"
 
     @property
@@ -110,15 +111,18 @@ class Tier:
         """(Re)start HAProxy on the live instances (a rollout's new pod joins the Service)."""
         self.conf.write_text(self._haproxy_conf())
         old = self.proxy
-        if old is not None:
-            old.terminate()
-            old.wait(10)
+        # A reload, as HAProxy's own: the new process binds beside the old (SO_REUSEPORT) and
+        # ``-sf`` soft-stops the old one, which serves its connections until they close; a
+        # hard stop would cut every client at once.
+        soft = ["-sf", str(old.pid)] if old is not None and old.poll() is None else []
         with (self.tmp / "haproxy.log").open("ab") as log:
             self.proxy = subprocess.Popen(
-                [haproxy_binary(), "-db", "-f", str(self.conf)],
+                [haproxy_binary(), "-db", "-f", str(self.conf), *soft],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )
+        if old is not None:
+            self.old_proxies.append(old)
         wait_port(self.port, proc=self.proxy)
 
     def add(self) -> Wslb:
@@ -153,8 +157,9 @@ class Tier:
         )
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            stop(self.proxy, 5)
+        for proxy in [*self.old_proxies, self.proxy]:
+            if proxy is not None:
+                stop(proxy, 5)
         for lb in self.lbs:
             if lb.proc is not None:
                 lb.stop()
