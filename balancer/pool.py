@@ -517,7 +517,7 @@ class Pool:
         if self.shared is not None:
             self.shared.remember(key, backend.id, first)
         if self.placements is not None:
-            self.placements.remember(key, backend.id, first)
+            self.placements.remember(key, backend.id, self._kept_first(key, backend.id, first))
         aff.move_to_end(key)
         conv = self._convs.get(key)
         if conv is None:
@@ -530,6 +530,18 @@ class Pool:
         return next(
             (bid for bid in self.ring.walk(key) if (b := self.backends.get(bid)) and b.ready), None
         )
+
+    def _kept_first(self, key: str, backend_id: str, first: str | None) -> str | None:
+        """The first backend to record with a cluster placement: a key back on its home while
+        the first of its placement is not ready keeps that one, so that backend's return does
+        not take the key from the worker holding its conversation (``selection``'s sticky
+        homes: only a backend ahead of the recorded first takes keys back)."""
+        assert self.placements is not None
+        prev = self.placements.recall(key, AFFINITY_TTL)
+        if prev is None or prev[0] != backend_id or prev[1] == first or prev[1] is None:
+            return first
+        was = self.backends.get(prev[1])
+        return prev[1] if was is None or not was.ready else first
 
     def attach_request(self, backend: Backend) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:

@@ -53,8 +53,10 @@ on ``balance``. Nothing here imports the pool.
   key goes home, with neither the ceiling nor the cost rule. Both read a load view that is each
   instance's own (its sessions and holds now, the others' as of its last scrape), so applying
   them would send one key to different workers from different instances; the key's worker is
-  a fact every instance shares instead. Only new keys, and keys whose home is not ready or
-  whose first ready backend changed, are placed by the bounded-load rules.
+  a fact every instance shares instead. A backend going down that was the key's first then
+  does not send it away from a home still up (there is nothing to return to); a backend ahead
+  of that one coming back does, as above. So only new keys, keys whose home is not ready, and
+  keys a returning backend takes back are placed by the bounded-load rules.
 
 A key holding a place on a ready backend is already counted there: placing it anywhere adds
 nothing to the total, and taking its own place back adds nothing there.
@@ -204,7 +206,7 @@ def consistent(
     first = on_ring[0].id if on_ring else None
     home: Backend | None = None
     if remembered is not None:
-        if remembered[1] == first:
+        if remembered[1] == first or (sticky and remembered[1] not in by_id):
             home = by_id.get(remembered[0])
     else:
         home = holder

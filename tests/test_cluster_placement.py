@@ -25,8 +25,17 @@ from balancer.ring import Ring
 from tests.etcd import Etcd
 from tests.procs import Worker, Wslb
 from tests.test_cluster_etcd import PREFIX, cluster_config, until, worker_for
+from tests.test_pool import make_pool, peek, place
 
 # -- the table alone (sans-I/O) ------------------------------------------------------------
+
+
+def keys_first_on(worker: str, n: int, tag: str, ids: list[str] | None = None) -> list[str]:
+    """``n`` keys whose first backend on the ring (of ``ids``, the tier's by default) is
+    ``worker``."""
+    ring = Ring(dict.fromkeys(ids or IDS, 1.0))
+    out = [k for i in range(2000) if next(ring.walk(k := f"{tag}-{i}")) == worker]
+    return out[:n]
 
 
 def test_table_reads_its_own_writes_and_follows_etcd() -> None:
@@ -79,20 +88,53 @@ def test_snapshot_keeps_placements_out_of_the_diff() -> None:
     assert snap.event({"kv": state}) is True
 
 
+def test_pool_sends_a_returning_key_home_whatever_its_own_view() -> None:
+    """Two pools, two instances' views of one tier sharing one table: a key placed by one goes
+    to the same worker from the other, whose bound and ceiling would have moved it."""
+    shared = Placements()
+    one, two = make_pool(3), make_pool(3)
+    for pool in (one, two):
+        pool.placements = shared.view("p")
+    key = "k"
+    home = place(one, key)
+    # The other instance sees the key's worker far above any bound of its own view.
+    two.backends[home].remote_sessions = 50
+    assert peek(two, key) == home
+    # A standalone pool with the same view moves it (the ceiling).
+    alone = make_pool(3)
+    alone.backends[home].remote_sessions = 50
+    assert peek(alone, key) != home
+    # Its home not ready: the ring decides, and the new placement is the tier's.
+    two.backends[home].set_health(False)
+    moved = place(two, key)
+    assert moved != home and peek(one, key) == moved
+
+
+def test_a_backend_going_and_coming_back_leaves_keys_pushed_off_it_home() -> None:
+    """A key the bound pushed off its first backend stays on its worker while that first
+    backend goes down and comes back (nothing to return to); a key placed while a backend
+    ahead of its first was down goes back to it."""
+    shared = Placements()
+    pool = make_pool(3)
+    pool.placements = shared.view("p")
+    first = "w0"
+    keys = keys_first_on(first, 12, "k", ["w0", "w1", "w2"])
+    homes = {k: place(pool, k) for k in keys}
+    pushed = [k for k, h in homes.items() if h != first]
+    assert pushed
+    for k in keys:
+        pool.detach(pool.backends[homes[k]], k)
+    pool.hold_s = 0.0
+    pool.backends[first].set_health(False)
+    for k in pushed:
+        pool.detach(pool.backends[place(pool, k)], k)  # back home, while w0 is down
+    pool.backends[first].set_health(True)
+    assert {k: peek(pool, k) for k in pushed} == {k: homes[k] for k in pushed}
+
+
 # -- a tier of three instances -------------------------------------------------------------
 
 IDS = ["w0", "w1", "w2"]
-RING = Ring(dict.fromkeys(IDS, 1.0))
-
-
-def ring_first(key: str) -> str:
-    return next(RING.walk(key))
-
-
-def keys_first_on(worker: str, n: int, tag: str) -> list[str]:
-    """``n`` keys whose first backend on the ring is ``worker``."""
-    out = [k for i in range(2000) if ring_first(k := f"{tag}-{i}") == worker]
-    return out[:n]
 
 
 def placements_known(lb: Wslb) -> float:
