@@ -4,7 +4,7 @@ A tier is several instances behind a load balancer that picks one per connection
 whose connection dropped may reconnect through an instance that does not hold its session. That
 instance (the *receiver*) carries the reconnect to the one that does (the *holder*):
 
-1. The receiver asks each other live instance in turn (their client listeners, from the records
+1. The receiver asks every other live instance at once (their client listeners, from the records
    they keep in etcd: ``Cluster.peers``) by sending the client's upgrade request as it came,
    with ``X-WSLB-Peer`` (``contract.peer_credential`` of the tier's worker secret: only an
    instance holding that secret is believed) and ``X-WSLB-Peer-Client`` (the client's address,
@@ -18,7 +18,8 @@ instance (the *receiver*) carries the reconnect to the one that does (the *holde
    hop. Either side's end ends the other (a FIN is passed on as a FIN).
 4. No holder answers: the caller tries the workers (``proxy.py``: a worker that parks).
 
-The receiver stops at the first ``101``; an instance it cannot reach costs a refused connect. A
+The receiver takes the first ``101`` (only the holder gives one); an instance it cannot reach
+delays no answer from the others. A
 receiver that shuts down ends its carried connections: the client sees its connection drop
 without a close and resumes again, the holder sees its client leave and keeps the session.
 """
@@ -181,6 +182,47 @@ class Splice(asyncio.Protocol):
             self.transport.abort()
 
 
+async def _ask(
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    where: dict[str, Any],
+    request: bytes,
+    connect_timeout: float,
+    answer_timeout: float,
+) -> tuple[asyncio.Transport, bytes, bytes] | None:
+    """Offer ``request`` to one peer: its transport (reading paused), the 101's head and what
+    came after it, or None (unreachable, or not the holder: a 409)."""
+    host, port, tls = where.get("host"), where.get("port"), bool(where.get("tls"))
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None
+    ctx: ssl.SSLContext | None = None
+    if tls:  # one of the tier: authenticated by the credential it is shown, not its name
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    try:
+        transport, answer = await asyncio.wait_for(
+            loop.create_connection(lambda: _Answer(request), host, port, ssl=ctx),
+            connect_timeout,
+        )
+    except (OSError, TimeoutError) as exc:
+        log.debug("peer %s unreachable: %s", name, exc)
+        return None
+    try:
+        status, head, rest = await asyncio.wait_for(answer.done, answer_timeout)
+    except (ConnectionError, TimeoutError) as exc:
+        log.info("peer %s gave no answer to a carried resume: %s", name, exc)
+        transport.abort()
+        return None
+    except asyncio.CancelledError:
+        transport.abort()
+        raise
+    if status != 101:
+        transport.close()
+        return None
+    return transport, head, rest
+
+
 async def carry(
     loop: asyncio.AbstractEventLoop,
     client: asyncio.Transport,
@@ -190,49 +232,44 @@ async def carry(
     connect_timeout: float,
     answer_timeout: float,
 ) -> str | None:
-    """Offer ``request`` to each peer in turn; on the first ``101`` splice ``client`` to it
-    and return the peer's name; None when no peer holds the session (nothing was written to
-    the client)."""
-    for name, where in peers:
-        host, port, tls = where.get("host"), where.get("port"), bool(where.get("tls"))
-        if not isinstance(host, str) or not isinstance(port, int):
-            continue
-        ctx: ssl.SSLContext | None = None
-        if tls:  # the instances' own certificate: the holder is one of the tier
-            ctx = ssl.create_default_context()
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        try:
-            transport, answer = await asyncio.wait_for(
-                loop.create_connection(lambda: _Answer(request), host, port, ssl=ctx),
-                connect_timeout,
-            )
-        except (OSError, TimeoutError) as exc:
-            log.debug("peer %s unreachable: %s", name, exc)
-            continue
-        try:
-            status, head, rest = await asyncio.wait_for(answer.done, answer_timeout)
-        except (ConnectionError, TimeoutError) as exc:
-            log.info("peer %s gave no answer to a carried resume: %s", name, exc)
-            transport.abort()
-            continue
-        if status != 101:
-            transport.close()
-            continue
-        if client.is_closing():
-            transport.abort()
-            return name
-        near, far = Splice(registry), Splice(registry)
-        near.other, far.other = far, near
-        client.set_protocol(near)
-        near.connection_made(client)
-        transport.set_protocol(far)
-        far.connection_made(transport)
-        client.write(head)
-        if rest:
-            client.write(rest)
-        with contextlib.suppress(RuntimeError):
-            client.resume_reading()
-            transport.resume_reading()
+    """Offer ``request`` to every peer at once (only the holder can answer ``101``: the others
+    answer ``409``, and one that is unreachable costs no one else its timeout); on the first
+    ``101`` splice ``client`` to it and return the peer's name; None when no peer holds the
+    session (nothing was written to the client)."""
+    asks = {
+        loop.create_task(_ask(loop, name, where, request, connect_timeout, answer_timeout)): name
+        for name, where in peers
+    }
+    found: tuple[str, tuple[asyncio.Transport, bytes, bytes]] | None = None
+    try:
+        pending = set(asks)
+        while pending and found is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                got = task.result()
+                if got is not None and found is None:
+                    found = (asks[task], got)
+                elif got is not None:  # a second 101 cannot be: the session is one
+                    got[0].abort()
+    finally:
+        for task in asks:
+            task.cancel()
+    if found is None:
+        return None
+    name, (transport, head, rest) = found
+    if client.is_closing():
+        transport.abort()
         return name
-    return None
+    near, far = Splice(registry), Splice(registry)
+    near.other, far.other = far, near
+    client.set_protocol(near)
+    near.connection_made(client)
+    transport.set_protocol(far)
+    far.connection_made(transport)
+    client.write(head)
+    if rest:
+        client.write(rest)
+    with contextlib.suppress(RuntimeError):
+        client.resume_reading()
+        transport.resume_reading()
+    return name
