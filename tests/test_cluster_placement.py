@@ -227,6 +227,20 @@ async def test_reconnect_through_any_instance_reaches_the_same_worker(tmp_path: 
             for t in writes
             if (m := re.search(r"^wslb_cluster_placement_writes_total (\S+)$", t, re.M))
         ]
+
+        # The placements outlive the instance that made them: A goes, a new instance D
+        # learns them from its full read and sends A's keys where A placed them.
+        for ws in held:
+            await ws.close()
+        held.clear()
+        a.stop()
+        d = tier(etcd, workers, tmp_path, "0.3s")[0]
+        lbs.append(d)
+        await start([d])
+        await until(lambda: placements_known(d) >= 134, 5, "D read the placements")
+        by_a = [k for k in keys if placed[k][0] == 0]
+        assert [await worker_for(d, k) for k in by_a] == [placed[k][1] for k in by_a]
+        figures["after_instance_loss"] = f"{len(by_a)}/{len(by_a)}"
     finally:
         print("\nplacement figures:", json.dumps(figures))
         for ws in held:
@@ -277,6 +291,33 @@ async def test_the_reports_two_cases(tmp_path: Path) -> None:
     finally:
         for ws in held:
             await ws.close()
+        for lb in lbs:
+            if lb.proc is not None:
+                lb.stop()
+        for w in workers:
+            w.stop()
+        etcd.stop()
+
+
+async def test_placements_made_while_etcd_is_away_go_out_when_it_is_back(tmp_path: Path) -> None:
+    etcd = Etcd(tmp_path / "etcd").start()
+    workers = [Worker(w).start() for w in IDS]
+    a, b = lbs = tier(etcd, workers, tmp_path, "0.3s", "0.3s")
+    try:
+        await start(lbs)
+        etcd.stop()
+        await until(lambda: not a.admin("/readyz")["cluster"]["connected"], 5, "A notices")
+        keys = [f"away-{i}" for i in range(20)]
+        homes = [await worker_for(a, k) for k in keys]
+        assert [await worker_for(a, k) for k in keys] == homes  # A remembers its own
+        assert placements_known(a) == 20 and placements_known(b) == 0
+        etcd.start()
+        took = await until(lambda: placements_known(b) == 20, 10, "B learns A's placements")
+        print(f"\nplacements made while etcd was away reached the other instance {took:.2f}s "
+              "after etcd came back")  # fmt: skip
+        assert [await worker_for(b, k) for k in keys] == homes
+        assert "wslb_cluster_placement_writes_dropped_total 0.0" in a.admin("/metrics")
+    finally:
         for lb in lbs:
             if lb.proc is not None:
                 lb.stop()
