@@ -198,6 +198,9 @@ class ParkState(enum.Enum):
     ENDED = "ended"
 
 
+_ATTACHED: Final = ParkState.ATTACHED
+
+
 class Park:
     """One connection's park (the rules: the module docstring)."""
 
@@ -220,12 +223,16 @@ class Park:
         """A message now would exceed the bound while no leg takes it: the sender waits."""
         return self.state is not ParkState.ATTACHED and self.window.size >= self.params.window
 
-    def record(self, text: str) -> None:
-        """A message sent: into the window (trimmed while attached)."""
+    def record(self, text: str) -> bool:
+        """A message sent: into the window (trimmed while attached). True when attached: the
+        leg takes it too."""
         window = self.window
         window.append(text)
-        if self.state is ParkState.ATTACHED:
-            window.trim(self.params.window)
+        if self.state is _ATTACHED:
+            if window.size > self.params.window:
+                window.trim(self.params.window)
+            return True
+        return False
 
     def lost(self) -> None:
         """The leg ended without a close frame."""

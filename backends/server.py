@@ -126,6 +126,8 @@ __all__ = [
     "worker_auth_from_args",
 ]
 
+_ATTACHED = ParkState.ATTACHED  # one global read per message, not an enum lookup
+
 REATTACH_RESULTS = ("resumed", "unknown", "expired", "count_ahead", "taken_over")
 """``wslb_worker_reattaches_total``'s results."""
 
@@ -274,7 +276,8 @@ class Connection(abc.ABC, Generic[Q]):
             self.sent += 1
             await self.ws.send_str(dumps(obj))
             return
-        while park.must_wait():  # no leg and the window full: the answer pauses, never drops
+        while park.state is not _ATTACHED and park.must_wait():
+            # No leg and the window full: the answer pauses; a message is never dropped.
             self._room.clear()
             self.waiting = True  # a token may be made and not sent: no freeze meanwhile
             try:
@@ -285,11 +288,13 @@ class Connection(abc.ABC, Generic[Q]):
                 raise ConnectionResetError("session ended")
         text = dumps(obj)
         self.sent += 1
-        park.record(text)
-        if park.attached:
+        if park.record(text):
             # A lost leg is no error here: the text is in the window, and the reader parks.
-            with contextlib.suppress(ConnectionError):
+            # (try, not contextlib.suppress: no object per message on the hot path)
+            try:  # noqa: SIM105
                 await self.ws.send_str(text)
+            except ConnectionError:
+                pass
 
     def wake(self) -> None:
         """A parked ``send`` may look again: a leg is back, or the park ended."""
@@ -1118,7 +1123,7 @@ class Server(abc.ABC, Generic[ConfigT, ConnT, StateT, ClaimT]):
         on a leg (a takeover)."""
         parked = self._parked.get(sid)
         if parked is not None:
-            return parked
+            return parked if _parkable(parked) else None  # its answer task died: let it expire
         conns: list[ConnT] = self._by_session.get(sid, [])
         for conn in conns[::-1]:
             if _parkable(conn):
