@@ -473,3 +473,42 @@ async def test_a_draining_worker_still_takes_reattaches() -> None:
         assert "Traceback" not in log, log
     finally:
         w.stop()
+
+
+async def test_a_responses_session_parks_too(worker: Server) -> None:
+    """The Responses API's WebSocket mode: no greeting, events numbered from the first one."""
+    sid = new_sid()
+    path = "/v1/responses"
+    ws = await open_parked(worker, sid, path=path)
+    create = {"type": "response.create", "input": "hi", "max_output_tokens": 100}
+    await ws.send(json.dumps(create))
+    got = [await recv(ws) for _ in range(12)]
+    drop(ws)
+    await parked(worker, 1)
+    again = await reattach(worker, sid, len(got), path=path)
+    for _ in range(10_000):
+        got.append(await recv(again))
+        if got[-1]["type"] in ("response.completed", "response.incomplete"):
+            break
+    assert [m["sequence_number"] for m in got] == list(range(len(got)))
+    deltas = "".join(m["delta"] for m in got if m["type"] == "response.output_text.delta")
+    assert deltas == " ".join(token_text(sid, 1, i) for i in range(100))
+    await again.close()
+
+
+async def test_a_parked_session_is_not_frozen(worker: Server) -> None:
+    """A freeze needs the session on its leg: a parked one gets 409 and stays parked."""
+    sid = new_sid()
+    ws = await open_parked(worker, sid)
+    await ws.send(json.dumps({"type": "prompt", "text": "hi", "max_tokens": 100}))
+    got = [await recv(ws) for _ in range(3)]
+    drop(ws)
+    await parked(worker, 1)
+    headers = {**WORKER_AUTH, "Content-Type": "application/json"}
+    url = f"{worker.http}/wslb/sessions/{sid}/freeze"
+    async with aiohttp.ClientSession() as http, http.post(url, data=b"{}", headers=headers) as r:
+        assert r.status == 409 and "parked" in (await r.json())["error"]
+    again = await reattach(worker, sid, len(got))
+    await read_to_done(again, got)
+    check_answer(sid, got, 100)
+    await again.close()
