@@ -148,6 +148,10 @@ class Resumer:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 1.0)
 
+    async def resume(self) -> None:
+        """Reconnect now with the token and count (after ``drop``, say): a burst of resumes."""
+        await self._resume("asked")
+
     def drop(self) -> None:
         """Cut the connection without a close (a network change)."""
         if self.ws is not None:
