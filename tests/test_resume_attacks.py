@@ -28,7 +28,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.http11 import Request, Response
 
 from balancer.config import ConfigError, parse
-from balancer.resume import FailureThrottle
+from balancer.resume import FailureThrottle, token_digest
 from balancer.session_core import Mode, ResumeRefused, SessionCore
 from tests.procs import Worker, Wslb, free_port, pool_config
 from tests.test_auth import SECRET, token
@@ -307,11 +307,16 @@ async def test_no_x_wslb_header_from_a_client_reaches_a_websocket_worker(tmp_pat
         finally:
             lb.stop()
     assert len(seen) == 2  # the upgrade (the resume went to the same connection), the request
-    for req in seen:  # wslb's own credential only, never the client's forgery
+    for req in seen:  # wslb's own headers only, never the client's forgery
         wslb_headers = [(k.lower(), v) for k, v in req.headers.raw_items()]
         wslb_headers = [(k, v) for k, v in wslb_headers if k.startswith("x-wslb-")]
-        assert all(k == "x-wslb-worker-token" for k, _ in wslb_headers), (req.path, wslb_headers)
-        assert all("forged" not in v for _, v in wslb_headers) and len(wslb_headers) <= 1
+        names = [k for k, _ in wslb_headers]
+        assert set(names) <= {"x-wslb-worker-token", "x-wslb-park"}, (req.path, wslb_headers)
+        assert all("forged" not in v for _, v in wslb_headers) and len(set(names)) == len(names)
+        # The park parameters of an upgrade are wslb's: the session's count, its token's digest.
+        for k, v in wslb_headers:
+            if k == "x-wslb-park":
+                assert v.startswith("base=0;") and v.endswith(token_digest(t).hex()), v
 
 
 @needs_lanes
