@@ -313,6 +313,7 @@ async def _tier_measure(
         t_ev = time.monotonic()
         resumes: Counter[str] = Counter()
         started_cpu = 0.0
+        started_rss: list[int] = []
         steps: list[dict[str, float]] = []
         olds = list(tier.lbs)
         if how == "kill":
@@ -322,6 +323,7 @@ async def _tier_measure(
             new = await asyncio.to_thread(tier.add)
             t_added = time.monotonic()
             started_cpu += process_cpu_seconds(new.pid)
+            started_rss.append(rss_bytes([new.pid]))
             resumes += resumes_by_result(await asyncio.to_thread(old.admin, "/metrics"))
             if how == "kill":
                 old.kill()
@@ -380,7 +382,9 @@ async def _tier_measure(
         "moved": len(moved),
         "reconnects": sum(s.c.reconnects for s in streams),
         "reconnect_outcomes": dict(outcomes),
+        "retries": dict(Counter(x for s in streams for x in s.c.retries)),
         "resumes_total": dict(resumes),
+        "n_retries": sum(len(s.c.retries) for s in streams),
         "tokens": sum(s.tokens for s in streams),
         "lost": sum(s.lost for s in streams),
         "repeated": sum(s.repeated for s in streams),
@@ -410,6 +414,7 @@ async def _tier_measure(
             "post": mb(statistics.mean(s.lb_rss for s in post)) if post else math.nan,
             "workers_steady": mb(w_steady),
             "workers_peak": mb(max((s.w_rss for s in during), default=0)),
+            "new_instance": mb(statistics.mean(started_rss)),
         },
     }
 
@@ -490,6 +495,14 @@ def tier_report(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[st
             f"- wslb RSS MB, all live instances: steady {_spread(rs, 'rss_mb.steady')}, peak "
             f"{_spread(rs, 'rss_mb.peak')}, after {_spread(rs, 'rss_mb.post')}; workers steady "
             f"{_spread(rs, 'rss_mb.workers_steady')}, peak {_spread(rs, 'rss_mb.workers_peak')}"
+        )
+        w(f"- a new instance's RSS once ready: {_spread(rs, 'rss_mb.new_instance')} MB")
+        retries = Counter[str]()
+        for r in rs:
+            retries.update(r["retries"])
+        w(
+            f"- failed reconnect attempts before the resume (all runs): {dict(retries)}; "
+            f"per run {_spread(rs, 'n_retries')}"
         )
         w(
             f"- client event-loop lag in the window p99: {_spread(rs, 'client_lag_s.p99', 1e3)}"

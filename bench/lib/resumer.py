@@ -47,6 +47,7 @@ class Resumer:
     reconnects: int = 0
     gaps: list[float] = field(default_factory=list)  # seconds from a drop to the resumed 101
     outcomes: list[str] = field(default_factory=list)  # how each drop ended
+    retries: list[str] = field(default_factory=list)  # each failed reconnect: status or error
     last_at: float = 0.0
     pending: list[str | bytes] = field(default_factory=list)  # read while resuming a send
 
@@ -130,8 +131,9 @@ class Resumer:
                 if status == 409:
                     raise SessionLost(f"409 {exc.response.body!r}") from None
                 # 429, 502, 503: the tier is busy or moving; try again
+                self.retries.append(str(status))
             except (OSError, TimeoutError, ConnectionClosed) as exc:
-                _ = exc
+                self.retries.append(type(exc).__name__)
             else:
                 assert ws.response is not None
                 got = ws.response.headers.get("X-WSLB-Resumed")
