@@ -98,6 +98,7 @@ class Listeners:
         self._factories: list[Callable[[], asyncio.BaseProtocol]] = []
         self.adopted: list[socket.socket] | None = None  # a restart's: the old code's sockets
         self._spare: list[socket.socket] = []  # copies kept while a restart hands on
+        self._handshakes: tls.Admission[tls.TlsGate] = tls.Admission()  # all TLS listeners'
 
     async def start(self) -> None:
         for i, lst in enumerate(self.listen):
@@ -114,7 +115,9 @@ class Listeners:
             )
             factory: Callable[[], asyncio.BaseProtocol] = app
             if ctx is not None:  # TLS by each connection's gate: failed handshakes are logged
-                factory = tls.gate_factory(ctx, app, self.state.timeouts.handshake, self._failed)
+                factory = tls.gate_factory(
+                    ctx, app, self.state.timeouts.handshake, self._failed, self._handshakes
+                )
             self._factories.append(factory)
             if self.adopted is not None and i < len(self.adopted):
                 server = await self.state.loop.create_server(
