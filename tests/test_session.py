@@ -538,6 +538,7 @@ async def test_rule6_resume_on_a_new_leg_reads_the_client_again() -> None:
     class Up:
         extra = bytearray(_text('{"type":"token","turn":1,"i":0,"text":"a"}'))
         eof = False
+        parks = False
 
     nwt = FakeTransport()
     s.resume_on(pool.backends["w"], nwt, Up(), b"")
