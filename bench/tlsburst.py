@@ -231,21 +231,22 @@ def report(results: dict[tuple[str, int], list[Round]], labels: list[str]) -> st
     head = "| burst | " + " | ".join(labels) + " |"
     out = [head, "|" + "---|" * (len(labels) + 1)]
 
-    def row(name: str, fn: Any) -> None:
-        for n in sizes:
+    rows: list[tuple[str, Any]] = [
+        ("upgraded (101)", lambda r: r.count("101")),
+        ("refused (any status)", lambda r: r.count("refused") + r.count("http")),
+        ("timed out (client)", lambda r: r.count("timeout")),
+        ("reset or closed", lambda r: r.count("reset") + r.count("closed")),
+        ("other failures", lambda r: r.count("tls") + r.count("error")),
+        ("time to the last 101, ms", lambda r: r.last_101_ms),
+        ("time to the median 101, ms", lambda r: r.p50_101_ms),
+        ("wslb handshake timeouts", lambda r: r.server_timeouts),
+        ("frames/s after the burst", lambda r: r.frames_per_s),
+        ("sessions lost after 101", lambda r: r.lost),
+    ]
+    for n in sizes:
+        for name, fn in rows:
             cells = [med([fn(r) for r in results.get((lbl, n), [])]) for lbl in labels]
             out.append(f"| {n:,}: {name} | " + " | ".join(cells) + " |")
-
-    row("upgraded (101)", lambda r: r.count("101"))
-    row("refused (any status)", lambda r: r.count("refused") + r.count("http"))
-    row("timed out (client)", lambda r: r.count("timeout"))
-    row("reset or closed", lambda r: r.count("reset") + r.count("closed"))
-    row("other failures", lambda r: r.count("tls") + r.count("error"))
-    row("time to the last 101, ms", lambda r: r.last_101_ms)
-    row("time to the median 101, ms", lambda r: r.p50_101_ms)
-    row("wslb handshake timeouts", lambda r: r.server_timeouts)
-    row("frames/s after the burst", lambda r: r.frames_per_s)
-    row("sessions lost after 101", lambda r: r.lost)
     return "\n".join(out)
 
 
