@@ -83,7 +83,7 @@ from bench.lib.launch import WORKER_AUTH, Procs, Worker, Wslb, free_port, wait_p
 from bench.lib.machine import machine, machine_line, tree_state
 from bench.lib.nginx import nginx_binary, nginx_config
 from bench.lib.resumer import Resumer, SessionLost
-from bench.lib.script import log, raise_nofile, sigterm_as_interrupt
+from bench.lib.script import log, parse_args_quick, raise_nofile, sigterm_as_interrupt
 from bench.lib.stats import summary
 from tests.tier import Tier, haproxy_binary
 
@@ -759,15 +759,7 @@ QUICK = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:  # the quick values, except where the command line names one
-        for k, v in QUICK.items():
-            if getattr(args, k) == parser.get_default(k):
-                setattr(args, k, v)
-    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if not parts or not set(parts) <= set(PARTS):
-        raise SystemExit(f"--parts: {', '.join(PARTS)}")
+    args, parts = parse_args_quick(build_parser(), argv, QUICK, PARTS)
     signal.signal(signal.SIGTERM, sigterm_as_interrupt)
     raise_nofile()
     haproxy_binary()  # installed before anything is timed

@@ -12,9 +12,10 @@ connect, the TLS handshake and the 101), reset or closed, and the time from the 
 aborted at its handshake timeout (``wslb_tls_handshake_failures_total{reason="timeout"}``), and
 how many streaming sessions were lost after their 101.
 
-The proxies, their configs (TLS termination with one certificate, ``--tls-key``), the raw
-workers and the raw uvloop clients are ``bench/proxies.py``'s (``--wslb-variant NAME=PATH``
-runs another wslb source tree beside, e.g. the code before a change). nginx and HAProxy come
+The proxies are ``bench/lib/proxies.py``'s; their configs (TLS termination with one
+certificate, ``--tls-key``), the raw workers and the raw uvloop clients are
+``bench/proxies.py``'s (``--wslb-variant NAME=PATH`` runs another wslb source tree beside,
+e.g. the code before a change). nginx and HAProxy come
 from Debian. Not a test: it prints figures.
 """
 
@@ -46,6 +47,14 @@ if str(ROOT) not in sys.path:
 from bench.lib.launch import Procs, free_port, wait_port  # noqa: E402
 from bench.lib.load import ClientProc  # noqa: E402
 from bench.lib.machine import loadavg, machine_line  # noqa: E402
+from bench.lib.proxies import (  # noqa: E402
+    TARGETS,
+    Proxy,
+    Wslb,
+    ensure_installed,
+    outcome,
+    wslb_variant,
+)
 from bench.lib.rawws import (  # noqa: E402
     ClientConn,
     ClientStats,
@@ -56,14 +65,6 @@ from bench.lib.rawws import (  # noqa: E402
     upgrade_request,
 )
 from bench.lib.script import log, raise_nofile, require_modules, sigterm_as_interrupt  # noqa: E402
-from bench.proxies import (  # noqa: E402
-    TARGETS,
-    Proxy,
-    Wslb,
-    ensure_installed,
-    outcome,
-    wslb_variant,
-)
 
 # -- the client (its own process) ----------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+from bench.lib.proxies import Haproxy, Nginx, Wslb, outcome
 from bench.lib.rawws import (
     BLOCK,
     FRAME_LEN,
@@ -32,7 +33,7 @@ from bench.lib.rawws import (
     token_frame,
     upgrade_request,
 )
-from bench.proxies import Burst, Haproxy, Nginx, Wslb, build_parser, outcome, target_names
+from bench.proxies import Burst, build_parser, target_names
 
 
 def test_frames_round_trip() -> None:

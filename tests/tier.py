@@ -14,11 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests import installs
 from tests.etcd import Etcd
 from tests.procs import Worker, Wslb, free_port, pool_config, stop, wait_port
+from tests.test_http_proxy import metric
 
 __all__ = ["Tier", "haproxy_binary", "metric", "until"]
 
@@ -29,16 +28,6 @@ def haproxy_binary() -> str:
     """HAProxy from Debian's package (installed and proven here if missing)."""
     return installs.apt_binary(
         "haproxy", "haproxy", args=("-v",), after=("service", "haproxy", "stop")
-    )
-
-
-def metric(lb: Wslb, name: str, **labels: str) -> float:
-    """The sum of a family's samples named ``name`` whose labels include ``labels``."""
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(lb.admin("/metrics"))
-        for s in fam.samples
-        if s.name == name and labels.items() <= s.labels.items()
     )
 
 

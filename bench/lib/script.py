@@ -1,6 +1,6 @@
 """A benchmark script's plumbing: SIGTERM as Ctrl-C (so its cleanup kills what it started),
-modules checked before a long run, a list-of-sizes argument, the open-files limit, progress on
-stderr."""
+modules checked before a long run, the arguments of a run with ``--quick`` and ``--parts``, a
+list-of-sizes argument, the open-files limit, progress on stderr."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ import contextlib
 import importlib.util
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
-__all__ = ["log", "parse_sizes", "raise_nofile", "require_modules", "sigterm_as_interrupt"]
+__all__ = [
+    "log",
+    "parse_args_quick",
+    "parse_sizes",
+    "raise_nofile",
+    "require_modules",
+    "sigterm_as_interrupt",
+]
 
 
 def require_modules(names: Sequence[str], why: str) -> None:
@@ -64,3 +71,22 @@ def raise_nofile(want: int | None = None) -> tuple[int, int]:
 def log(msg: str) -> None:
     """A progress line on stderr: stdout is the report."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args_quick(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    quick: Mapping[str, object],
+    parts: Sequence[str],
+) -> tuple[argparse.Namespace, list[str]]:
+    """A benchmark's arguments: with ``--quick``, its ``quick`` values wherever the command
+    line kept a default; and the ``--parts`` it names, each one of ``parts``."""
+    args = parser.parse_args(argv)
+    if args.quick:  # the quick values, except where the command line names one
+        for k, v in quick.items():
+            if getattr(args, k) == parser.get_default(k):
+                setattr(args, k, v)
+    chosen = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if not chosen or not set(chosen) <= set(parts):
+        raise SystemExit(f"--parts: {', '.join(parts)}")
+    return args, chosen
