@@ -299,14 +299,13 @@ class Runtime:
         for splice in list(state.carried):
             splice.end()
         handed = 0
-        while state.loop.time() < deadline:
+        while True:
             left = [s for s in state.sessions if s.parks and s.core.window is not None]
-            if not left:
+            if not left or state.loop.time() >= deadline:
                 break
-            for s in left:
-                if s.hand_over(CloseCode.SERVICE_RESTART, HANDOVER_REASON):
-                    handed += 1
-            if any(s.parks and s.core.window is not None for s in state.sessions):
+            now = sum(s.hand_over(CloseCode.SERVICE_RESTART, HANDOVER_REASON) for s in left)
+            handed += now
+            if now < len(left):  # some were mid-message: their turn comes next
                 await asyncio.sleep(HANDOVER_POLL)
         if handed:
             log.info("shutdown: %d sessions handed over to their workers", handed)

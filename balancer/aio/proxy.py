@@ -567,18 +567,17 @@ class ClientConnection(asyncio.Protocol):
     def _from_peer(self, event: h11.Request, pool: Pool) -> None:
         """A resume another instance of the tier carried here (``aio/peers.py``): believed
         only with the tier's peer credential; counted under the client's address it names."""
-        given: bytes | None = None
+        given = client = None
         for name, value in event.headers:
             if name == PEER_HEADER:
                 given = bytes(value)
-        if given is None or not valid_peer(given, workerauth.tier_secret(pool.cfg)):
+            elif name == PEER_CLIENT_HEADER:
+                client = peer_address(bytes(value))
+        if not valid_peer(given, workerauth.tier_secret(pool.cfg)):
             return
         self.carried = True
-        for name, value in event.headers:
-            if name == PEER_CLIENT_HEADER:
-                address = peer_address(bytes(value))
-                if address is not None:
-                    self._client_is(address)
+        if client is not None:
+            self._client_is(client)
 
     async def _elsewhere(
         self,
