@@ -573,7 +573,8 @@ class ClientConnection(asyncio.Protocol):
                 given = bytes(value)
             elif name == PEER_CLIENT_HEADER:
                 client = peer_address(bytes(value))
-        if not valid_peer(given, workerauth.tier_secret(pool.cfg)):
+        # Most upgrades carry no peer header: the secret (an environment read) is not looked up.
+        if given is None or not valid_peer(given, workerauth.tier_secret(pool.cfg)):
             return
         self.carried = True
         if client is not None:
