@@ -7,6 +7,13 @@ received (``X-WSLB-Resume-From``, ``wslb_from``). Query parameters starting ``ws
 wslb's: they never reach a worker. Tokens are compared in constant time; a session's key is
 already scoped to its owner (``auth.py``), so another owner's reconnect never finds it.
 
+A browser sees neither the status nor the headers of a handshake, so when the token came in the
+query (``answers_in_band``) every answer to a resume is one a ``WebSocket`` object shows: an
+open is the session resumed from exactly the count it named (wslb never resumes from another),
+and a resume wslb cannot honour is accepted and closed at once with a 4xxx code and the 409's
+JSON as the reason (``in_band_close``): 4404 gone, 4409 refused, 4429 throttled, 4400 invalid.
+The header form keeps its statuses.
+
 A token belongs to one session instance (``ServerState.find_resumable``): a reconnect finds its
 session by token, so a new session on the same key never hides a detached one, and a token in
 use by another session is refused rather than shared. Failed resumes are throttled per client
@@ -18,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from urllib.parse import parse_qsl, urlencode
@@ -25,6 +33,10 @@ from urllib.parse import parse_qsl, urlencode
 from balancer.handshake import ClientRequest, HandshakeReject
 
 __all__ = [
+    "CLOSE_GONE",
+    "CLOSE_INVALID",
+    "CLOSE_REFUSED",
+    "CLOSE_THROTTLED",
     "COUNT_RULE",
     "FROM_HEADER",
     "HANDOVER_REASON",
@@ -37,6 +49,8 @@ __all__ = [
     "TOKEN_RULE",
     "FailureThrottle",
     "Resume",
+    "answers_in_band",
+    "in_band_close",
     "new_token",
     "park_value",
     "read_resume",
@@ -80,6 +94,40 @@ class Resume:
 NO_RESUME = Resume(None, None)
 
 
+# The query form's closes, named after the statuses the header form answers with.
+CLOSE_INVALID = 4400
+CLOSE_GONE = 4404
+CLOSE_REFUSED = 4409
+CLOSE_THROTTLED = 4429
+_IN_BAND = {"invalid": CLOSE_INVALID, "unknown": CLOSE_GONE, "closed": CLOSE_GONE}
+_IN_BAND |= {"refused": CLOSE_REFUSED, "taken": CLOSE_REFUSED, "throttled": CLOSE_THROTTLED}
+
+
+def answers_in_band(req: ClientRequest) -> bool:
+    """True when ``req`` names its token in the query, not a header (a browser): its resume
+    refusals are closes after a 101, not statuses."""
+    if "wslb_resume=" not in req.query or req.header(TOKEN_HEADER) is not None:
+        return False
+    return any(k == "wslb_resume" for k, _ in parse_qsl(req.query, keep_blank_values=True))
+
+
+def in_band_close(rej: HandshakeReject) -> tuple[int, str] | None:
+    """The close code and JSON reason that say ``rej`` to a browser; None when ``rej`` is not
+    a resume's answer (a 503, an auth refusal: a browser retries those as a network failure).
+    """
+    details = rej.details or {}
+    code = _IN_BAND.get(str(details.get("resume")))
+    if code is None:
+        return None
+    reason: dict[str, object] = {"resume": details["resume"]}
+    if "reason" in details:
+        reason["reason"] = details["reason"]
+    for name, value in rej.headers:
+        if name == b"retry-after":
+            reason["retry_after"] = int(value)
+    return code, json.dumps(reason, separators=(",", ":"))
+
+
 def read_resume(req: ClientRequest) -> Resume:
     """The token and count of ``req``, headers first, then the query.
 
@@ -88,7 +136,7 @@ def read_resume(req: ClientRequest) -> Resume:
     """
     if "wslb_" not in req.query and req.header(TOKEN_HEADER) is None:
         if req.header(FROM_HEADER) is not None:
-            raise HandshakeReject(400, "a resume count needs the session's resume token")
+            raise _invalid("a resume count needs the session's resume token", "count")
         return NO_RESUME
     query = dict(parse_qsl(req.query, keep_blank_values=True))
     raw_token = req.header(TOKEN_HEADER)
@@ -96,15 +144,19 @@ def read_resume(req: ClientRequest) -> Resume:
     raw_from = req.header(FROM_HEADER)
     count_s = raw_from.decode("latin-1") if raw_from is not None else query.get("wslb_from")
     if token is not None and not _TOKEN.fullmatch(token):
-        raise HandshakeReject(400, TOKEN_RULE)
+        raise _invalid(TOKEN_RULE, "token")
     count = None
     if count_s is not None:
         if not _COUNT.fullmatch(count_s):
-            raise HandshakeReject(400, COUNT_RULE)
+            raise _invalid(COUNT_RULE, "count")
         if token is None:
-            raise HandshakeReject(400, "a resume count needs the session's resume token")
+            raise _invalid("a resume count needs the session's resume token", "count")
         count = int(count_s)
     return Resume(token, count)
+
+
+def _invalid(rule: str, what: str) -> HandshakeReject:
+    return HandshakeReject(400, rule, details={"resume": "invalid", "reason": what})
 
 
 def without_wslb_params(req: ClientRequest) -> ClientRequest:

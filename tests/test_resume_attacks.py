@@ -236,9 +236,15 @@ def test_a_count_that_is_not_ascii_digits_is_400_without_a_traceback(
 ) -> None:
     lb = chat
     tok = "t" * 24
-    answer = raw_upgrade(lb.port, f"/ws?session=k&wslb_resume={tok}{query}", header)
+    # The token in a header: a 400 naming the rule.
+    answer = raw_upgrade(
+        lb.port, f"/ws?session=k{query}", f"X-WSLB-Resume-Token: {tok}\r\n".encode() + header
+    )
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert b"1-16 ASCII digits" in answer
+    # In the query (a browser, which sees no status): a 101 and a close saying the same.
+    answer = raw_upgrade(lb.port, f"/ws?session=k&wslb_resume={tok}{query}", header)
+    assert in_band(answer) == (4400, {"resume": "invalid", "reason": "count"}), answer[:200]
     log = lb.output()
     assert "Traceback" not in log and " 500 " not in log
 
@@ -250,7 +256,15 @@ def test_a_short_client_named_token_is_400_naming_the_rule(chat: Wslb, tok: str)
     answer = raw_upgrade(lb.port, "/ws?session=k", f"X-WSLB-Resume-Token: {tok}\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 400 ") and b"22-128 characters" in answer
     answer = raw_upgrade(lb.port, f"/ws?session=k&wslb_resume={tok}", b"")
-    assert answer.startswith(b"HTTP/1.1 400 ") and b"22-128 characters" in answer
+    assert in_band(answer) == (4400, {"resume": "invalid", "reason": "token"}), answer[:200]
+
+
+def in_band(answer: bytes) -> tuple[int, Any]:
+    """The close code and JSON reason of a refusal in the browser form (a 101, then a close)."""
+    head, _, frame = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ") and frame[0] == 0x88, answer[:200]
+    payload = frame[2 : 2 + frame[1]]
+    return int.from_bytes(payload[:2], "big"), json.loads(payload[2:])
 
 
 async def test_no_x_wslb_header_from_a_client_reaches_a_websocket_worker(tmp_path: Path) -> None:

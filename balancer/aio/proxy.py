@@ -38,6 +38,7 @@ from balancer.aio.session import ClientLeg, Leg, Session, pause_reading
 from balancer.aio.state import ServerState
 from balancer.auth import scoped_key
 from balancer.contract import RESERVED_PREFIX, reserved_target
+from balancer.frames import OP_CLOSE, build_frame, close_payload
 from balancer.handshake import (
     WORKER_BODY_LIMIT,
     ClientRequest,
@@ -61,6 +62,8 @@ from balancer.resume import (
     RESUMED_HEADER,
     TOKEN_HEADER,
     Resume,
+    answers_in_band,
+    in_band_close,
     new_token,
     park_value,
     read_resume,
@@ -181,6 +184,10 @@ class ClientConnection(asyncio.Protocol):
         self.resume = NO_RESUME  # what the upgrade said about resuming (balancer/resume.py)
         self.token: str | None = None  # the session's resume token, once decided
         self.carried = False  # another instance of the tier carried this resume here
+        # A browser's resume (token in the query): its refusals are a 101 and a close
+        # (balancer/resume.py); the request's key and first subprotocol make that 101.
+        self.in_band: tuple[bytes, str | None] | None = None
+        self.lingering = False  # closed in band: waiting for the client's close
 
     # -- asyncio callbacks -----------------------------------------------------------------
 
@@ -220,6 +227,9 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.http is not None:
             self.http.data_received(data)
+            return
+        if self.lingering:  # the client's close (or whatever it sent before it): done
+            self._close()
             return
         if self.proxy_buf is not None:
             self.proxy_buf += data
@@ -318,12 +328,29 @@ class ClientConnection(asyncio.Protocol):
                 rej.message,
             )
         if self.transport is not None and not self.transport.is_closing():
+            closing = in_band_close(rej) if self.in_band is not None else None
             if isinstance(rej, WorkerRefused):
                 self.transport.write(rej.raw)
+            elif closing is not None:
+                self._close_in_band(*closing)
+                return
             else:
                 body = http_response(rej.status, rej.message, rej.headers, rej.details)
                 self.transport.write(body)
             self.transport.close()
+
+    def _close_in_band(self, code: int, reason: str) -> None:
+        """Refuse a browser's resume as a browser can see it: a 101, then a close with
+        ``code`` and ``reason``; the TCP connection ends when the client answers the close (or
+        after ``timeouts.close``): closed with the client's close unread, it would be reset,
+        and the reset may destroy the close frame before the browser reads it."""
+        assert self.transport is not None and self.in_band is not None
+        key, subprotocol = self.in_band
+        head = switching_protocols(accept_headers(key, subprotocol, None))
+        self.transport.write(head + build_frame(OP_CLOSE, close_payload(code, reason)))
+        self.lingering = True
+        self.transport.resume_reading()
+        self.timer = self.state.loop.call_later(self.state.timeouts.close, self._close)
 
     async def _upgrade(self, event: h11.Request) -> None:
         try:
@@ -344,6 +371,8 @@ class ClientConnection(asyncio.Protocol):
             self._plain(event)
             return
         raw = check_client_request(event)
+        if answers_in_band(raw):
+            self.in_band = (raw.key, raw.subprotocols[0] if raw.subprotocols else None)
         resume = self.resume = read_resume(raw)  # before route() strips the wslb_ parameters
         routed = self.route(raw)
         if routed is None:
