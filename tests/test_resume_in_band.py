@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from balancer.resume import CLOSE_GONE, CLOSE_INVALID, CLOSE_REFUSED, CLOSE_THROTTLED
 from tests.procs import Worker, Wslb, pool_config
 from tests.test_resume import metric
+from tests.tier import Tier, workers
 
 RESUME = {"enabled": True, "grace": "20s", "buffer": "256KiB", "max_failures": 4}
 
@@ -169,3 +170,34 @@ async def test_the_header_form_keeps_its_statuses(lb: Wslb) -> None:
         await connect(f"{lb.url}/ws?session=ivy", additional_headers=headers, open_timeout=10)
     assert err.value.response.status_code == 409
     assert json.loads(err.value.response.body)["resume"] == "unknown"
+
+
+async def test_through_another_instance_of_a_tier(tmp_path: Path) -> None:
+    """Two instances in cluster mode: a browser's resume through the instance that does not
+    hold the session opens and goes on (the instances speak statuses among themselves); a
+    session no instance holds is a 4404 to the browser, not a 409 it cannot see."""
+    ws_ = workers(1, ("--tokens-per-s", "50"))
+    t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws_], instances=2).start()
+    try:
+        a, b = t.lbs
+        token = new_token()
+        ws = await connect(url(a, "june", token), open_timeout=10)
+        got = [await recv_json(ws)]
+        await ws.send(json.dumps({"type": "prompt", "text": "go", "max_tokens": 30}))
+        while len(got) < 6:
+            got.append(await recv_json(ws))
+        ws.transport.abort()
+        again = await connect(url(b, "june", token, len(got)), open_timeout=10)
+        while got[-1]["type"] != "done":
+            got.append(await recv_json(again))
+        assert [m["i"] for m in got if m["type"] == "token"] == list(range(30))
+        assert t.total("wslb_resumes_total", result="carried") == 1
+        await again.close()
+        code, reason = await closed_in_band(url(b, "kate", new_token(), 4))
+        assert (code, reason) == (CLOSE_GONE, {"resume": "unknown"})
+        # The instance asked answered its peer with a 409, not a 101 to be spliced.
+        assert t.total("wslb_resumes_total", result="carried") == 1
+    finally:
+        t.stop()
+        for w in ws_:
+            w.kill()

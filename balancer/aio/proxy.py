@@ -328,7 +328,10 @@ class ClientConnection(asyncio.Protocol):
                 rej.message,
             )
         if self.transport is not None and not self.transport.is_closing():
-            closing = in_band_close(rej) if self.in_band is not None else None
+            # A carried resume is answered in statuses: the instance that carried it reads
+            # them (aio/peers.py) and answers its client in the client's form.
+            in_band = self.in_band is not None and not self.carried
+            closing = in_band_close(rej) if in_band else None
             if isinstance(rej, WorkerRefused):
                 self.transport.write(rej.raw)
             elif closing is not None:
