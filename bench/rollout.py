@@ -8,8 +8,8 @@ picks the parts):
 
 - **sigterm** (a rollout): ``tests.tier.Tier``, three wslb instances in cluster mode over a real
   etcd behind HAProxy (TCP, round robin), resume and failover on, in front of ``--workers``
-  reference workers. ``--sessions`` clients (``bench.lib.resumer.Resumer``, the resume protocol
-  of docs/resume.md) each ask for one answer long enough to outlast the run, streaming at
+  reference workers. ``--sessions`` clients (``wslb.client``, the resume protocol of
+  docs/resume.md) each ask for one answer long enough to outlast the run, streaming at
   ``--rate`` tokens/s, so every session is mid-answer throughout. After ``--steady`` seconds of
   steady state, each of the three original instances is replaced in turn as a rollout with a
   surge of one does: a new instance starts and joins HAProxy (a graceful reload), then the old
@@ -23,11 +23,11 @@ picks the parts):
 
 Per run: every token is checked (each index once, in order, with the reference worker's text,
 ``backends.model.token_text``): **lost** (indices skipped) and **repeated**; **closed**: sessions
-that ended without a resume (``SessionLost``); per client the **longest gap** between two tokens
-in the window (p50/p99/max over the clients; a token is due every 1/rate s) and each
-reconnect's wait (drop -> resumed 101). Cost: CPU of all the wslb instances (psutil, sampled
-every 0.25 s; a dead instance counts to its last sample) over the window, less what the steady
-state would have used in as long (**extra CPU s**), of which the new processes' own start;
+that ended without a resume (``wslb.client.SessionError``); per client the **longest gap**
+between two tokens in the window (p50/p99/max over the clients; a token is due every 1/rate s)
+and each reconnect's wait (loss -> resumed 101). Cost: CPU of all the wslb instances (psutil,
+sampled every 0.25 s; a dead instance counts to its last sample) over the window, less what the
+steady state would have used in as long (**extra CPU s**), of which the new processes' own start;
 their RSS in steady state and its peak in the window; the workers' RSS, whose growth is the
 parked windows.
 
@@ -82,10 +82,12 @@ from bench.lib.cpu import cpu_seconds, process_cpu_seconds, rss_bytes
 from bench.lib.launch import WORKER_AUTH, Procs, Worker, Wslb, free_port, wait_port
 from bench.lib.machine import machine, machine_line, tree_state
 from bench.lib.nginx import nginx_binary, nginx_config
-from bench.lib.resumer import Resumer, SessionLost
+from bench.lib.resumer import Cut, gaps, outcomes, reconnects, retries
 from bench.lib.script import log, parse_args_quick, raise_nofile, sigterm_as_interrupt
 from bench.lib.stats import summary
 from tests.tier import Tier, haproxy_binary
+from wslb.client import Session, SessionError
+from wslb.client import connect as resuming
 
 PARTS = ("sigterm", "kill", "storm")
 OPEN_PARALLEL = 32  # handshakes in flight while the sessions open
@@ -141,9 +143,9 @@ class Window:
 
 @dataclass
 class Stream:
-    """One session streaming one long answer through a ``Resumer``, checked token by token."""
+    """One session streaming one long answer through ``wslb.client``, checked token by token."""
 
-    c: Resumer
+    c: Session
     sid: str = ""
     next_i: int = 0
     tokens: int = 0
@@ -156,10 +158,12 @@ class Stream:
 
     async def run(self, max_tokens: int, window: Window, started: asyncio.Event) -> None:
         try:
-            await self.c.send({"type": "prompt", "text": "go", "max_tokens": max_tokens})
+            await self.c.send(
+                json.dumps({"type": "prompt", "text": "go", "max_tokens": max_tokens})
+            )
             started.set()
             while True:
-                m = await self.c.recv()
+                m = json.loads(await self.c.recv())
                 now = time.monotonic()
                 if m.get("type") != "token":
                     self.closed = f"unexpected {m.get('type')}"
@@ -178,15 +182,14 @@ class Stream:
                 else:
                     self.lost += i - self.next_i
                     self.next_i = i + 1
-        except SessionLost as exc:
+        except SessionError as exc:
             self.closed = str(exc)[:200]
 
 
 async def open_stream(url: str, key: str, sem: asyncio.Semaphore) -> Stream:
     async with sem:
-        c = Resumer(url, key, deadline=BACK_TIMEOUT)
-        await c.open()
-        hello = await c.recv()
+        c = await resuming(url, key=key, grace=BACK_TIMEOUT, max_size=None)
+        hello = json.loads(await c.recv())
         if hello.get("type") != "hello":
             raise RuntimeError(f"{key}: {hello}")
         return Stream(c, sid=str(hello["session"]))
@@ -367,9 +370,9 @@ async def _tier_measure(
     ev_cpu = during[-1].lb_cpu - during[0].lb_cpu if len(during) > 1 else math.nan
     rss_steady = statistics.mean(s.lb_rss for s in steady) if steady else math.nan
     w_steady = statistics.mean(s.w_rss for s in steady) if steady else math.nan
-    moved = [s for s in streams if s.c.reconnects]
-    reconnect_gaps = [g for s in streams for g in s.c.gaps]
-    outcomes = Counter(o for s in streams for o in s.c.outcomes)
+    moved = [s for s in streams if reconnects(s.c)]
+    reconnect_gaps = [g for s in streams for g in gaps(s.c)]
+    causes = Counter(o for s in streams for o in outcomes(s.c))
     lags = lag.window(t_ev, t_end)
     return {
         "how": how,
@@ -380,11 +383,11 @@ async def _tier_measure(
         "window_s": ev_s,
         "back_s": back,
         "moved": len(moved),
-        "reconnects": sum(s.c.reconnects for s in streams),
-        "reconnect_outcomes": dict(outcomes),
-        "retries": dict(Counter(x for s in streams for x in s.c.retries)),
+        "reconnects": sum(reconnects(s.c) for s in streams),
+        "reconnect_outcomes": dict(causes),
+        "retries": dict(Counter(x for s in streams for x in retries(s.c))),
         "resumes_total": dict(resumes),
-        "n_retries": sum(len(s.c.retries) for s in streams),
+        "n_retries": sum(len(retries(s.c)) for s in streams),
         "tokens": sum(s.tokens for s in streams),
         "lost": sum(s.lost for s in streams),
         "repeated": sum(s.repeated for s in streams),
@@ -404,7 +407,7 @@ async def _tier_measure(
             "starts_cpu_s": started_cpu,
             "per_reconnect_ms": 1e3
             * (ev_cpu - steady_pct / 100.0 * ev_s - started_cpu)
-            / max(sum(s.c.reconnects for s in streams), 1),
+            / max(sum(reconnects(s.c) for s in streams), 1),
             "workers_steady_pct": rate(steady, "w_cpu"),
             "workers_window_pct": rate(during, "w_cpu"),
         },
@@ -641,16 +644,15 @@ async def storm_run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]
         for r in range(args.storm_rounds):
             # resume: idle sessions, cut, then all back at once
             sem = asyncio.Semaphore(OPEN_PARALLEL)
-            clients = [Resumer(wslb_url, f"storm{r}-{i}", deadline=60) for i in range(n)]
+            clients = [Cut(wslb_url, f"storm{r}-{i}") for i in range(n)]
 
-            async def opened(c: Resumer, sem: asyncio.Semaphore = sem) -> None:
+            async def opened(c: Cut, sem: asyncio.Semaphore = sem) -> None:
                 async with sem:
                     await c.open()
-                    await c.recv()
 
             await asyncio.gather(*(opened(c) for c in clients))
             for c in clients:
-                c.drop()
+                c.cut()
             await wait_for(lambda: detached() >= n)
             got, row = await measured("resume", lb.pid, [c.resume for c in clients])
             row["round"] = r

@@ -1,6 +1,6 @@
 """Continuity across the instances of a tier: three wslb instances in cluster mode over a real
 etcd, behind HAProxy in TCP mode (round robin: each connection may land on another instance),
-in front of reference workers. The clients resume as docs/resume.md says (``Resumer``).
+in front of reference workers. The clients resume as docs/resume.md says (``wslb.client``).
 
 - a client cut mid-answer reconnects through another instance: every token once, in order;
 - ``kill -9`` of an instance with answers in flight: every answer whole through the others;
@@ -22,21 +22,22 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from balancer.contract import peer_credential
-from bench.lib.resumer import Resumer
 from tests.engines import EngineSetupError, LlamaServer, gemma_gguf, llama_server
 from tests.procs import WORKER_TOKEN, Procs, Worker, Wslb, free_port, pool_config, wait_port
 from tests.test_bridge import STORY, BridgeProc
 from tests.tier import Tier, metric, until, workers
+from wslb.client import Session
+from wslb.client import connect as resuming
 
 TOKENS = 60
 
 
-async def answer(c: Resumer, turn: int, n: int, cut_after: int | None = None) -> list[int]:
+async def answer(c: Session, turn: int, n: int, cut_after: int | None = None) -> list[int]:
     """Ask for ``n`` tokens; the indices received, in order (a cut after ``cut_after``)."""
-    await c.send({"type": "prompt", "text": f"q{turn}", "max_tokens": n})
+    await c.send(json.dumps({"type": "prompt", "text": f"q{turn}", "max_tokens": n}))
     got: list[int] = []
     while True:
-        m = await c.recv()
+        m = json.loads(await c.recv())
         if m["type"] == "token":
             assert m["turn"] == turn, m
             got.append(m["i"])
@@ -49,12 +50,16 @@ async def answer(c: Resumer, turn: int, n: int, cut_after: int | None = None) ->
             raise AssertionError(f"unexpected {m}")
 
 
-async def opened(url: str, key: str) -> Resumer:
-    c = Resumer(url, key)
-    await c.open()
-    hello = await c.recv()
+async def opened(url: str, key: str) -> Session:
+    c = await resuming(url, key=key, max_size=None)
+    hello = json.loads(await c.recv())
     assert hello["type"] == "hello", hello
     return c
+
+
+def reconnects(c: Session) -> int:
+    """Losses the session came back from."""
+    return sum(e.kind == "resumed" for e in c.events)
 
 
 @pytest.fixture
@@ -71,7 +76,7 @@ def tier(tmp_path: Path) -> Any:
             w.kill()  # their parked sessions would hold a drain up for their grace
 
 
-def reconnect_through(clients: list[Resumer], lb: Wslb) -> None:
+def reconnect_through(clients: list[Session], lb: Wslb) -> None:
     """Send every later reconnect to ``lb`` (a phone's new address hashing to one instance):
     through round robin, the order of the reconnects could bring each back to its own holder."""
     for c in clients:
@@ -86,7 +91,7 @@ async def test_a_cut_client_resumes_through_another_instance(tier: Tier) -> None
     got = await asyncio.gather(*(answer(c, 1, TOKENS, cut_after=10) for c in clients))
     for c, indices in zip(clients, got, strict=True):
         assert indices == list(range(TOKENS)), (c.key, indices)
-        assert c.reconnects == 1
+        assert reconnects(c) == 1
     # The next turn continues the conversation on the same session.
     again = await asyncio.gather(*(answer(c, 2, 5) for c in clients))
     assert all(g == list(range(5)) for g in again)
@@ -107,8 +112,8 @@ async def test_kill_9_of_an_instance_loses_no_answer(tier: Tier) -> None:
     victim.kill()
     got = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert all(g == list(range(TOKENS)) for g in got), got
-    moved = [c for c in clients if c.reconnects]
-    assert len(moved) == max(held), (held, [c.reconnects for c in clients])
+    moved = [c for c in clients if reconnects(c)]
+    assert len(moved) == max(held), (held, [reconnects(c) for c in clients])
     assert tier.total("wslb_resumes_total", result="reattached") == max(held)
     again = await asyncio.gather(*(answer(c, 2, 5) for c in clients))
     assert all(g == list(range(5)) for g in again)
@@ -131,7 +136,7 @@ async def test_sigterm_hands_every_session_over(tier: Tier) -> None:
     # The idle ones were told to resume too: their next turn is turn 2 of the same session.
     for c in idle:
         assert await answer(c, 1, 3) == [0, 1, 2]
-    assert sum(c.reconnects for c in streaming + idle) == max(held)
+    assert sum(reconnects(c) for c in streaming + idle) == max(held)
     for c in streaming + idle:
         await c.close()
 
@@ -144,28 +149,25 @@ async def test_a_stock_server_session_is_whole_while_its_instance_lives(tmp_path
         wait_port(port)
         t = Tier(tmp_path, [{"id": "s", "url": f"ws://127.0.0.1:{port}"}]).start()
         try:
-            clients = [Resumer(t.url, f"stock-{i}") for i in range(6)]
-            for c in clients:
-                await c.open()
+            clients = [await resuming(t.url, key=f"stock-{i}", max_size=None) for i in range(6)]
             held = t.holding()
             assert sum(held) == 6 and held[0] < 6, held
             reconnect_through(clients, t.lbs[0])
 
-            async def count(c: Resumer) -> list[str | bytes]:
-                assert c.ws is not None
-                await c.ws.send("60")
+            async def count(c: Session) -> list[str | bytes]:
+                await c.send("60")
                 out: list[str | bytes] = []
                 while True:
-                    raw = await c.recv_raw()
+                    raw = await c.recv()
                     if raw == "end":
                         return out
                     out.append(raw)
-                    if len(out) == 10 and c.reconnects == 0:
+                    if len(out) == 10 and reconnects(c) == 0:
                         c.drop()
 
             got = await asyncio.gather(*(count(c) for c in clients))
             assert all(g == [str(i) for i in range(60)] for g in got), got
-            assert all(c.reconnects == 1 for c in clients)
+            assert all(reconnects(c) == 1 for c in clients)
             assert t.total("wslb_resumes_total", result="carried") == 6 - held[0]
         finally:
             t.stop()
@@ -197,10 +199,10 @@ async def test_engine_bridges_lose_no_answer_to_a_lost_instance(tmp_path: Path, 
         clients = [await opened(t.url, f"engine-{how}-{i}") for i in range(4)]
         prompt = {"type": "prompt", "text": STORY, "max_tokens": 120, "temperature": 0}
 
-        async def story(c: Resumer) -> list[int]:
-            await c.send(prompt)
+        async def story(c: Session) -> list[int]:
+            await c.send(json.dumps(prompt))
             got: list[int] = []
-            while (m := await c.recv())["type"] != "done":
+            while (m := json.loads(await c.recv()))["type"] != "done":
                 assert m["type"] == "token" and m["turn"] == 1, m
                 got.append(m["i"])
             return got
@@ -216,7 +218,7 @@ async def test_engine_bridges_lose_no_answer_to_a_lost_instance(tmp_path: Path, 
         got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for g in got:
             assert g == list(range(len(g))) and len(g) > 10, g
-        assert sum(c.reconnects for c in clients) == max(held) > 0
+        assert sum(reconnects(c) for c in clients) == max(held) > 0
         for c in clients:
             await c.close()
 
@@ -278,7 +280,7 @@ async def test_a_clients_park_and_reattach_headers_never_reach_the_worker(lone: 
     they are dropped (were they forwarded, the worker would refuse the proxied credential with
     401); the client gets a new session of its own and alice's answer goes on."""
     alice = await opened(lone.url, "alice")
-    await alice.send({"type": "prompt", "text": "q", "max_tokens": 3})
+    await alice.send(json.dumps({"type": "prompt", "text": "q", "max_tokens": 3}))
     forged = {
         "X-WSLB-Reattach": "alice",
         "X-WSLB-Reattach-From": "0",
@@ -287,6 +289,6 @@ async def test_a_clients_park_and_reattach_headers_never_reach_the_worker(lone: 
     async with connect(f"{lone.url}/ws?session=mallory", additional_headers=forged) as ws:
         hello = json.loads(await ws.recv())
         assert hello == {"type": "hello", "worker": "a1", "session": "mallory"}, hello
-    while (await alice.recv())["type"] != "done":
+    while json.loads(await alice.recv())["type"] != "done":
         pass
     await alice.close()

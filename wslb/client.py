@@ -53,9 +53,11 @@ dead path that never closed, and the connection is aborted (no close frame: a cl
 the session at wslb) and resumed. wslb pings a client every ``timeouts.ping_interval`` (or
 ``ping_timeout``, if that is longer): keep ``idle_timeout`` well above it (45 s against 20 s).
 
-Rule 5 (sends): a message sent on a connection that is already known lost waits for the resume
-and goes out on the new connection, in the order sent; client messages are not replayed by
-wslb, so one written into a connection that turns out dead may be lost.
+Rule 5 (sends): a message sent while the connection is known lost (or closing) waits for the
+resume and goes out on the new connection, in the order sent. Client messages are not replayed
+by wslb: one written into a connection that turns out dead may be lost, and ``send`` returns as
+for any message written (an application that sent just before a loss and gets no answer asks
+again).
 
 Rule 6 (the application decides): GONE and GAVE_UP are reported (``gone`` / ``giveup`` events;
 ``recv`` and the iterator raise ``SessionGone`` / ``GaveUp`` once the messages before are
@@ -94,6 +96,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.frames import Close
 from websockets.protocol import Event as WsEvent
+from websockets.protocol import State as WsState
 from websockets.typing import Data
 
 __all__ = [
@@ -324,10 +327,13 @@ class Session:
                 raise self._end
             ws = self._ws
             assert ws is not None
+            written = ws.protocol.state is WsState.OPEN  # else send raises before writing
             try:
                 await ws.send(message)
                 return
             except ConnectionClosed:
+                if written:
+                    return  # into a connection that died meanwhile: it may be lost (Rule 5)
                 if ws is self._ws and self.state is State.OPEN:
                     self._ready.clear()  # the reader has not seen it yet; it will set this
 
