@@ -11,6 +11,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { createRequire } from "node:module";
 import net from "node:net";
+import { once } from "node:events";
 import { ResumableSocket, connect } from "../wslb.js";
 
 const require = createRequire(import.meta.url);
@@ -39,6 +40,23 @@ function watched(url, options = {}) {
   s.onmessage = (ev) => s.msgs.push(JSON.parse(ev.data));
   s.kinds = () => s.log.map((e) => e.type);
   return s;
+}
+
+/** A ws server playing wslb: `script(ws, url, n)` for its n-th connection (from 1). */
+async function fakeWslb(script) {
+  const wss = new WebSocket.WebSocketServer({ port: 0, host: "127.0.0.1" });
+  await once(wss, "listening");
+  const urls = [];
+  wss.on("connection", (ws, req) => {
+    urls.push(new URL(req.url, "ws://x"));
+    script(ws, urls.at(-1), urls.length);
+  });
+  const close = () =>
+    new Promise((r) => {
+      for (const c of wss.clients) c.terminate();
+      wss.close(r);
+    });
+  return { url: `ws://127.0.0.1:${wss.address().port}/ws?session=f`, urls, close };
 }
 
 async function cut(control, how, down) {
@@ -155,6 +173,23 @@ test("the network down longer than the library's grace: giveup", live, async () 
   s.close();
 });
 
+test("an idle connection: one probe resume loses nothing, then it goes on", live, async () => {
+  const s = watched(env.WSLB_URL, { idleTimeout: 300 });
+  await hello(s);
+  s.send(JSON.stringify({ type: "prompt", text: "one", max_tokens: 3 }));
+  await until(() => s.kinds().includes("resumed"), "the probe's resume");
+  assert.deepEqual(s.kinds(), ["open", "reconnecting", "resumed"]);
+  assert.equal(s.log[1].why, "idle");
+  assert.equal(s.log[2].from, 5); // hello, 3 tokens, done
+  s.send(JSON.stringify({ type: "prompt", text: "two", max_tokens: 2 }));
+  await until(() => s.msgs.length === 8, "the second answer");
+  assert.deepEqual(
+    s.msgs.map((m) => m.type),
+    ["hello", "token", "token", "token", "done", "token", "token", "done"],
+  );
+  s.close();
+});
+
 test("a stale token: gone with wslb's reason", live, async () => {
   const token = "T".repeat(32);
   const s = watched(env.WSLB_URL, { resume: { token, count: 3 } });
@@ -180,6 +215,80 @@ test("a malformed token: gone, invalid", live, async () => {
   await until(() => s.state === "gone", "gone");
   assert.equal(s.log[0].code, 4400);
   assert.deepEqual(s.log[0].reason, { resume: "invalid", reason: "token" });
+});
+
+test("1012 '...: resume' is a loss (resumed from the count); another close ends", async () => {
+  const f = await fakeWslb((ws, url, n) => {
+    if (n === 1) {
+      ws.send("a");
+      ws.send("b");
+      ws.close(1012, "wslb stopping: resume");
+    } else {
+      ws.send("c");
+      ws.close(1011, "worker failed");
+    }
+  });
+  const s = new ResumableSocket(f.url, { WebSocket });
+  const kinds = [];
+  const data = [];
+  for (const t of ["open", "resumed", "reconnecting", "gone", "giveup", "close"]) {
+    s.addEventListener(t, (ev) => kinds.push(t === "reconnecting" ? `${t} ${ev.why}` : t));
+  }
+  s.onmessage = (ev) => data.push(String(ev.data));
+  await until(() => s.state === "closed", "closed");
+  assert.deepEqual(kinds, ["open", "reconnecting handover", "resumed", "close"]);
+  assert.deepEqual(data, ["a", "b", "c"]);
+  assert.equal(f.urls[0].searchParams.get("wslb_from"), null);
+  assert.equal(f.urls[1].searchParams.get("wslb_from"), "2");
+  assert.equal(f.urls[1].searchParams.get("wslb_resume"), s.token);
+  assert.equal(f.urls[1].searchParams.get("session"), "f");
+  await f.close();
+});
+
+test("4429: waits retry_after, then resumes", async () => {
+  const f = await fakeWslb((ws, url, n) => {
+    if (n === 1) ws.send("a", () => ws.terminate()); // lost: no close frame
+    else if (n === 2) ws.close(4429, '{"resume":"throttled","retry_after":1}');
+    else ws.send("b");
+  });
+  const s = watched(f.url);
+  s.onmessage = (ev) => s.msgs.push(String(ev.data));
+  await until(() => s.msgs.length === 2, "b", 8000);
+  assert.deepEqual(s.msgs, ["a", "b"]);
+  const waits = s.log.filter((e) => e.type === "reconnecting");
+  assert.deepEqual(waits.map((e) => e.why), ["lost", "throttled"]);
+  assert.ok(waits[1].delay >= 1000 && waits[1].delay <= 1500, `${waits[1].delay} ms`);
+  assert.equal(s.kinds().at(-1), "resumed");
+  assert.equal(f.urls[2].searchParams.get("wslb_from"), "1");
+  s.close();
+  await f.close();
+});
+
+test("a window's offline then online: resumes at once", async () => {
+  const win = new EventTarget();
+  globalThis.addEventListener = win.addEventListener.bind(win);
+  globalThis.removeEventListener = win.removeEventListener.bind(win);
+  try {
+    const f = await fakeWslb((ws, url, n) => ws.send(`hi ${n}`));
+    const s = watched(f.url, { idleTimeout: 0 });
+    s.onmessage = (ev) => s.msgs.push(String(ev.data));
+    await until(() => s.state === "open", "open");
+    win.dispatchEvent(new Event("online")); // not offline before: nothing to do
+    win.dispatchEvent(new Event("offline"));
+    assert.equal(s.state, "open");
+    win.dispatchEvent(new Event("online"));
+    assert.equal(s.state, "reconnecting");
+    await until(() => s.kinds().at(-1) === "resumed", "resumed");
+    assert.deepEqual(s.kinds(), ["open", "reconnecting", "resumed"]);
+    assert.equal(s.log[1].why, "online");
+    assert.deepEqual(s.msgs, ["hi 1", "hi 2"]);
+    assert.equal(f.urls.length, 2);
+    s.close();
+    await f.close();
+  } finally {
+    delete globalThis.addEventListener;
+    delete globalThis.removeEventListener;
+  }
 });
 
 test("nothing listening: retries, then giveup within grace", async () => {
