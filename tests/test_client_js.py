@@ -6,9 +6,10 @@ a cut relay (``tests/cutrelay.py``, a process with a control port) in front of e
 the Node test cuts its own connections mid-answer (RST, or a silent blackhole) and brings the
 network back. The library loads the ``ws`` package as its WebSocket class in Node: installed
 with npm into the per-user cache when missing (``~/.cache/wslb/npm``, outside the checkout)
-and proven to load before it is trusted (``tests/installs.py``'s rule). A machine without
-node or npm skips; a failed install is an error. Also: ``npm pack`` makes the package a
-registry would get.
+and proven to load before it is trusted (``tests/installs.py``'s rule); node and npm come
+from Debian's packages when missing. A machine that cannot install them (no apt, not root)
+skips; a failed install is an error. Also: ``npm pack`` makes the package a registry would
+get.
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ WS_SPEC = "ws@8"
 
 
 def _tools() -> tuple[str, str]:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("node and npm are needed (Debian: apt-get install nodejs npm)")
+    """node and npm, proven to run; Debian's packages installed when missing (a machine that
+    cannot install them skips)."""
+    try:
+        node = shutil.which("node") or installs.apt_binary("nodejs", "node")
+        npm = shutil.which("npm") or installs.apt_binary("npm", "npm")
+    except installs.CannotInstall as e:
+        pytest.skip(str(e))
+    installs.prove(node)
+    installs.prove(npm)
     return node, npm
 
 
@@ -132,9 +139,17 @@ def system(tmp_path: Path) -> Iterator[dict[str, str]]:
             w.stop(3)  # parked sessions would hold a drain for 30 s
 
 
-def test_node_runs_the_librarys_own_tests_against_wslb(system: dict[str, str]) -> None:
+@pytest.fixture
+def node_ws() -> tuple[str, Path]:
+    """node, and the ``node_modules`` that holds ``ws`` (before any process starts)."""
     node, npm = _tools()
-    modules = ensure_ws(node, npm)
+    return node, ensure_ws(node, npm)
+
+
+def test_node_runs_the_librarys_own_tests_against_wslb(
+    node_ws: tuple[str, Path], system: dict[str, str]
+) -> None:
+    node, modules = node_ws
     env = dict(os.environ, NODE_PATH=str(modules), **system)
     done = subprocess.run(
         [node, "--test", "--test-reporter=spec", "clients/js/test/"],

@@ -14,6 +14,8 @@ import net from "node:net";
 import { once } from "node:events";
 import { ResumableSocket, connect } from "../wslb.js";
 
+// Node 18 has Web Crypto only as a module (browsers and Node 20 have the global).
+globalThis.crypto ??= (await import("node:crypto")).webcrypto;
 const require = createRequire(import.meta.url);
 const WebSocket = require("ws");
 const env = process.env;
