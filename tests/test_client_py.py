@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.exceptions import WebSocketException
 from websockets.frames import Close
 
 import wslb.client
@@ -179,7 +180,9 @@ async def test_a_silent_drop_of_an_idle_session_is_resumed(ref: dict[str, Wslb])
         assert await asyncio.wait_for(answer(s, 1, 3), 10) == [0, 1, 2]
 
 
-async def test_a_cut_longer_than_grace_is_gone_then_restart(ref: dict[str, Wslb]) -> None:
+async def test_a_cut_longer_than_grace_is_gone_then_restart(
+    ref: dict[str, Wslb], caplog: pytest.LogCaptureFixture
+) -> None:
     # the pool's grace: 2 s
     async with through(ref["short"], "gone", idle_timeout=IDLE) as (relay, s):
         await hello(s)
@@ -198,6 +201,7 @@ async def test_a_cut_longer_than_grace_is_gone_then_restart(ref: dict[str, Wslb]
         assert s.token != token and s.count == 0 and kinds(s)[-1] == "open"
         await hello(s)  # a new session: the worker greets it
         assert await asyncio.wait_for(answer(s, 2, 4), 15) == list(range(4))
+    assert not [r for r in caplog.records if r.name == "wslb.client"], caplog.text
 
 
 async def test_a_network_down_past_the_librarys_grace_gives_up(ref: dict[str, Wslb]) -> None:
@@ -207,6 +211,20 @@ async def test_a_network_down_past_the_librarys_grace_gives_up(ref: dict[str, Ws
         with pytest.raises(GaveUp):
             await asyncio.wait_for(s.recv(), 10)
         assert kinds(s)[-1] == "giveup" and "reconnecting" in kinds(s)
+        # The application starts again: refused while the network is down, then a new session.
+        with pytest.raises((OSError, WebSocketException)):
+            await s.restart()
+        assert s.state is wslb.client.State.GAVE_UP
+
+        async def restarted() -> None:
+            while True:
+                try:
+                    return await s.restart()
+                except (OSError, WebSocketException):
+                    await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(restarted(), 15)
+        await hello(s)
 
 
 async def test_close_ends_the_iteration(ref: dict[str, Wslb]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.procs import ROOT
 
-PATHS = ["balancer", "backends", "tests", "examples", "bench"]
+PATHS = ["balancer", "backends", "wslb", "tests", "examples", "bench"]
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -27,5 +27,5 @@ def test_ruff_check_and_format() -> None:
 
 
 def test_mypy_strict() -> None:
-    result = run(sys.executable, "-m", "mypy", "balancer", "backends")
+    result = run(sys.executable, "-m", "mypy", "balancer", "backends", "wslb")
     assert result.returncode == 0, result.stdout + result.stderr

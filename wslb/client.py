@@ -257,6 +257,7 @@ class _Connection(ClientConnection):
     """websockets' client connection that notes when it last heard a frame (pings included)."""
 
     heard: float = 0.0
+    aborted: str | None = None  # why the library aborted it ("idle", "dropped")
 
     def process_event(self, event: WsEvent) -> None:
         self.heard = self.loop.time()
@@ -314,7 +315,6 @@ class Session:
         self._ready = asyncio.Event()  # set while OPEN and once ended: senders go on
         self._pump: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._why: dict[int, str] = {}  # id(connection) -> why we aborted it ("idle", "dropped")
 
     # -- the application's side ---------------------------------------------------------------
 
@@ -367,7 +367,8 @@ class Session:
 
     async def restart(self) -> None:
         """A new session on the same key: a new token, count 0 (after ``gone`` or ``giveup``,
-        or to drop the current one: it is closed first)."""
+        or to drop the current one: it is closed first). A connect that fails raises as
+        ``connect`` does and leaves the session GAVE_UP (``restart`` may be called again)."""
         if self._end is None:
             self._finish(
                 SessionClosed(1000, "restart"), State.CLOSED, "close", code=1000, reason="restart"
@@ -380,14 +381,18 @@ class Session:
         self._end = None
         self._ready.clear()
         self.state = State.CONNECTING
-        await self._start()
+        try:
+            await self._start()
+        except BaseException as exc:  # the session has no connection: say so, then raise
+            self._finish(GaveUp(type(exc).__name__), State.GAVE_UP, "giveup", why=repr(exc))
+            raise
 
     def drop(self) -> None:
         """For tests and demos: cut the connection as a network would (abort, no close frame);
         the session resumes as after any loss."""
         ws = self._ws
         if ws is not None and self.state is State.OPEN:
-            self._why[id(ws)] = "dropped"
+            ws.aborted = "dropped"
             ws.transport.abort()
 
     @property
@@ -438,6 +443,17 @@ class Session:
             self._watch = asyncio.ensure_future(self._liveness())
 
     async def _read(self) -> None:
+        try:
+            await self._relay()
+        except Exception as exc:  # a bug here must not leave the application waiting
+            log.exception("wslb.client: the session's reader failed")
+            if self._end is None:
+                reason = f"wslb.client: {exc!r}"[:120]
+                self._finish(
+                    SessionClosed(1006, reason), State.CLOSED, "close", code=1006, reason=reason
+                )
+
+    async def _relay(self) -> None:
         """Take messages off the current connection into the inbox; on its end, Rule 2."""
         while True:
             ws = self._ws
@@ -458,7 +474,7 @@ class Session:
                     self._gone(*what)
                     return
                 lost_at = time.monotonic()
-                why = self._why.pop(id(ws), what if kind == "loss" else "4429")
+                why = ws.aborted or (what if kind == "loss" else "4429")
                 wait = what if kind == "throttled" else 0.0
                 try:
                     await self._reconnect(why, lost_at, wait)
@@ -482,19 +498,19 @@ class Session:
             wait = 0.0
             left = lost_at + self.grace - time.monotonic()
             if delay >= left:
-                self._giveup(why)
+                raise self._giveup(why)
             self._emit("reconnecting", attempt=attempt, delay=round(delay, 3), why=why)
             await asyncio.sleep(delay)
             left = lost_at + self.grace - time.monotonic()
             if left <= 0:
-                self._giveup(why)
+                raise self._giveup(why)
             try:
                 ws = await self._connect(True, min(self.connect_timeout, left))
             except InvalidStatus as exc:
                 r = exc.response
                 kind, what = classify_status(r.status_code, r.headers, bytes(r.body or b""))
                 if kind == "gone":
-                    self._gone(r.status_code, what)
+                    raise self._gone(r.status_code, what) from None
                 if kind == "throttled":
                     wait = what
                 why = str(r.status_code)
@@ -506,7 +522,9 @@ class Session:
             resumed = ws.response.headers.get(RESUMED_HEADER)
             if resumed != str(self.count):
                 await ws.close(1000, "not resumed")  # a new session we did not ask for
-                self._gone(101, {"resume": "not resumed", "resumed": resumed, "count": self.count})
+                raise self._gone(
+                    101, {"resume": "not resumed", "resumed": resumed, "count": self.count}
+                )
             self._ws = ws
             self.state = State.OPEN
             self._ready.set()
@@ -531,7 +549,7 @@ class Session:
                     ws.heard = now
                 silent = now - ws.heard
                 if silent >= idle:
-                    self._why[id(ws)] = "idle"
+                    ws.aborted = "idle"
                     ws.transport.abort()
                 else:
                     wait = idle - silent
@@ -539,13 +557,15 @@ class Session:
 
     # -- endings ------------------------------------------------------------------------------
 
-    def _gone(self, code: int, reason: dict[str, Any]) -> None:
-        self._finish(SessionGone(code, reason), State.GONE, "gone", code=code, reason=reason)
-        raise SessionGone(code, reason)
+    def _gone(self, code: int, reason: dict[str, Any]) -> SessionGone:
+        end = SessionGone(code, reason)
+        self._finish(end, State.GONE, "gone", code=code, reason=reason)
+        return end
 
-    def _giveup(self, why: str) -> None:
-        self._finish(GaveUp(why), State.GAVE_UP, "giveup", why=why)
-        raise GaveUp(why)
+    def _giveup(self, why: str) -> GaveUp:
+        end = GaveUp(why)
+        self._finish(end, State.GAVE_UP, "giveup", why=why)
+        return end
 
     def _finish(self, end: SessionError, state: State, kind: str, **detail: Any) -> None:
         """The session ends: the event, then the ending after the messages already read."""
@@ -568,7 +588,6 @@ class Session:
         if ws is not None:
             with contextlib.suppress(Exception):
                 await ws.close(code, reason)
-        self._why.clear()
 
     def _emit(self, kind: str, **detail: Any) -> None:
         event = Event(kind, detail, time.time())
