@@ -165,10 +165,10 @@ export class ResumableSocket extends EventTarget {
   }
 
   /** A loss, or a new connect: tries from now on, within grace. */
-  _begin(why) {
+  _begin(why, delay = Math.random() * 100) {
     this._deadline = Date.now() + this._o.grace;
     this._attempt = 0;
-    this._schedule(why, Math.random() * 100);
+    this._schedule(why, delay);
   }
 
   _schedule(why, delay) {
@@ -250,12 +250,12 @@ export class ResumableSocket extends EventTarget {
       return this._finish("closed", "close", { code, reason });
     }
     const why = handover ? "handover" : code === 4429 ? "throttled" : "lost";
+    const after = code === 4429 ? (Number(parseReason(reason).retry_after) || 1) * 1000 : 0;
     if (this._confirmed) {
       this._state = "reconnecting"; // a loss after an open: resume, within grace from now
-      this._begin(why);
-    } else if (code === 4429) {
-      const after = Number(parseReason(reason).retry_after) || 1;
-      this._schedule(why, after * 1000 * (1 + Math.random() / 2));
+      this._begin(why, after || Math.random() * 100);
+    } else if (after) {
+      this._schedule(why, after * (1 + Math.random() / 2));
     } else {
       this._retry(handover ? why : "error");
     }
