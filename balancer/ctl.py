@@ -3,8 +3,10 @@
 Tables for people, ``--json`` for scripts. ``drain ID --wait`` redraws a progress bar until the
 backend is drained (in cluster mode: on every instance). ``add``/``remove`` and ``--wait-admin``
 serve Kubernetes hooks (a sidecar registers its pod's worker when it starts, removes it when
-the pod goes). The token is ``--token``, else ``WSLB_ADMIN_TOKEN``, else the one a wslb with no
-configured token generated for the admin URL's port (``balancer/admintoken.py``). Exit status:
+the pod goes). ``dashboard`` prints the dashboard's URL and the token to sign in with, after one
+authenticated call proves both work. The token is ``--token``, else ``WSLB_ADMIN_TOKEN``, else
+the one a wslb with no configured token generated for the admin URL's port
+(``balancer/admintoken.py``). Exit status:
 0 on success, 1 when the API refused (its error is printed), 2 for usage errors, 3 when the admin
 API cannot be reached.
 """
@@ -156,6 +158,14 @@ def drain_wait(client: Client, bid: str, out: TextIO, as_json: bool, poll: float
         time.sleep(poll)
 
 
+def token_source(args: argparse.Namespace, admin: str) -> str:
+    """Where the token ctl sends came from, in words (for ``dashboard``)."""
+    if args.token:
+        from_env = args.token == os.environ.get("WSLB_ADMIN_TOKEN")
+        return "$WSLB_ADMIN_TOKEN" if from_env else "--token"
+    return str(admintoken.token_path(urlsplit(admin).port or 80))
+
+
 def admin_url(text: str) -> str:
     """The admin API's base URL from ``--admin``: a URL, or ``HOST:PORT`` (HAProxy's and
     nginx's habit) taken as ``http://HOST:PORT``."""
@@ -197,6 +207,7 @@ def _global_options(p: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 COMMANDS = (
+    ("dashboard", "print the dashboard's URL and the admin token to sign in with"),
     ("backends", "list backends"),
     ("sessions", "list live sessions"),
     ("drain", "drain a backend"),
@@ -255,7 +266,16 @@ def main(argv: Sequence[str]) -> int:
                 time.sleep(0.5)
     out = sys.stdout
     try:
-        if args.cmd == "backends":
+        if args.cmd == "dashboard":
+            client.call("GET", "/backends")  # the URL answers and the token is the right one
+            data = {"url": args.admin + "/ui", "token": client.token}
+            if not args.json:
+                source = token_source(args, args.admin) if client.token else "none needed"
+                out.write(f"dashboard: {data['url']}\n")
+                out.write(f"token:     {client.token or '(none)'}  ({source})\n")
+                out.write("open the URL, paste the token into Admin token, press Sign in\n")
+                return 0
+        elif args.cmd == "backends":
             data = client.call("GET", "/backends")
             if not args.json:
                 table(

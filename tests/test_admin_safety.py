@@ -86,6 +86,42 @@ def test_ctl_works_without_flags(lb: Wslb) -> None:
     assert "401" in out.stderr and "nothing-here" in out.stderr
 
 
+def test_ctl_dashboard_prints_the_url_and_the_token_that_signs_in(lb: Wslb) -> None:
+    """What a newcomer runs to open the dashboard: its URL and the generated token, with where
+    the token came from; the token it prints is the one the API takes."""
+    admin = f"http://127.0.0.1:{lb.admin_port}"
+    cmd = [sys.executable, "-m", "balancer", "ctl", "--admin", admin, "dashboard"]
+    env = {k: v for k, v in lb.env.items() if k != "WSLB_ADMIN_TOKEN"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    path = admintoken.token_path(lb.admin_port, lb.env)
+    token = path.read_text().strip()
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"dashboard: {admin}/ui", out.stdout
+    assert lines[1].split()[:2] == ["token:", token] and str(path) in lines[1], out.stdout
+    status, _ = send(lb, "GET", "/backends", headers={"Authorization": f"Bearer {token}"})
+    assert status == 200
+    with urllib.request.urlopen(f"{admin}/ui", timeout=10) as r:  # the page itself is open
+        assert r.status == 200 and b"<html" in r.read().lower()
+    # --json for scripts; from $WSLB_ADMIN_TOKEN it says so.
+    out = subprocess.run(
+        [*cmd, "--json"], cwd=ROOT, env=dict(env, WSLB_ADMIN_TOKEN=token),
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"url": f"{admin}/ui", "token": token}
+    out = subprocess.run(
+        cmd, cwd=ROOT, env=dict(env, WSLB_ADMIN_TOKEN=token), capture_output=True, text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert "($WSLB_ADMIN_TOKEN)" in out.stdout, out.stdout
+    # A wrong token is refused, not printed as if it would work.
+    out = subprocess.run(
+        [*cmd, "--token", "nope"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 1 and "401" in out.stderr, out.stderr
+
+
 def test_a_cross_origin_drain_is_refused_and_drains_nothing(lb: Wslb) -> None:
     # What a page on http://evil.example can send without a preflight: a "simple" POST.
     status, body = send(

@@ -49,6 +49,20 @@ README = ROOT / "README.md"
 CHAT_CLIENT = "examples/chat_client.py"
 
 
+VENV_STEPS = [["python3", "-m", "venv", ".venv"], [".", ".venv/bin/activate"]]
+
+
+def split_steps(line: str) -> list[list[str]]:
+    """A shell line's commands split at ``&&`` (comments dropped)."""
+    steps: list[list[str]] = [[]]
+    for word in shlex.split(line, comments=True):
+        if word == "&&":
+            steps.append([])
+        else:
+            steps[-1].append(word)
+    return steps
+
+
 def quick_start() -> tuple[list[list[str]], list[list[str]]]:
     """The README's Quick start: the install-and-run command split at ``&&``, and the commands
     of the "talk to it" block (comments dropped)."""
@@ -57,13 +71,7 @@ def quick_start() -> tuple[list[list[str]], list[list[str]]]:
     section = text.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
     assert len(blocks) >= 2, "Quick start: expected the install block and the 'talk to it' block"
-    first = shlex.split(blocks[0].splitlines()[0], comments=True)
-    steps: list[list[str]] = [[]]
-    for word in first:
-        if word == "&&":
-            steps.append([])
-        else:
-            steps[-1].append(word)
+    steps = split_steps(blocks[0].splitlines()[0])
     talk = [shlex.split(line, comments=True) for line in blocks[1].splitlines()]
     return steps, [argv for argv in talk if argv]
 
@@ -71,9 +79,33 @@ def quick_start() -> tuple[list[list[str]], list[list[str]]]:
 def test_readme_quick_start_is_parsed() -> None:
     """The shape the quick-start test relies on (a README change should fail loudly here)."""
     steps, talk = quick_start()
-    assert [s[:2] for s in steps] == [["pip", "install"], ["wslb", "--config"]], steps
+    assert steps[:2] == VENV_STEPS, steps
+    assert [s[:2] for s in steps[2:]] == [["pip", "install"], ["wslb", "--config"]], steps
     assert talk[0][:2] == ["python", CHAT_CLIENT], talk[0]
     assert ["wslb", "ctl", "backends"] in talk
+    assert ["wslb", "ctl", "dashboard"] in talk
+
+
+def readme_test_command() -> list[list[str]]:
+    """The README's test command (the Quick start block's second line), split at ``&&``."""
+    section = README.read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```sh\n(.*?)```", section, re.S)[0]
+    return split_steps(block.splitlines()[1])
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """The README's test command is a virtualenv, the test install and the suite; ``.ci/run``
+    runs the same steps in order (with quieter output, and the sanitizers before the suite)."""
+    steps = readme_test_command()
+    assert steps[:2] == VENV_STEPS, steps
+    assert steps[2:] == [["pip", "install", "-e", ".[test]"], ["python", "-m", "pytest"]], steps
+    quiet = {"--quiet", "-q"}
+    ci: list[list[str]] = []
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        for step in split_steps(line):
+            if step and step[0] not in ("set", "cd", "tools/sanitize.sh"):
+                ci.append([w for w in step if w not in quiet])
+    assert ci == steps, ci
 
 
 def user_env(venv: Path, **extra: str) -> dict[str, str]:
@@ -194,7 +226,8 @@ def chat_prompts(args: Sequence[str]) -> list[str]:
 @pytest.mark.slow  # ~20 s: a virtualenv and an install; runs by default (CI)
 def test_readme_quick_start_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     steps, talk = quick_start()
-    install, serve = steps[0], steps[1]
+    assert steps[:2] == VENV_STEPS, steps
+    install, serve = steps[2], steps[3]
     assert install[:2] == ["pip", "install"] and serve[0] == "wslb", steps
 
     venv = tmp_path / "venv"

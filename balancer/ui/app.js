@@ -162,8 +162,8 @@
     signedIn(false);
     setStatus("Not signed in.");
     showError(
-      "Wrong admin token: wslb answered 401. Paste the token from admin.token, " +
-        "$WSLB_ADMIN_TOKEN or the file wslb logged at start (admin-PORT.token).",
+      "Wrong admin token: wslb answered 401. `wslb ctl dashboard` on wslb's machine prints " +
+        "the token (admin.token, $WSLB_ADMIN_TOKEN, or the file wslb logged at start).",
     );
     $("token").focus();
   }
