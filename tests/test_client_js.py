@@ -4,12 +4,12 @@
 two reference workers, a wslb with resume's grace at 30 s and one at 1 s in front of them, and
 a cut relay (``tests/cutrelay.py``, a process with a control port) in front of each wslb, so
 the Node test cuts its own connections mid-answer (RST, or a silent blackhole) and brings the
-network back. The library loads the ``ws`` package as its WebSocket class in Node: installed
-with npm into the per-user cache when missing (``~/.cache/wslb/npm``, outside the checkout)
-and proven to load before it is trusted (``tests/installs.py``'s rule); node and npm come
-from Debian's packages when missing. A machine that cannot install them (no apt, not root)
-skips; a failed install is an error. Also: ``npm pack`` makes the package a registry would
-get.
+network back. The library loads the ``ws`` package as its WebSocket class in Node; ``tsc``
+checks the declarations against a file that uses them. Both come from npm into the per-user
+cache when missing (``~/.cache/wslb/npm``, outside the checkout), proven to work before they
+are trusted (``tests/installs.py``'s rule); node and npm come from Debian's packages when
+missing. A machine that cannot install them (no apt, not root) skips; a failed install is an
+error. Also: ``npm pack`` makes the package a registry would get.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from tests import installs
 from tests.procs import ROOT, Worker, Wslb, free_port, pool_config, spawn, stop, wait_port
 
 JS = ROOT / "clients" / "js"
-WS_SPEC = "ws@8"
+NPM_PACKAGES = ("ws@8", "typescript@5", "@types/node@20")
+"""What the tests take from npm: the WebSocket class for Node, and the compiler that checks
+the declarations (with Node's types, for a check without the DOM's)."""
 
 
 def _tools() -> tuple[str, str]:
@@ -46,47 +48,58 @@ def _tools() -> tuple[str, str]:
     return node, npm
 
 
-def _loads_ws(node: str, modules: Path) -> bool:
+def _works(node: str, modules: Path) -> bool:
+    """ws loads, tsc runs and Node's types are there, in ``modules``."""
     env = dict(os.environ, NODE_PATH=str(modules))
-    done = subprocess.run(
+    checks = [
         [node, "-e", "new (require('ws').WebSocketServer)({noServer: true})"],
-        env=env,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    return done.returncode == 0
+        [node, str(modules / "typescript" / "bin" / "tsc"), "--version"],
+    ]
+    for cmd in checks:
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=60, check=False)
+        if done.returncode != 0:
+            return False
+    return (modules / "@types" / "node" / "package.json").is_file()
 
 
-def ensure_ws(node: str, npm: str) -> Path:
-    """The ``node_modules`` folder that holds ``ws``, proven to load; npm installs it into a
-    scratch folder beside the cache's, moved into place whole, when the cache has none."""
+def ensure_npm(node: str, npm: str) -> Path:
+    """The ``node_modules`` folder that holds ``NPM_PACKAGES``, proven to work; npm installs
+    them into a scratch folder beside the cache's, moved into place whole, when the cache has
+    none that works."""
     home = installs.cache_dir() / "npm"
     modules = home / "node_modules"
-    if _loads_ws(node, modules):
+    if _works(node, modules):
         return modules
     home.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="npm-", dir=home.parent))
+    what = " ".join(NPM_PACKAGES)
     try:
-        cmd = [npm, "install", "--prefix", str(scratch), "--no-audit", "--no-fund", WS_SPEC]
+        cmd = [npm, "install", "--prefix", str(scratch), "--no-audit", "--no-fund", *NPM_PACKAGES]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise installs.InstallError(f"npm install {WS_SPEC} failed: {e}") from e
+            raise installs.InstallError(f"npm install {what} failed: {e}") from e
         if done.returncode != 0:
             out = (done.stderr or done.stdout).strip().splitlines()[-8:]
             raise installs.InstallError(
-                f"npm install {WS_SPEC} exited {done.returncode}:\n" + "\n".join(out)
+                f"npm install {what} exited {done.returncode}:\n" + "\n".join(out)
             )
-        if not _loads_ws(node, scratch / "node_modules"):
-            raise installs.InstallError(f"npm installed {WS_SPEC} but node cannot load it")
+        if not _works(node, scratch / "node_modules"):
+            raise installs.InstallError(f"npm installed {what} but they do not work")
         shutil.rmtree(home, ignore_errors=True)
         os.replace(scratch, home)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if not _loads_ws(node, modules):
-        raise installs.InstallError(f"{modules}: ws does not load after the install")
+    if not _works(node, modules):
+        raise installs.InstallError(f"{modules}: {what} do not work after the install")
     return modules
+
+
+@pytest.fixture
+def node_npm() -> tuple[str, Path]:
+    """node, and the ``node_modules`` of ``NPM_PACKAGES`` (before any process starts)."""
+    node, npm = _tools()
+    return node, ensure_npm(node, npm)
 
 
 class Relay:
@@ -139,17 +152,10 @@ def system(tmp_path: Path) -> Iterator[dict[str, str]]:
             w.stop(3)  # parked sessions would hold a drain for 30 s
 
 
-@pytest.fixture
-def node_ws() -> tuple[str, Path]:
-    """node, and the ``node_modules`` that holds ``ws`` (before any process starts)."""
-    node, npm = _tools()
-    return node, ensure_ws(node, npm)
-
-
 def test_node_runs_the_librarys_own_tests_against_wslb(
-    node_ws: tuple[str, Path], system: dict[str, str]
+    node_npm: tuple[str, Path], system: dict[str, str]
 ) -> None:
-    node, modules = node_ws
+    node, modules = node_npm
     env = dict(os.environ, NODE_PATH=str(modules), **system)
     done = subprocess.run(
         [node, "--test", "--test-reporter=spec", "clients/js/test/"],
@@ -188,3 +194,33 @@ def test_npm_pack_makes_the_package(tmp_path: Path) -> None:
     assert pkg["type"] == "module" and pkg["types"] == "./wslb.d.ts"
     assert pkg["exports"]["."]["default"] == "./wslb.js"
     assert "dependencies" not in pkg
+
+
+@pytest.mark.parametrize("types", ["dom", "node"])
+def test_the_declarations_type_check(
+    node_npm: tuple[str, Path], tmp_path: Path, types: str
+) -> None:
+    """``typecheck/usage.ts`` (every export used, wrong uses marked ``@ts-expect-error``)
+    compiles with ``tsc --strict``, importing the package by name as an app would, with the
+    DOM's types (a browser app) or Node's only."""
+    node, modules = node_npm
+    (tmp_path / "node_modules").mkdir()
+    (tmp_path / "node_modules" / "wslb").symlink_to(JS)
+    shutil.copy(JS / "typecheck" / "usage.ts", tmp_path / "usage.ts")
+    options = {
+        "strict": True,
+        "noEmit": True,
+        "module": "nodenext",
+        "moduleResolution": "nodenext",
+        "target": "es2022",
+        "lib": ["es2022", "dom"] if types == "dom" else ["es2022"],
+        "typeRoots": [str(modules / "@types")],
+        "types": [] if types == "dom" else ["node"],
+    }
+    config = {"compilerOptions": options, "files": ["usage.ts"]}
+    (tmp_path / "tsconfig.json").write_text(json.dumps(config))
+    tsc = str(modules / "typescript" / "bin" / "tsc")
+    done = subprocess.run(
+        [node, tsc, "-p", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
