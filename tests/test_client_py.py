@@ -135,7 +135,7 @@ async def test_an_rst_mid_answer_is_resumed(ref: dict[str, Wslb], down: float) -
         first = next(e for e in s.events if e.kind == "reconnecting")
         assert first.detail["why"] == "lost", s.events
         resumed = s.events[-1].detail
-        assert resumed["from"] <= 1 + 8 + 2  # a few tokens may have come before the cut
+        assert 1 + 8 <= resumed["from"] < 1 + 40  # the library may have read ahead of the app
         assert resumed["gap"] >= down * 0.9
         # The session goes on: the next turn, on the new connection.
         assert await asyncio.wait_for(answer(s, 2, 5), 15) == list(range(5))
