@@ -624,8 +624,30 @@ class connect:
             connection (``ssl``, ``additional_headers``, ``subprotocols``, ``max_size`` ...).
     """
 
-    def __init__(self, url: str, **kwargs: Any) -> None:
-        self.session = Session(url, **kwargs)
+    def __init__(
+        self,
+        url: str,
+        *,
+        key: str | None = None,
+        key_param: str | None = "session",
+        token: str | None = None,
+        grace: float = 30.0,
+        idle_timeout: float | None = 45.0,
+        connect_timeout: float = 10.0,
+        on_event: Callable[[Event], None] | None = None,
+        **websockets_kwargs: Any,
+    ) -> None:
+        self.session = Session(
+            url,
+            key=key,
+            key_param=key_param,
+            token=token,
+            grace=grace,
+            idle_timeout=idle_timeout,
+            connect_timeout=connect_timeout,
+            on_event=on_event,
+            **websockets_kwargs,
+        )
 
     def __await__(self) -> Generator[Any, None, Session]:
         return self._open().__await__()
