@@ -47,7 +47,7 @@ from balancer.aio.control import Control, ControlError, Reply
 from balancer.aio.openapi import OPENAPI
 from balancer.aio.spawn import KEEPER_PID_ENV
 from balancer.config import Admin as AdminCfg
-from balancer.config import Listener, is_loopback
+from balancer.config import Listener, ListenError, is_loopback
 from balancer.version import started_iso, version
 
 __all__ = ["Admin"]
@@ -278,7 +278,12 @@ class Admin:
         if adopted is not None:
             return adopted
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family, backlog=128)
+        try:
+            return socket.create_server((host, port), family=family, backlog=128)
+        except OSError as err:
+            key = "metrics.listen" if which else "admin.listen"
+            default = not which and self.cfg.listen_default
+            raise ListenError(key, str(Listener(host, port)), err, default) from None
 
     # -- a hot restart ---------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ from balancer.aio.restart import Handed, Restarter, RestartError, TakeOver, anno
 from balancer.aio.state import ServerState
 from balancer.auth import key_owner
 from balancer.board import Board
-from balancer.config import Config, ConfigError, Listener
+from balancer.config import Config, ConfigError, Listener, ListenError
 from balancer.frames import CloseCode
 from balancer.metrics import BalancerCollector, Stats
 from balancer.pool import Pool
@@ -89,10 +89,18 @@ class ProcessLink:
 class Listeners:
     """The client listeners of a serving process, and their TLS certificates."""
 
-    def __init__(self, state: ServerState, listen: tuple[Listener, ...], reuse_port: bool) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        listen: tuple[Listener, ...],
+        reuse_port: bool,
+        default: bool = False,
+    ) -> None:
+        """``default``: the file set no ``listen`` (a taken port says so)."""
         self.state = state
         self.listen = listen
         self.reuse_port = reuse_port
+        self.default = default
         self._servers: list[asyncio.Server] = []
         self._tls: list[tuple[ssl.SSLContext, str, str]] = []
         self._factories: list[Callable[[], asyncio.BaseProtocol]] = []
@@ -125,14 +133,18 @@ class Listeners:
                 )
                 log.info("listening on %s:%d (the old code's socket)", lst.host, lst.port)
             else:
-                server = await self.state.loop.create_server(
-                    factory,
-                    lst.host,
-                    lst.port,
-                    backlog=4096,
-                    reuse_address=True,
-                    reuse_port=self.reuse_port,
-                )
+                try:
+                    server = await self.state.loop.create_server(
+                        factory,
+                        lst.host,
+                        lst.port,
+                        backlog=4096,
+                        reuse_address=True,
+                        reuse_port=self.reuse_port,
+                    )
+                except OSError as err:
+                    key = "listen" if len(self.listen) == 1 else f"listen[{i}]"
+                    raise ListenError(key, str(lst), err, self.default) from None
                 log.info("listening on %s:%d", lst.host, lst.port)
             self._servers.append(server)
 
@@ -460,7 +472,11 @@ def build(
     state.on_worker_lost = Failover(drainer.handoff).lost
     registry = CollectorRegistry(auto_describe=False)
     ProcessCollector(registry=registry)  # process_*: CPU, memory, fds, start time (Linux)
-    listeners = None if supervising else Listeners(state, config.listen, link is not None)
+    listeners = (
+        None
+        if supervising
+        else Listeners(state, config.listen, link is not None, config.listen_default)
+    )
     local = LocalControl(
         state,
         drainer,

@@ -41,7 +41,7 @@ import aiohttp
 
 from balancer.aio.spawn import Backoff, child_env, die_with_parent, python_module
 from balancer.board import Board
-from balancer.config import Config
+from balancer.config import Config, ListenError
 from balancer.pool import Pool
 
 __all__ = ["SERVING_MODULE", "ProcessGroup", "ServingProcess"]
@@ -230,11 +230,16 @@ class ProcessGroup:
 
     def check_ports(self) -> None:
         """Fail fast, as a single process would, if a listen address is taken."""
-        for lst in self.config.listen:
-            with socket.create_server(
-                (lst.host, lst.port), reuse_port=True, family=_family(lst.host)
-            ):
-                pass
+        listen = self.config.listen
+        for i, lst in enumerate(listen):
+            try:
+                with socket.create_server(
+                    (lst.host, lst.port), reuse_port=True, family=_family(lst.host)
+                ):
+                    pass
+            except OSError as err:
+                key = "listen" if len(listen) == 1 else f"listen[{i}]"
+                raise ListenError(key, str(lst), err, self.config.listen_default) from None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

@@ -33,7 +33,7 @@ from __future__ import annotations
 from balancer.config.build import is_loopback as is_loopback
 from balancer.config.build import load, parse
 from balancer.config.build import parse_backend as parse_backend
-from balancer.config.errors import ConfigError
+from balancer.config.errors import ConfigError, ListenError
 from balancer.config.model import (
     DEFAULT_SESSION_KEY,
     Admin,
@@ -82,6 +82,7 @@ __all__ = [
     "JwtCfg",
     "KeySource",
     "Limits",
+    "ListenError",
     "Listener",
     "LogCfg",
     "MetricsCfg",

@@ -350,6 +350,7 @@ class _Builder(_Reader):
         metrics = self.metrics(root, listen, admin)
         pools = self.pools(root)
         self.spawned_clashes(listen, admin, metrics)
+        self.own_listeners(listen, admin, metrics)
         trusted = self.networks(root, "trusted_proxies")
         if not root.get("trusted_proxies") and any(lst.proxy_protocol for lst in listen):
             self.error(
@@ -371,6 +372,7 @@ class _Builder(_Reader):
             log=self.log(root),
             relay=self.relay(root),
             source=source,
+            listen_default=root.get("listen") is None,
         )
 
     def address(self, text: str, path: _Path) -> tuple[str, int] | None:
@@ -454,7 +456,7 @@ class _Builder(_Reader):
                         f"{_show(_join_host_port(host, port))} {clash} the listen address {lst}",
                     )
                     break
-        return Admin(host, port, self.optional(a, "token", ("admin",)))
+        return Admin(host, port, self.optional(a, "token", ("admin",)), parsed is None)
 
     def metrics(
         self, root: dict[object, object], listen: tuple[Listener, ...], admin: Admin
@@ -530,6 +532,27 @@ class _Builder(_Reader):
                     self.error(
                         (*bp, "url"),
                         f"the spawned worker's address {addr} {clash} {what} {lst}",
+                    )
+                    break
+
+    def own_listeners(
+        self, listen: tuple[Listener, ...], admin: Admin, metrics: MetricsCfg
+    ) -> None:
+        """A backend whose URL is one of wslb's own addresses: wslb would proxy to itself, each
+        request and scrape coming back in as a new one until connections run out."""
+        ours = [(lst, "listen") for lst in listen]
+        ours.append((Listener(admin.host, admin.port), "admin.listen"))
+        if metrics.listen is not None:
+            ours.append((metrics.listen, "metrics.listen"))
+        for b, bp in self.backend_paths:
+            if b.spawn is not None or not b.url or _url_problem(b.url) is not None:
+                continue  # a spawned worker's address: spawned_clashes
+            for lst, key in ours:
+                if _reaches(b.host, b.port, lst):
+                    self.error(
+                        (*bp, "url"),
+                        f"{_show(b.url)} is wslb's own {key} address {lst}: wslb would proxy "
+                        "to itself (point the backend at a worker)",
                     )
                     break
 
@@ -991,6 +1014,41 @@ def _clash(a: Listener, b: Listener) -> str:
         if wild in _WILDCARDS and _families(wild) & _families(other):
             return "overlaps (same port, one of them on all interfaces)"
     return ""
+
+
+def _reaches(host: str, port: int, lst: Listener) -> bool:
+    """Whether connecting to ``host:port`` from this machine lands on the listener ``lst``:
+    the same address, a loopback name for a loopback or wildcard listener, or a wildcard
+    address (which a connect takes as this machine) of the listener's family. Other addresses
+    of this machine's interfaces are not known to a config check."""
+    if port != lst.port:
+        return False
+    if host == lst.host:
+        return True
+    target = _loopback_family(host)
+    if lst.host in _WILDCARDS:
+        return bool(target & _families(lst.host))
+    both_ips = _is_ip(host) and _is_ip(lst.host)  # two loopback IPs: only the same one
+    return bool(target & _loopback_family(lst.host)) and not both_ips
+
+
+def _loopback_family(host: str) -> set[int]:
+    """The families in which ``host`` names this machine (loopback or a wildcard)."""
+    if host.lower() in _LOOPBACK_NAMES:
+        return {4, 6}
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return set()
+    return {ip.version} if ip.is_loopback or ip.is_unspecified else set()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _families(host: str) -> set[int]:

@@ -11,6 +11,7 @@ alike.
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,7 +23,35 @@ import jsonschema
 
 from balancer.weights import PRESETS
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "ListenError"]
+
+
+class ListenError(OSError):
+    """wslb could not listen on one of its addresses; the message names the config key."""
+
+    def __init__(self, key: str, address: str, err: OSError, default: bool = False) -> None:
+        """``key``: ``listen``, ``admin.listen`` or ``metrics.listen``; ``default``: the file
+        does not set it, so the operator may not know wslb wanted that port."""
+        port = address.rsplit(":", 1)[-1]
+        where = f"{key} {address}"
+        if default:
+            where += f" (the default: the config sets no {key})"
+        if err.errno == errno.EADDRINUSE:
+            why = (
+                "address already in use: another process listens there, another wslb perhaps "
+                f"(`ss -ltnp 'sport = :{port}'` names it); stop it or set {key} to a free port"
+            )
+        elif err.errno == errno.EACCES:
+            why = f"permission denied (ports below 1024 need privileges); set {key} to another"
+        elif err.errno == errno.EADDRNOTAVAIL:
+            why = f"no interface of this machine has that address; fix {key}"
+        else:
+            why = err.strerror or str(err)
+        super().__init__(err.errno, f"{where}: {why}")
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class ConfigError(Exception):

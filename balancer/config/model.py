@@ -8,7 +8,7 @@ tuples: the proxy shares one instance between connections and swaps it whole on 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -74,6 +74,8 @@ class Admin:
     host: str = "127.0.0.1"
     port: int = 8081
     token: str | None = None
+    # The file set no admin.listen (said when the port is taken); not part of the value.
+    listen_default: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +390,8 @@ class Config:
     log: LogCfg = LogCfg()
     relay: RelayCfg = RelayCfg()
     source: str = "<config>"
+    # The file set no listen (said when the port is taken); not part of the value.
+    listen_default: bool = field(default=False, compare=False)
 
     def backend_ids(self) -> tuple[str, ...]:
         """Ids of every backend, in file order."""
