@@ -35,7 +35,7 @@ def _check(path: str, deep: bool = False) -> int:
     if deep:  # a restart's proof that the code installed now loads (aio/restart.py)
         import balancer.aio.app  # noqa: F401
     n = sum(len(p.backends) for p in cfg.pools)
-    print(f"{path}: ok ({len(cfg.pools)} pool(s), {n} backend(s))")
+    print(f"{path}: ok ({logs.count(len(cfg.pools), 'pool')}, {logs.count(n, 'backend')})")
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from balancer import admintoken
+from balancer.logs import count
 
 __all__ = ["find_token", "main"]
 
@@ -314,7 +315,7 @@ def main(argv: Sequence[str]) -> int:
             if args.wait:
                 return drain_wait(client, args.id, out, args.json)
             if not args.json:
-                out.write(f"{args.id}: {data['state']} ({data['sessions']} sessions)\n")
+                out.write(f"{args.id}: {data['state']} ({count(data['sessions'], 'session')})\n")
                 return 0
         elif args.cmd == "undrain":
             data = client.call("POST", f"/backends/{args.id}/undrain", {})
@@ -336,7 +337,7 @@ def main(argv: Sequence[str]) -> int:
                 moved = data["sessions"]
                 out.write(
                     f"restarted: pid {data['old']['pid']} -> {data['new']['pid']}, "
-                    f"version {data['new']['version']}, {moved['moved']} sessions moved, "
+                    f"version {data['new']['version']}, {count(moved['moved'], 'session')} moved, "
                     f"not moved {moved['not_moved'] or 'none'}, pause p99 "
                     f"{data['pause_ms']['p99']} ms, {data['seconds']} s\n"
                 )

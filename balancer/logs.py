@@ -42,12 +42,19 @@ __all__ = [
     "access_fields",
     "access_sink",
     "access_text",
+    "count",
     "http_access_text",
     "log_http_access",
     "setup",
 ]
 
 ACCESS = logging.getLogger("wslb.access")
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in the number it needs: "1 session", "2 sessions", "0 sessions"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORMAT_ENV = "WSLB_LOG_FORMAT"

@@ -43,6 +43,7 @@ from balancer.contract import proxied_credential
 __all__ = [
     "ENV",
     "HEADER",
+    "SPAWNED_ENV",
     "SPAWN_ENV",
     "TOKEN_RULE",
     "credential_for",
@@ -56,6 +57,9 @@ HEADER: Final = "X-WSLB-Worker-Token"
 """The request header that carries the credential (a worker's ``backends.wire`` has its twin)."""
 ENV: Final = "WSLB_WORKER_TOKEN"
 """The default credential of pools without ``worker_auth``; also what a worker reads."""
+SPAWNED_ENV: Final = "WSLB_WORKER_TOKEN_SPAWNED"
+"""Set in a spawned worker's environment beside its credential: the worker's log then says
+wslb generated it (``backends.auth.SPAWNED_ENV``)."""
 SPAWN_ENV: Final = "WSLB_SPAWN_TOKEN"
 """The generated credential of spawned workers, shared with this process's children."""
 TOKEN_RULE: Final = "16-1024 printable ASCII characters, no spaces or commas"

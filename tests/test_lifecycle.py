@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import yaml
 from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
 
 from tests.procs import ROOT, Wslb, free_port, pool_config
 from tests.wsraw import RawClient
@@ -236,3 +237,42 @@ def test_sigterm_while_starting_stops_at_once(tmp_path: Path) -> None:
             proc.kill()
     assert rc == 0
     assert took < 1.0, f"{took:.2f}s after SIGTERM"
+
+
+async def test_a_second_ctrl_c_is_logged_and_skips_the_grace(tmp_path: Path) -> None:
+    """SIGINT starts the graceful stop (the log counts what it waits for, in the right
+    number); a second one says so in the log and ends the wait at once."""
+
+    async def echo(ws: ServerConnection) -> None:
+        async for message in ws:
+            await ws.send(message)
+
+    async with serve(echo, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        cfg = pool_config([{"id": "e", "url": f"ws://127.0.0.1:{port}"}])
+        cfg["timeouts"] = {"shutdown_grace": "60s", "close": "1s"}
+        lb = Wslb(cfg, tmp_path).start()
+        assert lb.proc is not None
+        try:
+            async with connect(f"{lb.url}/?session=stays") as ws:
+                await ws.send("hi")
+                assert await ws.recv() == "hi"
+
+                async def logged(text: str, within: float = 10.0) -> None:
+                    deadline = time.monotonic() + within
+                    while text not in lb.output():
+                        assert time.monotonic() < deadline, f"no {text!r} in:\n{lb.log_tail()}"
+                        await asyncio.sleep(0.05)
+
+                lb.proc.send_signal(signal.SIGINT)
+                await logged("shutdown: waiting up to 60.0s for 1 session and 0 HTTP requests")
+                t0 = time.monotonic()
+                lb.proc.send_signal(signal.SIGINT)
+                await logged(
+                    "second SIGINT: skipping the rest of timeouts.shutdown_grace, closing 1 session"
+                )
+                code = await asyncio.to_thread(lb.proc.wait, 15)
+                assert code == 0, lb.log_tail()
+                assert time.monotonic() - t0 < 10, lb.log_tail()
+        finally:
+            lb.stop()

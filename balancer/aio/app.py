@@ -59,6 +59,7 @@ from balancer.auth import key_owner
 from balancer.board import Board
 from balancer.config import Config, ConfigError, Listener, ListenError
 from balancer.frames import CloseCode
+from balancer.logs import count
 from balancer.metrics import BalancerCollector, Stats
 from balancer.pool import Pool
 from balancer.resume import HANDOVER_REASON
@@ -320,7 +321,7 @@ class Runtime:
             if now < len(left):  # some were mid-message: their turn comes next
                 await asyncio.sleep(HANDOVER_POLL)
         if handed:
-            log.info("shutdown: %d sessions handed over to their workers", handed)
+            log.info("shutdown: %s handed over to their workers", count(handed, "session"))
 
     async def shutdown(self) -> None:
         """Graceful stop; see the module docstring."""
@@ -342,10 +343,10 @@ class Runtime:
         await self._hand_over(state.loop.time() + t.shutdown_grace)
         if state.sessions or state.requests:
             log.info(
-                "shutdown: waiting up to %.1fs for %d sessions and %d HTTP requests",
+                "shutdown: waiting up to %.1fs for %s and %s",
                 t.shutdown_grace,
-                len(state.sessions),
-                len(state.requests),
+                count(len(state.sessions), "session"),
+                count(len(state.requests), "HTTP request"),
             )
             waits = {
                 state.loop.create_task(state.idle()),
@@ -654,8 +655,19 @@ async def serve(
     log.info("handed on to the new code" if rt.handed_on else "shutting down")
     # A second signal skips the grace period.
     if not rt.handed_on:
+
+        def hurry(sig: int) -> None:
+            if not rt.hurry.is_set():  # the serving processes of workers: N say their own
+                left = "" if rt.group else f", closing {count(len(rt.state.sessions), 'session')}"
+                log.info(
+                    "second %s: skipping the rest of timeouts.shutdown_grace%s",
+                    signal.Signals(sig).name,
+                    left,
+                )
+            rt.hurry.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, rt.hurry.set)
+            loop.add_signal_handler(sig, hurry, sig)
     await rt.shutdown()
     if rt.then_exec is not None:
         exec_now(rt.then_exec)  # the keeper, in this pid (does not return)

@@ -40,6 +40,7 @@ from balancer.aio.migrate import migrate
 from balancer.aio.session import Mode, Session
 from balancer.aio.state import ServerState
 from balancer.frames import CloseCode
+from balancer.logs import count
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Backend, Pool
 
 __all__ = ["DrainProgress", "Drainer"]
@@ -119,7 +120,9 @@ class Drainer:
         self.tasks[backend.id] = self.state.loop.create_task(
             self._run(pool, backend, progress), name=f"drain-{backend.id}"
         )
-        log.info("draining %s (%d sessions, migrate=%s)", backend.id, backend.sessions, migrate_)
+        log.info(
+            "draining %s (%s, migrate=%s)", backend.id, count(backend.sessions, "session"), migrate_
+        )
         self.state.emit(
             "drain",
             backend=backend.id,

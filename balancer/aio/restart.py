@@ -58,6 +58,7 @@ from balancer.aio.session import Gone, Mode, Parked, Session
 from balancer.aio.spawn import KEEPER_ENV, KEEPER_PID_ENV, child_env, python_module
 from balancer.aio.state import ServerState
 from balancer.frames import CloseCode
+from balancer.logs import count
 from balancer.version import started_iso, version
 
 __all__ = [
@@ -656,7 +657,9 @@ class TakeOver:
                 st.arriving = None
         st.stats.restarts["taken"] += 1
         log.info(
-            "restart: took over %d sessions (%d could not be adopted)", self.adopted, self.failed
+            "restart: took over %s (%d could not be adopted)",
+            count(self.adopted, "session"),
+            self.failed,
         )
         on_end()
 

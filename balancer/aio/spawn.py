@@ -124,6 +124,7 @@ class Spawner:
         inherit for the pools of other workers."""
         env = child_env()
         env[workerauth.ENV] = workerauth.spawn_token()
+        env[workerauth.SPAWNED_ENV] = "1"  # so its log does not say the user set it
         env.pop(workerauth.SPAWN_ENV, None)
         return env
 

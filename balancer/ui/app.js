@@ -33,6 +33,10 @@
     if (Number.isInteger(v)) return String(v);
     return String(Number(v.toFixed(Math.abs(v) >= 10 ? 1 : 3)));
   }
+  // "1 session", "2 sessions": a count and its noun in the number it needs.
+  function count(v, noun, plural) {
+    return `${num(v)} ${v === 1 ? noun : plural || `${noun}s`}`;
+  }
   function pct(v) {
     return isNum(v) ? `${(v * 100).toFixed(v < 0.1 ? 1 : 0)}%` : DASH;
   }
@@ -387,7 +391,7 @@
     if (c.drained_everywhere) return `cluster: drained on every instance (${reports.length})`;
     if (c.state === "active" && drained === 0) return "";
     const left = reports.reduce((n, r) => n + (r && isNum(r.left) ? r.left : 0), 0);
-    return `cluster: ${str(c.state)}, drained on ${drained} of ${reports.length} instances, ${left} left`;
+    return `cluster: ${str(c.state)}, drained on ${drained} of ${count(reports.length, "instance")}, ${left} left`;
   }
 
   function updateBackendRow(row, b, now) {
@@ -737,7 +741,7 @@
         }
         return {
           text:
-            `drain of ${s(e.backend)} started: ${num(e.sessions)} sessions, ` +
+            `drain of ${s(e.backend)} started: ${count(e.sessions, "session")}, ` +
             (e.migrate === false ? "closing them after their answer" : "migrating them"),
           bad: false,
         };
@@ -800,12 +804,12 @@
         if (e.phase === "started") return { text: `restart: starting the code installed now`, bad: false };
         if (e.phase === "taken") {
           return {
-            text: `restart: new code ${s(e.version)} took over ${s(e.sessions)} sessions from pid ${s(e.old_pid)} (${s(e.old_version)})`,
+            text: `restart: new code ${s(e.version)} took over ${count(e.sessions, "session")} from pid ${s(e.old_pid)} (${s(e.old_version)})`,
             bad: false,
           };
         }
         const sessions = e.sessions && typeof e.sessions === "object" ? e.sessions : {};
-        return { text: `restart finished: ${s(sessions.moved ?? e.moved)} sessions moved in ${s(e.seconds)} s`, bad: false };
+        return { text: `restart finished: ${count(sessions.moved ?? e.moved, "session")} moved in ${s(e.seconds)} s`, bad: false };
       }
       case "backend_added":
         return { text: `backend ${s(e.backend)} added to pool ${s(e.pool)}`, bad: false };
