@@ -868,6 +868,12 @@ class SessionCore:
         if self.awaiting_pong:
             self.awaiting_pong = False
             if self.cs.own_ping is not None:
+                if self.may_detach():
+                    # Rule 8: a path that went silent (a blackhole, a dead Wi-Fi) is a loss like
+                    # a reset: the transport is aborted, and its loss detaches the session.
+                    log.info("session %s: client ping timeout: detached for a resume", self.sid)
+                    out.append((Op.ABORT, Side.CLIENT, None))
+                    return out
                 log.info("session %s: client ping timeout", self.sid)
                 self.end("client ping timeout")
                 self._send_client_close(CloseCode.INTERNAL_ERROR, "ping timeout", out)

@@ -438,6 +438,18 @@ def test_rule8_a_client_lost_between_messages_is_detached_not_closed() -> None:
     assert close_code(out, Side.WORKER) is None
 
 
+def test_rule8_a_missing_pong_is_a_loss_not_an_ending() -> None:
+    """A client whose path went silent answers no ping: with resume, its transport is
+    aborted and the loss detaches the session, as a reset would."""
+    c = resumable()
+    written(c, b"t0")
+    tick(c, 10)
+    out = tick(c, 15)  # no pong from the client
+    assert ops(out) == [(Op.ABORT, Side.CLIENT)] and not c.ended
+    c.client_lost(now=15.0)
+    assert c.mode is Mode.DETACHED and c.worker is Leg.OPEN
+
+
 def test_rule8_not_without_resume_nor_inside_a_client_message() -> None:
     assert close_code(core().client_lost(), Side.WORKER) == 1001
     c = resumable()

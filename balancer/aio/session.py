@@ -925,10 +925,12 @@ class Session(asyncio.Protocol):
         core = self.core
         if core.phase is Phase.FINISHED:
             return
-        if not core.awaiting_pong or core.phase is Phase.CLOSING:
-            # This tick pings both legs (or ends a close). The pong check needs no hand-back:
-            # it reads the Python scanners only (the worker's pong is a control frame, which
-            # the thread hands back itself), and every action that writes takes it back.
+        if not core.awaiting_pong or core.phase is Phase.CLOSING or core.cs.own_ping is not None:
+            # This tick pings both legs (or ends a close), or the client missed its pong,
+            # which may detach the session (Rule 8: the thread gives the worker's stream
+            # back first). A pong check that passes needs no hand-back: it reads the Python
+            # scanners only (the worker's pong is a control frame, which the thread hands
+            # back itself), and every action that writes takes it back.
             self.reclaim()
         t = self.settings.timeouts
         self._run(
