@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -31,14 +32,14 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from balancer.aio.ui import HEADERS
 from balancer.handshake import quote_key
 from tests.browser import VIEWPORT, PageLog, browser, require_browser
-from tests.procs import ROOT, Worker, Wslb, pool_config
+from tests.procs import ROOT, Worker, Wslb, free_port, pool_config
 
 TOKEN = "dash-s3cret"
 FOLLOW_S = 2.0  # the issue's promise: the page follows a change within 2 s
 XSS_KEY = "<img src=x onerror=alert(1)>"
 XSS_KEY2 = '"><svg onload=alert(2)>'
-# What the session key rule (SPEC section 12) lets through that a page or a URL could still get
-# wrong: markup is refused at the handshake.
+# What the session key rule (balancer/handshake.py) lets through that a page or a URL could still
+# get wrong: markup is refused at the handshake.
 ODD_KEY = "a:b@c~d.e"
 ODD_KEY2 = ".."
 
@@ -180,9 +181,9 @@ class Dash:
 
 
 @contextlib.asynccontextmanager
-async def dashboard(lb: Wslb) -> AsyncIterator[Dash]:
+async def dashboard(lb: Wslb, viewport: dict[str, int] | None = None) -> AsyncIterator[Dash]:
     async with browser() as b:
-        context = await b.new_context(viewport=VIEWPORT)
+        context = await b.new_context(viewport=viewport or VIEWPORT)
         page = await context.new_page()
         dash = Dash(page, lb, PageLog())
         dash.log.attach(page)
@@ -283,6 +284,85 @@ async def test_login_and_the_backends_table_matches_the_api(lb: Wslb) -> None:
         await page.get_by_role("button", name="Sign out").click()
         assert await page.evaluate("() => sessionStorage.length") == 0
         assert await page.locator("#backends tbody tr").count() == 0
+
+
+def test_every_backends_column_is_described_in_the_docs() -> None:
+    """docs/dashboard.md's table of the backends' columns names each column the page has."""
+    html = (ROOT / "balancer" / "ui" / "index.html").read_text()
+    table = html.split('<table id="backends">', 1)[1].split("</thead>", 1)[0]
+    columns = [re.sub(r"<[^>]+>", "", th).strip() for th in re.findall(r"<th[^>]*>.*?</th>", table)]
+    doc = (ROOT / "docs" / "dashboard.md").read_text()
+    section = doc.split("**Backends**", 1)[1].split("**Sessions**", 1)[0]
+    described = " | ".join(
+        line.split("|")[1] for line in section.splitlines() if line.startswith("| ")
+    )
+    missing = [c for c in columns if c not in described]
+    assert len(columns) > 10 and not missing, missing
+
+
+async def test_at_1280_px_drain_is_on_screen_and_a_fresh_start_counts_no_errors(
+    tmp_path: Path,
+) -> None:
+    """The quick start's system (wslb spawning its workers) on a 1280 x 800 screen: right after
+    the start no backend shows an error (a worker still binding its port is starting, not
+    failing), every column of the backends table fits, and every row's Drain button is inside
+    the window and answers a click. The screenshot stays in the test's directory
+    (dash1280.png)."""
+    require_browser()
+    ports = [free_port() for _ in range(3)]
+    backends = [
+        {"id": f"w{i}", "url": f"ws://127.0.0.1:{p}/ws", "spawn": "reference"}
+        for i, p in enumerate(ports, 1)
+    ]
+    cfg = pool_config(backends, health={"interval": "2s", "timeout": "1s", "path": "/healthz"})
+    cfg["pools"][0]["weights"] = {"scrape_interval": "1s", "metrics": "reference"}
+    cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
+    lb = Wslb(cfg, tmp_path, token=TOKEN).start()
+    try:
+        lb.wait_ready()
+        width, height = 1280, 800
+        async with dashboard(lb, {"width": width, "height": height}) as dash:
+            await dash.login()
+            await eventually(lambda: table_matches_api(dash), 10, "backends table")
+            await asyncio.sleep(2.5)  # past the first health interval and a few scrapes
+            for b in lb.admin("/backends"):
+                counters = b["counters"]
+                assert counters["health_check_failures"] == 0, b
+                assert counters["connect_failures"] == 0, b
+            errors = await dash.page.eval_on_selector_all(
+                "#backends tbody td[data-col=errors]", "cells => cells.map(c => c.textContent)"
+            )
+            assert errors == ["0", "0", "0"], errors
+            for bid in ("w1", "w2", "w3"):
+                button = dash.row(bid).get_by_role("button", name="Drain", exact=True)
+                box = await button.bounding_box()
+                assert box is not None, bid
+                assert box["x"] >= 0 and box["x"] + box["width"] <= width, (bid, box)
+                assert box["y"] >= 0 and box["y"] + box["height"] <= height, (bid, box)
+                # Nothing covers it: a click there lands on the button.
+                hit = await dash.page.evaluate(
+                    "([x, y]) => document.elementFromPoint(x, y)?.textContent",
+                    [box["x"] + box["width"] / 2, box["y"] + box["height"] / 2],
+                )
+                assert hit == "Drain", (bid, hit)
+            page_width = await dash.page.evaluate("() => document.documentElement.scrollWidth")
+            assert page_width <= width, page_width  # the table scrolls in its card, not the page
+            # At 1280 px every column fits (narrower, the rest scroll under the pinned Actions).
+            card = await dash.page.evaluate(
+                "() => { const s = document.querySelector('#backends').parentElement;"
+                " return [s.scrollWidth, s.clientWidth]; }"
+            )
+            assert card[0] <= card[1], card
+            await dash.page.screenshot(path=str(tmp_path / "dash1280.png"))
+            await dash.row("w2").get_by_role("button", name="Drain", exact=True).click()
+
+            async def drained() -> tuple[bool, Any]:
+                rows = await dash.backends()
+                return rows["w2"]["state"] == "drained", rows
+
+            await eventually(drained, 10, "w2 drained from the 1280 px page")
+    finally:
+        lb.stop()
 
 
 async def test_session_counts_follow_within_2s(lb: Wslb) -> None:

@@ -6,6 +6,9 @@ Two implementations of one small interface (``watch``/``unwatch`` a backend, ``s
   (standalone, cluster mode, and the supervisor of ``workers: N``). Probe results go to
   ``on_probe`` (self-drain detection lives in ``Control``), scrape failures are counted, and
   ``on_scrape`` (cluster mode's remote session counts) is called after each good scrape.
+  A worker it spawns is probed and scraped from its process's first accepted connection on:
+  before that it is starting, and a refused probe then would count as an error of a backend
+  that never failed (every backend showed ``Errors 1`` on a fresh start).
 - ``BoardFollower``: a serving process of ``workers: N`` does none of that; it follows the
   supervisor's board (``balancer/board.py``) for each backend's health and signals.
 """
@@ -62,7 +65,10 @@ class LocalMonitors:
     def __init__(self, stats: Stats, loop: asyncio.AbstractEventLoop) -> None:
         self.stats = stats
         self.loop = loop
-        self.spawner = Spawner()
+        self.spawner = Spawner(self._spawned_state)
+        # Spawned backends whose probes and scrapes wait for their new process's first accept:
+        # one that has not bound its port yet is starting, not failing (no error counted).
+        self._starting: dict[str, Pool] = {}
         self.http: aiohttp.ClientSession | None = None
         self.scraper: Scraper | None = None
         self.health: HealthChecker | None = None
@@ -90,15 +96,31 @@ class LocalMonitors:
                 self.watch(pool, b)
 
     def watch(self, pool: Pool, b: Backend) -> None:
-        """Start what a backend needs: its worker process, scrapes, health checks."""
+        """Start what a backend needs: its worker process, scrapes, health checks (for a worker
+        this process starts, once the process accepts connections)."""
         if b.cfg.spawn == "reference":
-            self.spawner.start(b, self.adopt.pop(b.id, None))
+            adopt = self.adopt.pop(b.id, None)
+            if adopt is None:
+                self._starting[b.id] = pool
+            self.spawner.start(b, adopt)
+            if adopt is None:
+                return
+        self._check(pool, b)
+
+    def _spawned_state(self, b: Backend, healthy: bool) -> None:
+        """The spawner's word on a worker process: the first accept starts its checks."""
+        pool = self._starting.pop(b.id, None) if healthy else None
+        if pool is not None:
+            self._check(pool, b)
+
+    def _check(self, pool: Pool, b: Backend) -> None:
         if self.scraper is not None:
             self.scraper.start(pool, b)
         if self.health is not None and pool.cfg.health.enabled:
             self.health.start(pool, b)
 
     async def unwatch(self, b: Backend) -> None:
+        self._starting.pop(b.id, None)
         if self.scraper is not None:
             await self.scraper.stop(b.id)
         if self.health is not None:
