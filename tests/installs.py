@@ -61,6 +61,32 @@ def _which(binary: str) -> str | None:
     return shutil.which(binary) or shutil.which(binary, path="/usr/sbin:/usr/bin:/sbin:/bin")
 
 
+def apt_install(package: str, why: str) -> None:
+    """``apt-get install -y package`` (``apt-get update`` then once more if it fails: a fresh
+    machine's package lists may be empty or old). ``why``: what is missing, for the
+    ``CannotInstall`` raised where apt cannot run (no apt-get, not root)."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        raise CannotInstall(f"{why}; install Debian's {package} (apt, as root)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+
+    def apt(*argv: str) -> subprocess.CompletedProcess[str]:
+        cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "-q", *argv]
+        try:
+            return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise InstallError(f"apt-get {' '.join(argv)} failed: {e}") from e
+
+    done = apt("install", "-y", package)
+    if done.returncode != 0:
+        apt("update")
+        done = apt("install", "-y", package)
+    if done.returncode != 0:
+        raise InstallError(
+            f"apt-get install {package} failed ({done.returncode}):\n"
+            f"{_tail(done.stderr or done.stdout)}"
+        )
+
+
 def apt_binary(
     package: str, binary: str, args: Sequence[str] = ("--version",), after: Sequence[str] = ()
 ) -> str:
@@ -72,28 +98,7 @@ def apt_binary(
         return _PROVEN[binary]
     found = _which(binary)
     if found is None:
-        if shutil.which("apt-get") is None or os.geteuid() != 0:
-            raise CannotInstall(f"{binary} is missing; install Debian's {package} (apt, as root)")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-
-        def apt(*argv: str) -> subprocess.CompletedProcess[str]:
-            cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "-q", *argv]
-            try:
-                return subprocess.run(
-                    cmd, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT
-                )
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise InstallError(f"apt-get {' '.join(argv)} failed: {e}") from e
-
-        done = apt("install", "-y", package)
-        if done.returncode != 0:
-            apt("update")
-            done = apt("install", "-y", package)
-        if done.returncode != 0:
-            raise InstallError(
-                f"apt-get install {package} failed ({done.returncode}):\n"
-                f"{_tail(done.stderr or done.stdout)}"
-            )
+        apt_install(package, f"{binary} is missing")
         if after:
             subprocess.run(list(after), capture_output=True, timeout=60, check=False)
         found = _which(binary)
