@@ -127,20 +127,6 @@ def untracked() -> set[str] | None:
     return {line[3:] for line in done.stdout.splitlines() if line.startswith("?? ")}
 
 
-def run(
-    argv: Sequence[str], env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        list(argv),
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def shown(done: subprocess.CompletedProcess[str]) -> str:
     return f"$ {shlex.join(done.args)}\nexit {done.returncode}\n{done.stdout}{done.stderr}"
 
