@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.procs import ROOT, free_port
+from tests.procs import ROOT, Worker, Wslb, free_port, pool_config
 
 
 def write(tmp_path: Path, cfg: dict[str, Any]) -> Path:
@@ -190,3 +191,22 @@ def test_workers_n_names_the_key_too(tmp_path: Path) -> None:
     with held(port):
         line = start_error(tmp_path, cfg)
     assert f"cannot start: listen 127.0.0.1:{port}: address already in use" in line, line
+
+
+def test_a_backend_added_at_run_time_cannot_be_wslb_itself(tmp_path: Path) -> None:
+    """``POST /backends`` (``wslb ctl add``) is checked as the file is: 400 naming the key."""
+    w = Worker("w1").start()
+    lb = Wslb(pool_config([{"id": "w1", "url": w.url}]), tmp_path).start()
+    try:
+        for url, key in (
+            (f"ws://localhost:{lb.port}", "listen"),
+            (f"ws://127.0.0.1:{lb.admin_port}", "admin.listen"),
+        ):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                lb.admin_post("/backends", {"id": "loop", "url": url})
+            assert err.value.code == 400
+            assert f"wslb's own {key} address" in err.value.read().decode()
+        assert [b["id"] for b in lb.admin("/backends")] == ["w1"]
+    finally:
+        lb.stop()
+        w.stop()

@@ -35,7 +35,7 @@ from balancer.aio.drain import Drainer
 from balancer.aio.migrate import migrate
 from balancer.aio.monitors import Monitors
 from balancer.aio.state import ServerState
-from balancer.config import BackendCfg, ConfigError, parse_backend, parse_duration
+from balancer.config import BackendCfg, ConfigError, own_address, parse_backend, parse_duration
 from balancer.config import load as load_config
 from balancer.events import EventLog
 from balancer.metrics import BackendView
@@ -144,9 +144,14 @@ def new_backend(state: ServerState, body: dict[str, Any]) -> tuple[Pool, Backend
     if pool is None:
         raise ControlError(404, f"no pool {pool_name!r}")
     try:
-        return pool, parse_backend(body)
+        cfg = parse_backend(body)
     except ConfigError as exc:
         raise ControlError(400, "; ".join(exc.errors)) from None
+    c = state.config
+    problem = None if cfg.spawn else own_address(cfg, c.listen, c.admin, c.metrics)
+    if problem is not None:
+        raise ControlError(400, f"url: {problem}")
+    return pool, cfg
 
 
 def backend_body(b: Backend) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from balancer.config.build import is_loopback as is_loopback
 from balancer.config.build import load, parse
+from balancer.config.build import own_address as own_address
 from balancer.config.build import parse_backend as parse_backend
 from balancer.config.errors import ConfigError, ListenError
 from balancer.config.model import (

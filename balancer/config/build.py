@@ -63,7 +63,7 @@ from balancer.config.model import (
 from balancer.config.units import _BYTES, _line_col, expand_env, parse_duration, parse_size
 from balancer.weights import Coefficients
 
-__all__ = ["is_loopback", "load", "parse", "parse_backend"]
+__all__ = ["is_loopback", "load", "own_address", "parse", "parse_backend"]
 
 
 # --------------------------------------------------------------------------- load / parse
@@ -540,21 +540,12 @@ class _Builder(_Reader):
     ) -> None:
         """A backend whose URL is one of wslb's own addresses: wslb would proxy to itself, each
         request and scrape coming back in as a new one until connections run out."""
-        ours = [(lst, "listen") for lst in listen]
-        ours.append((Listener(admin.host, admin.port), "admin.listen"))
-        if metrics.listen is not None:
-            ours.append((metrics.listen, "metrics.listen"))
         for b, bp in self.backend_paths:
             if b.spawn is not None or not b.url or _url_problem(b.url) is not None:
                 continue  # a spawned worker's address: spawned_clashes
-            for lst, key in ours:
-                if _reaches(b.host, b.port, lst):
-                    self.error(
-                        (*bp, "url"),
-                        f"{_show(b.url)} is wslb's own {key} address {lst}: wslb would proxy "
-                        "to itself (point the backend at a worker)",
-                    )
-                    break
+            problem = own_address(b, listen, admin, metrics)
+            if problem is not None:
+                self.error((*bp, "url"), problem)
 
     def _unique(
         self,
@@ -1014,6 +1005,25 @@ def _clash(a: Listener, b: Listener) -> str:
         if wild in _WILDCARDS and _families(wild) & _families(other):
             return "overlaps (same port, one of them on all interfaces)"
     return ""
+
+
+def own_address(
+    b: BackendCfg, listen: tuple[Listener, ...], admin: Admin, metrics: MetricsCfg
+) -> str | None:
+    """Why ``b`` (not spawned) points at one of wslb's own listeners, or None: wslb would
+    proxy to itself, each request and scrape coming back in as a new one until connections run
+    out. For the config check and ``POST /backends`` alike."""
+    ours = [(lst, "listen") for lst in listen]
+    ours.append((Listener(admin.host, admin.port), "admin.listen"))
+    if metrics.listen is not None:
+        ours.append((metrics.listen, "metrics.listen"))
+    for lst, key in ours:
+        if _reaches(b.host, b.port, lst):
+            return (
+                f"{_show(b.url)} is wslb's own {key} address {lst}: wslb would proxy "
+                "to itself (point the backend at a worker)"
+            )
+    return None
 
 
 def _reaches(host: str, port: int, lst: Listener) -> bool:
