@@ -5,7 +5,9 @@ demo page ``clients/js/examples/chat.html``, which uses ``ResumableSocket`` from
 - ``wslb --config balancer.yaml`` (the repository's own file, its three spawned reference
   workers): an answer cut mid-way by a reset, the network back 1.5 s later, arrives whole, once
   and in order, and the page saw ``reconnecting`` then ``resumed``; the same after a silent
-  drop (packets stop, nothing closes), which only the page's ``idleTimeout`` finds.
+  drop (packets stop, nothing closes), which only the page's ``idleTimeout`` finds; and after
+  the browser went offline and back (Playwright's ``set_offline``): the window's ``online``
+  resumes at once.
 - A cut longer than the pool's ``grace`` (balancer.yaml with ``resume.grace: 3s``): the page
   learns the session is gone (``gone``, or ``giveup`` when its own grace ran out first) and
   starts a new session that works: a new ``hello``, a whole new answer.
@@ -35,7 +37,7 @@ from aiohttp import web
 from backends.model import token_text
 from tests.browser import PageLog, browser, require_browser
 from tests.cutrelay import CutRelay
-from tests.procs import ROOT, Wslb, free_port, free_ports
+from tests.procs import ROOT, Worker, Wslb, free_port, free_ports
 from tests.tier import Tier, metric, workers
 
 CLIENTS = ROOT / "clients" / "js"
@@ -75,8 +77,14 @@ def balancer_yaml(tmp: Path, name: str, config: Path = BALANCER_YAML) -> Wslb:
     )
     for var in ("WSLB_METRICS_LISTEN", "WSLB_ADMIN_TOKEN"):
         lb.env.pop(var, None)
-    lb.start(wait_ready=False)
-    lb.wait_ready(timeout=30)
+    try:
+        lb.start(wait_ready=False)
+        lb.wait_ready(timeout=30)
+    except BaseException:
+        print(f"--- {lb.name}\n{lb.log_tail()}")
+        if lb.proc is not None:
+            lb.stop()
+        raise
     return lb
 
 
@@ -221,9 +229,11 @@ def of_type(state: dict[str, Any], *types: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("how", ["rst", "silent"])
 async def test_an_answer_cut_mid_way_arrives_whole(how: str, quickstart: Wslb, site: str) -> None:
+    # The silent drop is found by the page's idle timer, set short; a reset needs none.
+    idle = {"idle": IDLE_MS} if how == "silent" else {}
     async with (
         cut_relay(quickstart.port) as relay,
-        chat_page(site, f"ws://127.0.0.1:{relay.port}/chat", f"page-{how}", idle=IDLE_MS) as chat,
+        chat_page(site, f"ws://127.0.0.1:{relay.port}/chat", f"page-{how}", **idle) as chat,
     ):
         resumes = metric(quickstart, "wslb_resumes_total", result="resumed")
         a = await chat.ask(TOKENS)
@@ -255,6 +265,33 @@ async def test_an_answer_cut_mid_way_arrives_whole(how: str, quickstart: Wslb, s
         nxt = await chat.done(b)
         assert_whole(nxt, hello["session"], 5)
         assert nxt["turn"] == answer["turn"] + 1
+
+
+async def test_the_browser_back_online_resumes_at_once(quickstart: Wslb, site: str) -> None:
+    """A dead Wi-Fi: the browser goes offline and the packets stop, nothing closes. Back
+    online, the page resumes at once (the window's ``online``), not after its idle timeout."""
+    async with (
+        cut_relay(quickstart.port) as relay,
+        chat_page(site, f"ws://127.0.0.1:{relay.port}/chat", "page-offline") as chat,
+    ):
+        a = await chat.ask(TOKENS)
+        await chat.tokens_at_least(a, CUT_AFTER)
+        await chat.page.context.set_offline(True)
+        assert relay.cut("silent") == 1
+        await chat.wait("() => chat.events.some(e => e.type === 'offline')")
+        back_at = await chat.page.evaluate("performance.now()")
+        await chat.page.context.set_offline(False)
+        answer = await chat.done(a)
+        state = await chat.seen()
+        assert_whole(answer, state["hellos"][0]["session"], TOKENS)
+        types = [e["type"] for e in state["events"]]
+        # (the library hears ``online`` before the page's own listener logs it)
+        assert types[:2] == ["open", "offline"] and types[4:] == ["resumed"], types
+        assert sorted(types[2:4]) == ["online", "reconnecting"], types
+        probe = of_type(state, "reconnecting")[0]
+        assert probe["detail"]["why"] == "online", probe
+        # At once: well before the default idle timeout (30 s) could have found it.
+        assert probe["at"] - back_at < 1000, (probe, back_at)
 
 
 @pytest.mark.parametrize("page_grace", ["longer", "same"])
@@ -319,13 +356,33 @@ async def test_a_cut_longer_than_grace_starts_a_new_session(
         lb.stop()
 
 
+@contextlib.contextmanager
+def tier_of_two(tmp: Path) -> Iterator[Tier]:
+    """Two wslb instances over etcd behind HAProxy round robin, two reference workers; all
+    stopped however the start or the test ends (an instance's log printed on a failure)."""
+    ws: list[Worker] = []
+    tier: Tier | None = None
+    try:
+        ws = workers(2, ("--tokens-per-s", "50"))
+        tier = Tier(tmp, [{"id": w.id, "url": w.url} for w in ws], instances=2)
+        tier.start()
+        yield tier
+    except BaseException:
+        for lb in tier.lbs if tier is not None else []:
+            print(f"--- {lb.name}\n{lb.log_tail()}")
+        raise
+    finally:
+        if tier is not None:
+            tier.stop()
+        for w in ws:
+            w.kill()
+
+
 async def test_a_reconnect_through_round_robin_resumes_at_the_other_instance(
     tmp_path: Path, site: str
 ) -> None:
     require_browser()
-    ws = workers(2, ("--tokens-per-s", "50"))
-    tier = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws], instances=2).start()
-    try:
+    with tier_of_two(tmp_path) as tier:
         async with (
             cut_relay(tier.port) as relay,
             chat_page(site, f"ws://127.0.0.1:{relay.port}/chat", "page-tier") as chat,
@@ -346,7 +403,3 @@ async def test_a_reconnect_through_round_robin_resumes_at_the_other_instance(
             other = tier.lbs[1 - holder]
             assert metric(other, "wslb_resumes_total", result="carried") == 1
             assert metric(tier.lbs[holder], "wslb_resumes_total", result="resumed") == 1
-    finally:
-        tier.stop()
-        for w in ws:
-            w.kill()
