@@ -141,7 +141,9 @@ class Chat:
                 answers: chat.answers, errors: chat.errors,
                 status: document.getElementById('status').textContent,
                 shown: [...document.querySelectorAll('#answers .answer .text')]
-                    .map(e => e.textContent)})"""
+                    .map(e => e.textContent),
+                listed: [...document.querySelectorAll('#events li')]
+                    .map(li => li.textContent.split(' ')[0])})"""
         )
         return state
 
@@ -220,6 +222,13 @@ def assert_whole(answer: dict[str, Any], session: str, tokens: int) -> None:
     assert answer["shown"] == " ".join(expected)
 
 
+def event_types(state: dict[str, Any]) -> list[str]:
+    """The events the page got, in order, as its event list shows them too."""
+    types = [e["type"] for e in state["events"]]
+    assert state["listed"] == types, state["listed"]
+    return types
+
+
 def of_type(state: dict[str, Any], *types: str) -> list[dict[str, Any]]:
     return [e for e in state["events"] if e["type"] in types]
 
@@ -245,7 +254,7 @@ async def test_an_answer_cut_mid_way_arrives_whole(how: str, quickstart: Wslb, s
         hello = state["hellos"][0]
         assert_whole(answer, hello["session"], TOKENS)
         assert len(state["hellos"]) == 1, state["hellos"]  # the same session: no new hello
-        types = [e["type"] for e in state["events"]]
+        types = event_types(state)
         assert types[0] == "open" and "reconnecting" in types, types
         assert not of_type(state, "gone", "giveup", "close"), types
         resumed = of_type(state, "resumed")
@@ -284,7 +293,7 @@ async def test_the_browser_back_online_resumes_at_once(quickstart: Wslb, site: s
         answer = await chat.done(a)
         state = await chat.seen()
         assert_whole(answer, state["hellos"][0]["session"], TOKENS)
-        types = [e["type"] for e in state["events"]]
+        types = event_types(state)
         # (the library hears ``online`` before the page's own listener logs it)
         assert types[:2] == ["open", "offline"] and types[4:] == ["resumed"], types
         assert sorted(types[2:4]) == ["online", "reconnecting"], types
@@ -334,7 +343,7 @@ async def test_a_cut_longer_than_grace_starts_a_new_session(
                 await chat.page.click("#again")
             await chat.wait("() => chat.hellos.length === 2", timeout_ms=ANSWER_MS)
             state = await chat.seen()
-            types = [e["type"] for e in state["events"]]
+            types = event_types(state)
             first = state["answers"][a]
             assert first["done"] is None and len(first["indices"]) < TOKENS, first
             if page_grace == "longer":
@@ -397,7 +406,7 @@ async def test_a_reconnect_through_round_robin_resumes_at_the_other_instance(
             state = await chat.seen()
             assert_whole(answer, state["hellos"][0]["session"], TOKENS)
             assert len(state["hellos"]) == 1
-            types = [e["type"] for e in state["events"]]
+            types = event_types(state)
             assert len(of_type(state, "resumed")) == 1 and "gone" not in types, types
             # HAProxy sent the reconnect to the other instance, which carried it to the holder.
             other = tier.lbs[1 - holder]
