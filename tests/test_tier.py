@@ -67,11 +67,13 @@ def tier(tmp_path: Path) -> Any:
     # 20 tokens/s: an answer cut after its 10th token has 2.5 s left to stream, so a client
     # slowed by a loaded machine has not read ahead to its end when the cut comes.
     ws = workers(3, ("--tokens-per-s", "20"))
-    t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws]).start()
     try:
-        yield t
+        t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws]).start()  # stops on failure
+        try:
+            yield t
+        finally:
+            t.stop()
     finally:
-        t.stop()
         for w in ws:
             w.kill()  # their parked sessions would hold a drain up for their grace
 

@@ -90,10 +90,16 @@ class Tier:
         )
 
     def start(self) -> Tier:
-        self.etcd.start()
-        for lb in self.lbs:  # one after the other: the first seeds etcd
-            lb.start()
-        self._proxy()
+        """etcd, the instances one after the other (the first seeds etcd), HAProxy; what
+        started is stopped again when a part fails to (no process outlives a failed test)."""
+        try:
+            self.etcd.start()
+            for lb in self.lbs:
+                lb.start()
+            self._proxy()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _proxy(self) -> None:
