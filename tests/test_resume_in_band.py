@@ -177,8 +177,9 @@ async def test_through_another_instance_of_a_tier(tmp_path: Path) -> None:
     hold the session opens and goes on (the instances speak statuses among themselves); a
     session no instance holds is a 4404 to the browser, not a 409 it cannot see."""
     ws_ = workers(1, ("--tokens-per-s", "50"))
-    t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws_], instances=2).start()
+    t = Tier(tmp_path, [{"id": w.id, "url": w.url} for w in ws_], instances=2)
     try:
+        t.start()
         a, b = t.lbs
         token = new_token()
         ws = await connect(url(a, "june", token), open_timeout=10)
