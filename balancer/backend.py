@@ -36,7 +36,7 @@ from enum import StrEnum
 from typing import TypeAlias
 from urllib.parse import urlsplit
 
-from balancer.config import BackendCfg
+from balancer.config import BackendCfg, uses_tls
 from balancer.weights import Signals
 
 __all__ = ["AdminState", "Backend", "BackendSpec", "Change", "Listener", "Upstream"]
@@ -58,7 +58,8 @@ _ACTIVE = AdminState.ACTIVE
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """Where to open a worker's WebSocket, parsed once from its URL.
+    """Where to open a worker's WebSocket and send its plain requests, parsed once from its URL
+    (``ws://`` and ``http://`` alike; ``secure`` for ``wss://`` and ``https://``).
 
     ``path`` None: the URL has no path (``ws://10.0.0.5:9001``), so the client's own path goes
     to the worker, as nginx's ``proxy_pass`` without a URI does; one pool then serves every
@@ -74,7 +75,7 @@ class Upstream:
     @classmethod
     def parse(cls, url: str) -> Upstream:
         parts = urlsplit(url)
-        secure = parts.scheme == "wss"
+        secure = uses_tls(url)
         host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if secure else 80)
         path: str | None = parts.path or ("/" if parts.query else None)

@@ -241,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
     mg.add_argument("--to", help="target backend (default: where the ring sends it)")
     ad = cmds["add"]
     ad.add_argument("id")
-    ad.add_argument("url", help="ws:// or wss:// URL of the worker")
+    ad.add_argument("url", help="ws://, http://, wss:// or https:// URL of the worker")
     ad.add_argument("--weight", type=float)
     ad.add_argument("--pool", help="pool name (default: the first)")
     ad.add_argument("--metrics-url", help="scrape load signals here (an engine's /metrics)")

@@ -7,7 +7,8 @@ operator opens can reach a loopback port). So every request wslb makes to a work
 upgrade, freeze, thaw, resumed upgrade) carries a shared secret in ``X-WSLB-Worker-Token``; the
 workers wslb ships refuse those routes without it (``backends.auth``). A bearer secret compared
 in constant time, not a signature: it travels on the pool's own transport, so a network that
-cannot be trusted needs ``wss://`` and ``upstream_tls`` (the handoff client uses them too).
+cannot be trusted needs ``wss://`` (or ``https://``) and ``upstream_tls`` (the handoff client
+uses them too).
 
 Which secret a backend gets, first that applies:
 

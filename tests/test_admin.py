@@ -93,7 +93,7 @@ def test_json_errors_and_openapi(lb: Wslb) -> None:
     assert call(lb, "GET", "/backends/nope") == (404, {"error": "no backend 'nope'"})
     assert call(lb, "GET", "/sessions/nope")[0] == 404
     assert call(lb, "POST", "/sessions/nope/migrate", {})[0] == 404
-    status, body = call(lb, "POST", "/backends", {"id": "x", "url": "http://bad"})
+    status, body = call(lb, "POST", "/backends", {"id": "x", "url": "ftp://bad"})
     assert status == 400 and "url" in body["error"]
     status, body = call(lb, "POST", "/backends/a0/drain", {"timeout": "soon"})
     assert status == 400 and "timeout" in body["error"]

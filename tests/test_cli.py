@@ -30,7 +30,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 @pytest.fixture
 def bad(tmp_path: Path) -> Path:
     path = tmp_path / "bad.yaml"
-    path.write_text("pools:\n  - name: chat\n    backends: [{id: a, url: 'http://x'}]\n")
+    path.write_text("pools:\n  - name: chat\n    backends: [{id: a, url: 'ftp://x'}]\n")
     return path
 
 

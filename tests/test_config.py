@@ -564,8 +564,8 @@ TWO_POOLS = with_(
         (with_(BASE, "workers", 0), "workers: must be at least 1, got 0"),
         (with_(BASE, "workers", 1.5), "workers: expected an integer, got 1.5"),
         (
-            with_(BASE, "pools.0.backends.1.url", "http://x"),
-            "pools[0].backends[1].url: 'http://x' is not a ws:// or wss:// URL",
+            with_(BASE, "pools.0.backends.1.url", "ftp://x"),
+            "pools[0].backends[1].url: 'ftp://x' is not a ws://, wss://, http:// or https:// URL",
         ),
         (
             with_(BASE, "pools.0.backends.1.url", "ws:///x"),
@@ -757,7 +757,7 @@ def test_many_errors_at_once_in_file_order() -> None:
                 "name": "a",
                 "helth": {},
                 "balance": "fastest",
-                "backends": [{"id": "w", "url": "http://x"}, {"id": "w", "url": "ws://y"}],
+                "backends": [{"id": "w", "url": "ftp://x"}, {"id": "w", "url": "ws://y"}],
             }
         ],
         "timeouts": {"ping_timeout": "0s", "idle": "soon"},
@@ -769,7 +769,7 @@ def test_many_errors_at_once_in_file_order() -> None:
         "pools[0].helth: unknown key (did you mean 'health'?)",
         "pools[0].balance: 'fastest' is not one of 'consistent', 'least_conn', 'round_robin', "
         "'random'",
-        "pools[0].backends[0].url: 'http://x' is not a ws:// or wss:// URL",
+        "pools[0].backends[0].url: 'ftp://x' is not a ws://, wss://, http:// or https:// URL",
         "pools[0].backends[1].id: duplicate backend id 'w' (also pools[0].backends[0].id)",
         "timeouts.ping_timeout: must be longer than 0, got '0s'",
         "timeouts.idle: 'soon' is not a duration (a number of seconds, or 250ms, 1.5s, 2m, 1h)",
@@ -780,11 +780,11 @@ def test_many_errors_at_once_in_file_order() -> None:
 
 def test_schema_rejection_is_not_reported_twice() -> None:
     """A value the schema rejected is not checked again (one mistake, one message)."""
-    data = with_(BASE, "pools.0.backends.1", {"id": "w1 ", "url": "http://x", "weight": -1})
+    data = with_(BASE, "pools.0.backends.1", {"id": "w1 ", "url": "ftp://x", "weight": -1})
     assert errors(data) == [
         "pools[0].backends[1].id: 'w1 ' is not a valid name (letters, digits, '.', '_', '-'; "
         "starting with a letter or digit)",
-        "pools[0].backends[1].url: 'http://x' is not a ws:// or wss:// URL",
+        "pools[0].backends[1].url: 'ftp://x' is not a ws://, wss://, http:// or https:// URL",
         "pools[0].backends[1].weight: must be greater than 0, got -1",
     ]
 

@@ -121,7 +121,7 @@ def test_check_names_every_error_by_yaml_path(tmp_path: Path) -> None:
                     {
                         "name": "p",
                         "balance": "fastest",
-                        "backends": [{"id": "a", "url": "http://x:1/"}],
+                        "backends": [{"id": "a", "url": "ftp://x:1/"}],
                     }
                 ],
                 "limits": {"max_frame_size": "lots"},

@@ -122,8 +122,9 @@ class HandoffClient:
         self, backend: Backend, sid: str, step: str, body: dict[str, Any]
     ) -> tuple[int, Any]:
         """POST a handoff step to ``backend``, with wslb's credential and over the pool's
-        ``upstream_tls`` for a ``wss://`` worker; the status and the JSON answer (None if not
-        JSON). A network failure drops the worker's connections and raises ``network``."""
+        ``upstream_tls`` for a ``wss://`` or ``https://`` worker; the status and the JSON answer
+        (None if not JSON). A network failure drops the worker's connections and raises
+        ``network``."""
         token = self.state.worker_token(backend, handoff=True)
         headers = {workerauth.HEADER: token} if token is not None else {}
         try:

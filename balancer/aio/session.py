@@ -14,9 +14,10 @@ OFFLOADED; ``relay`` is its handle there). Every rule runs in Python only: each 
 writes to the client, closes a leg or decides on the worker's stream first takes the session
 back (``reclaim``), and the thread returns it by itself at anything but a whole data frame.
 What the thread read and did not forward (``carry``) is scanned before the next read. A session
-with a TLS leg (a ``wss://`` client or worker) never goes to the thread: the socket's descriptor
-carries ciphertext there, as asyncio's TLS runs OpenSSL over memory buffers inside the
-transport, so only the transport may read or write it (``plain_socket``).
+with a TLS leg (a ``wss://`` client, a ``wss://`` or ``https://`` worker) never goes to the
+thread: the socket's descriptor carries ciphertext there, as asyncio's TLS runs OpenSSL over
+memory buffers inside the transport, so only the transport may read or write it
+(``plain_socket``).
 
 The timers of all sessions share one ``TimerWheel`` (``wheel.py``): a session is an entry in a
 bucket, not a loop timer of its own, and fires up to 1/16 of its delay late (at most 1 s).

@@ -172,7 +172,8 @@ class ServerState:
             )
 
     def upstream_ssl(self, backend: Backend) -> ssl.SSLContext | None:
-        """TLS context for a ``wss://`` worker: its pool's CA and client certificate."""
+        """TLS context for a ``wss://`` or ``https://`` worker: its pool's CA and client
+        certificate."""
         if not backend.upstream.secure:
             return None
         found = self.find_backend(backend.id)

@@ -64,6 +64,7 @@ from balancer.config.model import (
 from balancer.config.model import IPNetwork as IPNetwork
 from balancer.config.model import UpstreamTls as UpstreamTls
 from balancer.config.model import WorkerAuthCfg as WorkerAuthCfg
+from balancer.config.model import uses_tls as uses_tls
 from balancer.config.units import DURATION_PATTERN as DURATION_PATTERN
 from balancer.config.units import SIZE_PATTERN as SIZE_PATTERN
 from balancer.config.units import expand_env, parse_duration, parse_size

@@ -31,6 +31,7 @@ from balancer.config.errors import (
     _show,
 )
 from balancer.config.model import (
+    BACKEND_SCHEMES,
     DEFAULT_SESSION_KEY,
     Admin,
     AuthCfg,
@@ -1100,13 +1101,14 @@ def _split(url: str) -> tuple[SplitResult, int | None] | None:
 
 
 def _url_problem(url: str) -> str | None:
-    """Why ``url`` cannot be a worker's WebSocket URL, or None."""
+    """Why ``url`` cannot be a worker's URL, or None. ``ws://`` and ``http://`` (``wss://`` and
+    ``https://``) name the same server: its WebSocket upgrades and plain requests alike."""
     parts = _split(url)
     if parts is None:
         return f"{_show(url)} is not a valid URL (bad port or IPv6 address)"
     u, port = parts
-    if u.scheme not in ("ws", "wss") or not url.lower().startswith(("ws://", "wss://")):
-        return f"{_show(url)} {_PATTERN_MESSAGES['ws url']}"
+    if u.scheme not in BACKEND_SCHEMES or not url.lower().startswith(f"{u.scheme}://"):
+        return f"{_show(url)} {_PATTERN_MESSAGES['backend url']}"
     if not u.hostname:
         return f"{_show(url)} has no host"
     if port == 0:

@@ -227,7 +227,7 @@ _PATTERN_MESSAGES: Final = {
     "url path": "must start with '/'",
     "cidr": "is not an IP address or CIDR block",
     "http url": "is not an http:// or https:// URL",
-    "ws url": "is not a ws:// or wss:// URL",
+    "backend url": "is not a ws://, wss://, http:// or https:// URL",
     "session key": "is not a session key source (query:NAME, header:NAME, cookie:NAME or path:N)",
     "metric name": "is not a Prometheus metric name",
     "metrics preset": f"is not a metrics preset ({', '.join(_PRESETS)})",

@@ -16,8 +16,15 @@ from balancer.weights import Coefficients
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+# A backend URL's scheme -> whether wslb speaks TLS to it (with the pool's ``upstream_tls``).
+# ``http``/``https`` name the same server as ``ws``/``wss``: a plain request and a WebSocket
+# upgrade both go to its host and port, as nginx's ``proxy_pass http://`` carries both. The one
+# place that says which schemes mean TLS (``BackendCfg.secure``, ``backend.Upstream``).
+BACKEND_SCHEMES: Final = {"ws": False, "http": False, "wss": True, "https": True}
+
 
 __all__ = [
+    "BACKEND_SCHEMES",
     "DEFAULT_SESSION_KEY",
     "Admin",
     "AuthCfg",
@@ -43,6 +50,7 @@ __all__ = [
     "UpstreamTls",
     "WeightsCfg",
     "WorkerAuthCfg",
+    "uses_tls",
 ]
 
 
@@ -213,7 +221,8 @@ class PlacementCfg:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamTls:
-    """TLS towards ``wss://`` workers: CA bundle (None: system trust) and client certificate."""
+    """TLS towards ``wss://`` and ``https://`` workers: CA bundle (None: system trust) and client
+    certificate."""
 
     ca: str | None = None
     cert: str | None = None
@@ -230,6 +239,11 @@ class WorkerAuthCfg:
         return "WorkerAuthCfg(token=<hidden>)"  # configs get logged and printed in tests
 
 
+def uses_tls(url: str) -> bool:
+    """Whether a backend URL (``wss://``, ``https://``) means TLS to the worker."""
+    return BACKEND_SCHEMES.get(url.partition(":")[0].lower(), False)
+
+
 @dataclass(frozen=True, slots=True)
 class BackendCfg:
     """One worker. ``url`` is kept as written; the properties give its parts."""
@@ -243,8 +257,8 @@ class BackendCfg:
 
     @property
     def secure(self) -> bool:
-        """True for wss://."""
-        return self.url.startswith("wss:")
+        """True for ``wss://`` and ``https://``: TLS to the worker (``BACKEND_SCHEMES``)."""
+        return uses_tls(self.url)
 
     @property
     def host(self) -> str:
