@@ -467,6 +467,7 @@ def build(
         monitors = BoardFollower(board, loop)
     else:
         monitors = local_monitors = LocalMonitors(stats, loop)
+        local_monitors.tls = state.upstream_ssl
     # One handoff client (its pools of connections to the workers) for drains, operators'
     # moves and failovers.
     drainer = Drainer(state, HandoffClient(state))

@@ -8,6 +8,10 @@ Two kinds of probe, chosen by the pool's config:
 - ``health.path`` set: ``GET path``. 2xx and 3xx are up; ``503`` with ``draining`` in the body
   is a worker draining itself (docs/protocol.md: wslb drains it); anything else is down.
 
+A probe of a ``wss://`` or ``https://`` worker goes over TLS with its pool's ``upstream_tls``
+(``tls``), as the proxied traffic does: a private CA or a client certificate the sessions need,
+the probe needs too.
+
 A backend turns down after ``fall`` consecutive failures and up again after ``rise`` successes
 (``Backend.probe``). Every failure carries a reason an operator can act on (``connect refused``,
 ``GET /healthz -> 404``, ``timeout after 1s``): kept on the backend while it is down, shown in
@@ -24,6 +28,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,9 +75,12 @@ class HealthChecker:
         session: aiohttp.ClientSession,
         on_result: Callable[[Backend, bool, bool], None],
         lag: LagMeter | None = None,
+        tls: Callable[[Backend], ssl.SSLContext | None] = lambda b: None,
     ) -> None:
-        """``on_result(backend, ok, draining)`` is called after every conclusive probe."""
+        """``on_result(backend, ok, draining)`` is called after every conclusive probe; ``tls``
+        gives a TLS worker's context (its pool's ``upstream_tls``)."""
         self._session = session
+        self._tls = tls
         self._lag = lag
         self.inconclusive = 0  # timed-out probes not counted because wslb itself lagged
         self._on_result = on_result  # (backend, ok, draining)
@@ -125,6 +133,7 @@ class HealthChecker:
             health_url(backend, path),
             timeout=aiohttp.ClientTimeout(total=timeout),
             allow_redirects=False,
+            ssl=self._tls(backend) or True,
         ) as resp:
             body = await resp.read()
         if 200 <= resp.status < 400:

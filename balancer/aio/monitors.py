@@ -16,6 +16,7 @@ Two implementations of one small interface (``watch``/``unwatch`` a backend, ``s
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -76,6 +77,8 @@ class LocalMonitors:
         # Set by the composition root: probe results (self-drains), good scrapes (cluster).
         self.on_probe: Callable[[Backend, bool, bool], object] = lambda b, ok, draining: None
         self.on_scrape: Callable[[Backend], None] | None = None
+        # A TLS worker's context (its pool's upstream_tls), for probes and scrapes.
+        self.tls: Callable[[Backend], ssl.SSLContext | None] = lambda b: None
         # Spawned workers a restart handed on, by backend id: adopted, not started again.
         self.adopt: dict[str, int] = {}
 
@@ -86,11 +89,11 @@ class LocalMonitors:
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=4, force_close=False),
             headers={"User-Agent": "wslb"},
         )
-        self.scraper = Scraper(self.http, self._scrape_failed)
+        self.scraper = Scraper(self.http, self._scrape_failed, self.tls)
         self.scraper.on_scrape = self._scraped
         self.lag = LagMeter(self.loop)
         self.lag.start()
-        self.health = HealthChecker(self.http, self._probe_result, self.lag)
+        self.health = HealthChecker(self.http, self._probe_result, self.lag, self.tls)
         for pool in pools:
             for b in pool.backends.values():
                 self.watch(pool, b)

@@ -5,13 +5,16 @@ nothing but its own next scrape; routing never waits for a scrape. A failed scra
 signals, which turn stale after ``weights.stale_after`` (``balancer.weights``): routing then
 counts sessions only, which is all a server without ``/metrics`` (one nobody wrote for wslb) can
 give. Such a server fails every scrape, so a failure is logged once per backend, when scrapes
-start failing, and once more when they work again; never once per scrape.
+start failing, and once more when they work again; never once per scrape. The worker URL's own
+``/metrics`` of a ``wss://`` or ``https://`` worker is read over TLS with its pool's
+``upstream_tls`` (``tls``); a ``metrics_url`` elsewhere with the system trust store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 import aiohttp
@@ -36,8 +39,14 @@ def metrics_url(backend: Backend) -> str:
 class Scraper:
     """Scrape loops for the backends of the pools."""
 
-    def __init__(self, session: aiohttp.ClientSession, on_failure: Callable[[Backend], None]):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        on_failure: Callable[[Backend], None],
+        tls: Callable[[Backend], ssl.SSLContext | None] = lambda b: None,
+    ):
         self._session = session
+        self._tls = tls
         self._on_failure = on_failure
         self._loops = PerBackend("scrape")
         # Called after each good scrape (cluster mode counts other instances' sessions there).
@@ -56,8 +65,9 @@ class Scraper:
         loop = asyncio.get_running_loop()
         timeout = aiohttp.ClientTimeout(total=max(0.2, min(cfg.scrape_interval, 2.0)))
         url = metrics_url(backend)
+        ctx = None if backend.cfg.metrics_url else self._tls(backend)
         try:
-            async with self._session.get(url, timeout=timeout) as resp:
+            async with self._session.get(url, timeout=timeout, ssl=ctx or True) as resp:
                 if resp.status != 200:
                     raise ValueError(f"-> {resp.status}")
                 text = await resp.text()
