@@ -12,21 +12,28 @@ Rules of the simulation (the contract is docs/protocol.md):
   conversation, as chat-completions clients send it) replaces the context with the messages'
   words. Answer tokens join the context as they are produced, so an answer that completes adds
   all of its tokens and a cancelled one adds exactly those that were sent.
-- The context of a turn is the conversation before it plus the new prompt. ``cached_tokens`` is
-  the length of the longest leading part of that context found in the KV cache under the same
-  session; only the remaining tokens are prefilled, taking
+- The KV cache is a prefix cache shared by every session and request of the worker, as an
+  engine's is (vLLM's automatic prefix caching, SGLang's radix cache, llama.cpp's prompt cache).
+  A context is cut into blocks of ``kv_block_tokens`` tokens; block ``i`` is keyed by
+  ``hash((key of block i-1, its tokens))``, so a key stands for the whole prefix up to it, and
+  only full blocks are cached. The context of a turn is the conversation before it plus the new
+  prompt; ``cached_tokens`` is the longest run of its leading blocks found in the cache, times
+  the block size, whichever session cached them. Only the remaining tokens are prefilled, taking
   ``uncached x prefill_ms_per_token / (1 - background_util)`` milliseconds.
-- The KV cache holds at most ``kv_capacity_tokens`` tokens, shared by all sessions. Once a turn
-  has been prefilled its whole context is cached, and each decoded token is added to it. When the
-  cache is over capacity, tokens are dropped from the tail of the least-recently-used session's
-  cached prefix (as block-level LRU in a real prefix cache does), then the next one's, and so on.
+- The cache holds at most ``kv_capacity_tokens // kv_block_tokens`` blocks. A running answer
+  holds (pins) the blocks it found, then, once its prefill is over, those of its whole context,
+  and each block its decoded tokens fill. When it ends they become evictable, and a block that
+  needs room evicts the least recently used evictable one; held blocks are never evicted, so
+  with none evictable the new block is simply not cached. A chain is released tail first, so a
+  prefix's deeper blocks go before the blocks they extend. Sessions expiring, migrating away or
+  being forgotten leave their blocks to this rule, as an engine does.
 - Decode: each stream runs at ``tokens_per_s`` while at most ``max_batch`` streams decode at once;
   beyond that every stream slows in proportion (``tokens_per_s x max_batch / active``). A share
   ``background_util`` of the GPU taken by something else makes everything ``1 / (1 - U)``
   slower. ``tokens_per_s`` of 0 or at least ``UNLIMITED_TOKENS_PER_S`` means no decode delay.
 - A session is held while connected and for ``session_ttl`` seconds after its last connection
   closes, so a reconnect continues its conversation and turn numbering; expiry is swept lazily
-  (on attach, on each turn and when stats are read). An expired session's KV entry goes with it.
+  (on attach, on each turn and when stats are read).
 - Handoff (live migration): ``freeze`` exports a session as a ``SessionSnapshot`` (context, turn
   counter, the unfinished answer, queued prompts, how much of it the KV cache held) and forgets
   it here; ``thaw`` installs a snapshot on another worker, either copying the cached prefix
@@ -45,6 +52,7 @@ from enum import Enum
 
 __all__ = [
     "UNLIMITED_TOKENS_PER_S",
+    "BlockChain",
     "KVCache",
     "Model",
     "ModelConfig",
@@ -94,6 +102,9 @@ class ModelConfig:
     max_batch: int = 64
     background_util: float = 0.0
     kv_transfer_ms_per_token: float = 0.02
+    kv_block_tokens: int = 1
+    """Tokens per KV cache block: the prefix cache's granularity (1: token by token, as
+    llama.cpp's and SGLang's caches are by default; 16: vLLM's default block)."""
 
     def __post_init__(self) -> None:
         if self.tokens_per_s < 0:
@@ -104,6 +115,8 @@ class ModelConfig:
             raise ValueError("kv_transfer_ms_per_token must be >= 0")
         if self.kv_capacity_tokens < 0:
             raise ValueError("kv_capacity_tokens must be >= 0")
+        if self.kv_block_tokens < 1:
+            raise ValueError("kv_block_tokens must be >= 1")
         if self.session_ttl < 0:
             raise ValueError("session_ttl must be >= 0")
         if self.max_batch < 1:
@@ -179,6 +192,10 @@ class Turn:
     delay_s: float = 0.0
     produced: int = 0
     phase: TurnPhase = TurnPhase.PREFILL
+    chain: BlockChain | None = None
+    """The block hashes of ``context``, for the KV cache."""
+    blocks: list[int] = field(default_factory=list)
+    """The KV cache blocks this answer holds (the leading blocks of ``chain``)."""
 
     @property
     def prefill_ms(self) -> float:
@@ -260,12 +277,12 @@ class ModelStats:
     """Streams decoding beyond ``max_batch`` (vLLM's ``num_requests_waiting``: requests the
     batch has no room for; a prefill is running work, not waiting)."""
     kv_used_tokens: int
-    """Tokens in the KV cache, idle sessions' cached prefixes included."""
+    """Tokens in the KV cache's blocks, evictable ones included."""
     kv_capacity_tokens: int
     kv_cache_usage: float
-    """Context tokens of the answers in progress (prefill or decode) over the capacity, at most
-    1: the blocks running requests hold, as vLLM's ``kv_cache_usage_perc`` counts them (cached
-    prefixes of idle sessions are evictable, so free for new work)."""
+    """KV tokens the answers in progress (prefill or decode) occupy over the capacity, at most 1:
+    the blocks running requests hold, each once, as vLLM's ``kv_cache_usage_perc`` counts them
+    (cached blocks no running answer holds are evictable, so free for new work)."""
     gpu_utilization: float
     kv_hit_tokens_total: int
     prefill_tokens_total: int
@@ -277,96 +294,150 @@ class ModelStats:
 
 
 @dataclass(slots=True)
-class _KVEntry:
-    tokens: list[str]
-    length: int
+class _Block:
+    parent: int | None
+    tokens: tuple[str, ...]
+    refs: int = 0
+    """Running answers holding the block: it cannot be evicted while any does."""
+
+
+class BlockChain:
+    """The chained block hashes of one token list, computed once and extended as it grows.
+
+    Block ``i`` holds tokens ``[i*B, (i+1)*B)``; its hash is ``hash((h[i-1], tokens))`` with
+    ``h[-1]`` None, so equal hashes mean equal prefixes up to that block. Only full blocks count.
+    The list is only ever appended to (see ``SessionState``), so what was hashed stays valid.
+    """
+
+    __slots__ = ("block_tokens", "blocks", "hashes", "tokens")
+
+    def __init__(self, tokens: list[str], block_tokens: int) -> None:
+        self.tokens = tokens
+        self.block_tokens = block_tokens
+        self.hashes: list[int] = []
+        self.blocks: list[tuple[str, ...]] = []
+
+    def update(self) -> int:
+        """Hash the full blocks appended since the last call; return how many there are."""
+        size = self.block_tokens
+        hashes, blocks, tokens = self.hashes, self.blocks, self.tokens
+        parent = hashes[-1] if hashes else None
+        for start in range(len(hashes) * size, len(tokens) - size + 1, size):
+            block = tuple(tokens[start : start + size])
+            parent = hash((parent, block))
+            hashes.append(parent)
+            blocks.append(block)
+        return len(hashes)
 
 
 class KVCache:
-    """Per-session cached prefixes under one token capacity, evicted LRU across sessions.
+    """A prefix cache of fixed-size blocks shared by every session, as engines keep one.
 
-    An entry references a token list and caches its first ``length`` tokens. The lists are
-    only ever appended to (see ``SessionState``), so an entry stays valid as its list grows.
+    Blocks are keyed by their chained hash (``BlockChain``), so two conversations that start
+    with the same tokens share the blocks of that prefix, whatever their sessions. The cache
+    holds at most ``capacity // block_tokens`` blocks. A block held by a running answer
+    (``refs`` > 0) is never evicted; the others wait in least-recently-used order, and a block
+    that does not fit is evicted from there, else not cached. A chain is touched head to tail
+    and released tail first, so a block's children always go before it (vLLM frees a request's
+    blocks in reverse for the same reason).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, block_tokens: int = 1) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
         self.capacity = capacity
-        self.used = 0
-        self._entries: OrderedDict[str, _KVEntry] = OrderedDict()
+        self.block_tokens = block_tokens
+        self.max_blocks = capacity // block_tokens
+        self._blocks: dict[int, _Block] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        """Blocks no running answer holds, least recently used first: the evictable ones."""
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._blocks)
 
-    def cached(self, key: str) -> int:
-        """Tokens cached for ``key`` (no LRU touch)."""
-        entry = self._entries.get(key)
-        return entry.length if entry is not None else 0
+    @property
+    def used(self) -> int:
+        """Tokens in the cache (every block, idle ones included)."""
+        return len(self._blocks) * self.block_tokens
 
-    def lru_order(self) -> list[str]:
-        """Keys from least to most recently used."""
-        return list(self._entries)
+    @property
+    def held(self) -> int:
+        """Tokens in blocks that running answers hold."""
+        return (len(self._blocks) - len(self._idle)) * self.block_tokens
 
-    def match(self, key: str, tokens: list[str]) -> int:
-        """Return how many leading ``tokens`` are cached under ``key``, and touch the entry."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
-        return self.peek(key, tokens)
+    def chain(self, tokens: list[str]) -> BlockChain:
+        """A ``BlockChain`` of ``tokens`` at this cache's block size, hashed."""
+        chain = BlockChain(tokens, self.block_tokens)
+        chain.update()
+        return chain
 
-    def peek(self, key: str, tokens: list[str]) -> int:
-        """Like ``match`` without touching the LRU order (for a handoff looking, not using)."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return 0
-        limit = min(entry.length, len(tokens))
-        if entry.tokens is tokens or entry.tokens[:limit] == tokens[:limit]:
-            return limit
+    def peek(self, chain: BlockChain) -> int:
+        """How many leading blocks of ``chain`` are cached (no LRU touch)."""
+        chain.update()
         n = 0
-        for a, b in zip(entry.tokens, tokens, strict=False):
-            if n >= limit or a != b:
-                break
+        parent: int | None = None
+        for h, block in zip(chain.hashes, chain.blocks, strict=True):
+            found = self._blocks.get(h)
+            if found is None or found.parent != parent or found.tokens != block:
+                break  # absent, or a hash collision: a miss, never a wrong hit
+            parent = h
             n += 1
         return n
 
-    def store(self, key: str, tokens: list[str], length: int | None = None) -> None:
-        """Cache the first ``length`` (default: all) of ``tokens`` for ``key``; evict if over."""
-        length = len(tokens) if length is None else min(length, len(tokens))
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.used -= old.length
-        self._entries[key] = _KVEntry(tokens, length)
-        self.used += length
-        self._evict()
+    def acquire(self, chain: BlockChain, held: list[int]) -> int:
+        """Hold the leading blocks of ``chain`` that are cached (for a running answer): touch
+        them, pin them, and append their hashes to ``held``; return how many."""
+        n = self.peek(chain)
+        for h in chain.hashes[len(held) : n]:
+            self._hold(h)
+            held.append(h)
+        return n
 
-    def extend(self, key: str, tokens: list[str]) -> None:
-        """Cache the token just appended to ``tokens`` if the entry is contiguous with it.
-
-        An entry that was truncated or replaced meanwhile is left alone: the cache holds a
-        prefix, never a prefix with a hole.
-        """
-        entry = self._entries.get(key)
-        if entry is None or entry.tokens is not tokens or entry.length != len(tokens) - 1:
-            return
-        entry.length += 1
-        self.used += 1
-        self._entries.move_to_end(key)
-        self._evict()
-
-    def drop(self, key: str) -> None:
-        """Forget ``key``'s cached prefix."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used -= entry.length
-
-    def _evict(self) -> None:
-        while self.used > self.capacity and self._entries:
-            key, victim = next(iter(self._entries.items()))
-            overflow = self.used - self.capacity
-            if victim.length <= overflow:
-                del self._entries[key]
-                self.used -= victim.length
+    def insert(self, chain: BlockChain, held: list[int], upto: int | None = None) -> int:
+        """Cache ``chain``'s full blocks after the ``held`` ones (up to block ``upto``), held
+        too; stop at the first that does not fit. Returns the blocks now held."""
+        chain.update()
+        end = len(chain.hashes) if upto is None else min(upto, len(chain.hashes))
+        for i in range(len(held), end):
+            h = chain.hashes[i]
+            parent = chain.hashes[i - 1] if i else None
+            found = self._blocks.get(h)
+            if found is not None:
+                if found.parent != parent or found.tokens != chain.blocks[i]:
+                    break  # a hash collision: leave the other prefix's block alone
+                self._hold(h)
+            elif not self._make_room():
+                break
             else:
-                victim.length -= overflow
-                self.used -= overflow
+                self._blocks[h] = _Block(parent, chain.blocks[i], refs=1)
+            held.append(h)
+        return len(held)
+
+    def release(self, held: list[int]) -> None:
+        """A running answer ended: its blocks become evictable, the deepest first."""
+        for h in reversed(held):
+            block = self._blocks.get(h)
+            if block is None or block.refs <= 0:
+                continue
+            block.refs -= 1
+            if block.refs == 0:
+                self._idle[h] = None
+        held.clear()
+
+    def _hold(self, h: int) -> None:
+        block = self._blocks[h]
+        if block.refs == 0:
+            del self._idle[h]
+        block.refs += 1
+
+    def _make_room(self) -> bool:
+        if len(self._blocks) < self.max_blocks:
+            return True
+        if not self._idle:
+            return False
+        victim, _ = self._idle.popitem(last=False)
+        del self._blocks[victim]
+        return True
 
 
 @dataclass(slots=True)
@@ -394,8 +465,13 @@ class Model:
 
     def __init__(self, config: ModelConfig | None = None) -> None:
         self.config = config if config is not None else ModelConfig()
-        self.kv = KVCache(self.config.kv_capacity_tokens)
+        self.kv = KVCache(self.config.kv_capacity_tokens, self.config.kv_block_tokens)
         self._sessions: dict[str, _Held] = {}
+        self._chains: dict[str, BlockChain] = {}
+        """Each held session's context hashed into blocks, kept so a turn hashes only what is
+        new."""
+        self._running: dict[int, Turn] = {}
+        """Answers in progress by ``id``: what they hold of the KV cache is in use."""
         # Disconnected sessions -> expiry time. The ttl is constant, so insertion order is
         # expiry order and the sweep only looks at the front.
         self._expiry: OrderedDict[str, float] = OrderedDict()
@@ -447,7 +523,7 @@ class Model:
                 self._expiry[session] = now + self.config.session_ttl
                 continue
             del self._sessions[session]
-            self.kv.drop(session)
+            self._chains.pop(session, None)
             expired += 1
         return expired
 
@@ -462,8 +538,8 @@ class Model:
         return held is not None and held.connections > 0
 
     def forget(self, session: str) -> None:
-        """Drop ``session`` and its KV entry now, not after the ttl: an HTTP request that named
-        no session is one turn, and nothing can continue it."""
+        """Drop ``session`` now, not after the ttl: an HTTP request that named no session is one
+        turn, and nothing can continue it (its blocks stay in the shared KV cache)."""
         held = self._sessions.get(session)
         if held is not None and held.connections == 0 and held.running == 0:
             self._forget(session)
@@ -475,7 +551,21 @@ class Model:
         self._expiry.pop(session, None)
         if held.connections:
             self._connected -= 1
-        self.kv.drop(session)
+        self._chains.pop(session, None)
+
+    def cached(self, session: str) -> int:
+        """Leading tokens of ``session``'s context in the KV cache now (0 if not held)."""
+        held = self._sessions.get(session)
+        if held is None:
+            return 0
+        return self.kv.peek(self._chain(session, held.state.context)) * self.kv.block_tokens
+
+    def _chain(self, session: str, context: list[str]) -> BlockChain:
+        chain = self._chains.get(session)
+        if chain is None or chain.tokens is not context:
+            chain = self._chains[session] = BlockChain(context, self.kv.block_tokens)
+        chain.update()
+        return chain
 
     # -- turns ------------------------------------------------------------------------------
 
@@ -496,7 +586,9 @@ class Model:
         else:
             state.context.extend(prompt.words)
         context = state.context
-        cached = self.kv.match(session, context)
+        chain = self._chain(session, context)
+        blocks: list[int] = []
+        cached = self.kv.acquire(chain, blocks) * self.kv.block_tokens
         uncached = len(context) - cached
         state.turns += 1
         held.running += 1
@@ -505,7 +597,7 @@ class Model:
         self.prefill_tokens_total += uncached
         prefill_s = uncached * self.config.prefill_ms_per_token / 1000.0 / self._slack()
         self.prefill_seconds_total += prefill_s
-        return Turn(
+        turn = Turn(
             session=session,
             turn=state.turns,
             max_tokens=max_tokens,
@@ -514,7 +606,11 @@ class Model:
             prefill_s=prefill_s,
             context=context,
             delay_s=prefill_s,
+            chain=chain,
+            blocks=blocks,
         )
+        self._running[id(turn)] = turn
+        return turn
 
     def begin_decode(self, turn: Turn) -> None:
         """Prefill is over: the turn's context is now in the KV cache and the stream decodes."""
@@ -523,7 +619,8 @@ class Model:
         self._prefilling -= 1
         self._decoding += 1
         turn.phase = TurnPhase.DECODE
-        self.kv.store(turn.session, turn.context)
+        if turn.chain is not None:
+            self.kv.insert(turn.chain, turn.blocks)
 
     def token_delay(self) -> float:
         """Seconds until a decoding stream's next token at the current load (0: no delay)."""
@@ -545,7 +642,8 @@ class Model:
         i = turn.produced
         text = token_text(turn.session, turn.turn, i)
         turn.context.append(text)
-        self.kv.extend(turn.session, turn.context)
+        if turn.chain is not None and len(turn.context) % self.kv.block_tokens == 0:
+            self.kv.insert(turn.chain, turn.blocks)  # a block just filled up
         turn.produced += 1
         self.decode_tokens_total += 1
         return Token(turn.turn, i, text)
@@ -558,6 +656,8 @@ class Model:
             else:
                 self._decoding -= 1
             turn.phase = TurnPhase.DONE
+            self.kv.release(turn.blocks)
+            self._running.pop(id(turn), None)
             held = self._sessions.get(turn.session)
             if held is not None and held.running > 0:
                 held.running -= 1
@@ -598,7 +698,7 @@ class Model:
             session=session,
             context=tuple(state.context),
             turns=state.turns,
-            kv_cached=self.kv.peek(session, state.context),
+            kv_cached=self.cached(session),
             answer=answer,
             queued=tuple(queued),
         )
@@ -628,11 +728,15 @@ class Model:
         self._expiry[session] = now + self.config.session_ttl
         if not transfer_kv:
             return 0.0
-        have = self.kv.peek(session, state.context)
-        wanted = min(snapshot.kv_cached, len(state.context))
-        moved = max(0, wanted - have)
-        if have or wanted:
-            self.kv.store(session, state.context, max(have, wanted))
+        size = self.kv.block_tokens
+        chain = self._chain(session, state.context)
+        have = self.kv.peek(chain)
+        blocks: list[int] = []
+        got = self.kv.insert(
+            chain, blocks, upto=min(snapshot.kv_cached, len(state.context)) // size
+        )
+        self.kv.release(blocks)
+        moved = max(0, got - have) * size
         self.kv_transfer_tokens_total += moved
         return moved * self.config.kv_transfer_ms_per_token / 1000.0 / self._slack()
 
@@ -648,13 +752,15 @@ class Model:
         """
         held = self._sessions[session]
         context = held.state.context
-        uncached = len(context) - self.kv.match(session, context)
+        chain = self._chain(session, context)
+        blocks: list[int] = []
+        uncached = len(context) - self.kv.acquire(chain, blocks) * self.kv.block_tokens
         held.running += 1
         self._prefilling += 1
         self.prefill_tokens_total += uncached
         delay = uncached * self.config.prefill_ms_per_token / 1000.0 / self._slack()
         self.prefill_seconds_total += delay
-        return Turn(
+        turn = Turn(
             session=session,
             turn=answer.turn,
             max_tokens=answer.max_tokens,
@@ -664,7 +770,11 @@ class Model:
             context=context,
             delay_s=delay + extra_delay_s,
             produced=answer.produced,
+            chain=chain,
+            blocks=blocks,
         )
+        self._running[id(turn)] = turn
+        return turn
 
     # -- load -------------------------------------------------------------------------------
 
@@ -673,9 +783,13 @@ class Model:
         """Streams decoding now."""
         return self._decoding
 
-    def running_context_tokens(self) -> int:
-        """Context tokens of the sessions with an answer in progress (prefill or decode)."""
-        return sum(len(h.state.context) for h in self._sessions.values() if h.running)
+    def kv_in_use_tokens(self) -> int:
+        """KV tokens the answers in progress occupy: the cache blocks they hold, each once
+        however many share it, plus each answer's context beyond its blocks (being prefilled,
+        or a block not full yet)."""
+        size = self.kv.block_tokens
+        rest = sum(len(t.context) - len(t.blocks) * size for t in self._running.values())
+        return self.kv.held + rest
 
     def gpu_utilization(self) -> float:
         """Simulated utilisation: decode streams over ``max_batch``, at least the background."""
@@ -695,7 +809,7 @@ class Model:
             queue_depth=max(0, self._decoding - self.config.max_batch),
             kv_used_tokens=self.kv.used,
             kv_capacity_tokens=cap,
-            kv_cache_usage=min(1.0, self.running_context_tokens() / cap) if cap else 0.0,
+            kv_cache_usage=min(1.0, self.kv_in_use_tokens() / cap) if cap else 0.0,
             gpu_utilization=self.gpu_utilization(),
             kv_hit_tokens_total=self.kv_hit_tokens_total,
             prefill_tokens_total=self.prefill_tokens_total,

@@ -15,8 +15,12 @@ One aiohttp server on one port (docs/protocol.md):
 - The OpenAI HTTP API (``backends.protocol.openai_http``; docs/protocol.md section 3c):
   ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses``, server-sent
   events when ``stream``, on the WebSockets' sessions: the ``X-Session-Id`` header (else
-  ``?session=``) names the session whose KV cache and last response a request continues (its
-  ``cached_tokens``); a request without one holds nothing after it. Errors in OpenAI's shape.
+  ``?session=``) names the session whose conversation and last response a request continues; a
+  request without one holds no session after it. Errors in OpenAI's shape.
+- One prefix KV cache for everything (``backends.model``): blocks of ``--kv-block-tokens``
+  keyed by a chained hash, shared by all sessions and keyless requests, at most
+  ``--kv-capacity-tokens``, least recently used evicted. ``cached_tokens`` (``done``, and the
+  OpenAI APIs' usage) is the leading part of a turn's context found there, whoever cached it.
 - The chat protocol over WebSocket on ``/`` and ``/ws`` (and, leniently, any other path).
   The session id is the ``X-Session-Id`` request header, else the ``session`` query
   parameter, else a generated one; it is returned in the 101's ``X-Session-Id`` header and in
@@ -205,6 +209,7 @@ METRIC_NAMES = (
     "wslb_worker_prefill_tokens_total",
     "wslb_worker_prefill_seconds_total",
     "wslb_worker_kv_capacity_tokens",
+    "wslb_worker_kv_cached_tokens",
     "wslb_worker_connections_total",
     "wslb_worker_handoffs_total",
     "wslb_worker_parked_sessions",
@@ -558,7 +563,7 @@ class _WorkerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "wslb_worker_kv_cache_usage",
-            "Share of the KV cache token capacity in use, 0..1",
+            "Share of the KV cache capacity running answers hold, 0..1",
             value=stats.kv_cache_usage,
         )
         yield active_sessions_metric(stats.active_sessions)
@@ -586,6 +591,11 @@ class _WorkerCollector(Collector):
             "wslb_worker_kv_capacity_tokens",
             "KV cache capacity in tokens",
             value=stats.kv_capacity_tokens,
+        )
+        yield GaugeMetricFamily(
+            "wslb_worker_kv_cached_tokens",
+            "Tokens in the prefix cache's blocks, evictable ones included (at most the capacity)",
+            value=stats.kv_used_tokens,
         )
         yield connections_metric(worker)
         yield handoffs_metric(worker)
@@ -676,8 +686,8 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
     @contextlib.contextmanager
     def _held(self, call: ApiCall) -> Iterator[None]:
         """The request's session held by the model while it runs, like a connection's: a
-        named one stays for ``--session-ttl`` after (its KV cache gives the next request
-        cached tokens), an ephemeral one goes with the request."""
+        named one stays for ``--session-ttl`` after (its conversation and last response), an
+        ephemeral one goes with the request; the KV blocks of either stay in the shared cache."""
         self.model.attach(call.sid, time.monotonic())
         try:
             yield
@@ -689,8 +699,8 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
 
     async def _chat_completions(self, request: web.Request, call: ApiCall) -> web.StreamResponse:
         """The ``messages`` are the session's whole conversation, as a chat protocol
-        ``messages`` prompt: the context is replaced, and its leading part still in the
-        session's KV cache is ``cached_tokens``."""
+        ``messages`` prompt: the context is replaced, and its leading part found in the KV
+        cache (this session's or any other's) is ``cached_tokens``."""
         cfg = self.config
         req = ChatRequest.parse(
             await self.read_body(request),
@@ -954,7 +964,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wslb-worker",
         description="Reference model worker for wslb: a simulated LLM that streams tokens "
-        "over WebSocket, with a per-session KV cache and Prometheus metrics.",
+        "over WebSocket, with a prefix KV cache shared by all sessions and Prometheus metrics.",
         epilog="With --engine openai --engine-url URL: the engine bridge in front of a real "
         "OpenAI-compatible server (wslb-worker --engine openai --help).",
     )
@@ -977,6 +987,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=200_000,
         help="KV cache capacity shared by all sessions (default: %(default)s)",
+    )
+    add(
+        "--kv-block-tokens",
+        type=int,
+        default=1,
+        help="tokens per KV cache block: cached prefixes are found, shared and evicted in "
+        "whole blocks (1: token by token, as llama.cpp; vLLM uses 16) (default: %(default)s)",
     )
     add_session_ttl(parser)
     add(
@@ -1038,6 +1055,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[WorkerConfig, s
             tokens_per_s=args.tokens_per_s,
             prefill_ms_per_token=args.prefill_ms_per_token,
             kv_capacity_tokens=args.kv_capacity_tokens,
+            kv_block_tokens=args.kv_block_tokens,
             session_ttl=args.session_ttl,
             max_batch=args.max_batch,
             background_util=args.background_util,

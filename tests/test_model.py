@@ -115,13 +115,15 @@ def test_messages_replace_context_and_hit_common_prefix() -> None:
     assert state.context == ["a", "b", "x", "y"]
 
 
-def test_cache_is_per_session() -> None:
+def test_cache_is_shared_by_sessions_up_to_where_they_differ() -> None:
     model = Model(ModelConfig())
     model.attach("a", 0.0)
     model.attach("b", 0.0)
     run_turn(model, "a", text("same words here"), 1)
     result = run_turn(model, "b", text("same words here"), 1)
-    assert result.cached_tokens == 0
+    assert result.cached_tokens == 3  # a's prompt; its answer's tokens are a's own
+    after = run_turn(model, "b", text("more"), 0)
+    assert after.cached_tokens == 3 + 1
 
 
 def test_cancel_keeps_produced_tokens_only() -> None:
@@ -148,7 +150,8 @@ def test_cancel_during_prefill_caches_nothing_new() -> None:
     assert model.stats().prefilling == 1
     assert model.finish(turn).tokens == 0
     assert model.stats().prefilling == 0
-    assert model.kv.cached("s") == 0
+    assert model.cached("s") == 0
+    assert model.stats().kv_used_tokens == 0
 
 
 def test_negative_max_tokens_rejected_and_unknown_session() -> None:
@@ -163,43 +166,74 @@ def test_negative_max_tokens_rejected_and_unknown_session() -> None:
 # -- KV cache LRU -----------------------------------------------------------------------------
 
 
-def test_kv_lru_evicts_least_recent_session_tail_first() -> None:
-    kv = KVCache(10)
-    a, b, c = ["a"] * 4, ["b"] * 4, ["c"] * 4
-    kv.store("a", a)
-    kv.store("b", b)
-    assert kv.used == 8
-    assert kv.match("a", a) == 4  # touch a: b is now least recently used
-    kv.store("c", c)  # 12 > 10: b loses 2 tokens from its tail
-    assert (kv.cached("a"), kv.cached("b"), kv.cached("c")) == (4, 2, 4)
-    assert kv.used == 10
-    kv.store("d", ["d"] * 5)  # b goes entirely, then a loses 3
-    assert kv.lru_order() == ["a", "c", "d"]
-    assert (kv.cached("a"), kv.cached("c"), kv.cached("d")) == (1, 4, 5)
-    assert kv.used == 10
+def filled(kv: KVCache, tokens: list[str]) -> int:
+    """Cache ``tokens`` as a finished answer leaves them: inserted, then released."""
+    held: list[int] = []
+    n = kv.insert(kv.chain(tokens), held)
+    kv.release(held)
+    return n
 
 
-def test_kv_single_session_over_capacity_is_capped() -> None:
-    kv = KVCache(5)
-    kv.store("a", list("abcdefgh"))
-    assert kv.cached("a") == 5
-    assert kv.match("a", list("abcdefgh")) == 5
+def test_kv_blocks_are_shared_by_prefix_and_evicted_lru_tail_first() -> None:
+    kv = KVCache(10, block_tokens=2)
+    assert kv.max_blocks == 5
+    a = ["s", "y", "s", "a", "a", "a"]  # blocks (s y) (s a) (a a)
+    b = ["s", "y", "s", "b", "b"]  # (s y) (s b), and a partial block never cached
+    assert filled(kv, a) == 3
+    assert filled(kv, b) == 2
+    assert kv.used == 8  # (s y) once
+    assert kv.peek(kv.chain(b)) == 2
+    assert kv.peek(kv.chain(["s", "y", "x", "x"])) == 1  # the shared leading block only
+    assert kv.peek(kv.chain(["y", "s", "s", "a"])) == 0  # same tokens, another prefix
+    c = ["c"] * 4
+    assert filled(kv, c) == 2  # 6 blocks > 5: the least recent evicts, a's deepest, (a a)
+    assert kv.used == 10
+    assert kv.peek(kv.chain(a)) == 2
+    assert filled(kv, ["d"] * 2) == 1  # then (s a): a's tail before the (s y) b shares
+    assert kv.peek(kv.chain(a)) == 1
+    assert kv.peek(kv.chain(b)) == 2
+
+
+def test_kv_held_blocks_are_not_evicted_and_over_capacity_is_capped() -> None:
+    kv = KVCache(4)
+    held: list[int] = []
+    assert kv.insert(kv.chain(list("abcdefgh")), held) == 4  # the rest does not fit
+    assert (kv.used, kv.held) == (4, 4)
+    assert filled(kv, ["x"]) == 0  # all held: nothing evictable, not cached
+    kv.release(held)
+    assert (kv.used, kv.held) == (4, 0)
+    assert kv.peek(kv.chain(list("abcdefgh"))) == 4
+    assert filled(kv, ["x"]) == 1  # now d, the deepest, goes
+    assert kv.peek(kv.chain(list("abcd"))) == 3
     zero = KVCache(0)
-    zero.store("a", ["x"])
+    assert filled(zero, ["x"]) == 0
     assert zero.used == 0
-    assert zero.match("a", ["x"]) == 0
+    with pytest.raises(ValueError):
+        KVCache(10, block_tokens=0)
 
 
-def test_kv_extend_only_when_contiguous() -> None:
-    kv = KVCache(100)
-    toks = ["a", "b"]
-    kv.store("s", toks)
-    toks.append("c")
-    kv.extend("s", toks)
-    assert kv.cached("s") == 3
-    other = ["a", "b", "c", "d"]
-    kv.extend("s", other)  # not the cached list: ignored
-    assert kv.cached("s") == 3
+def test_kv_chain_extends_as_its_list_grows() -> None:
+    kv = KVCache(100, block_tokens=2)
+    toks = ["a", "b", "c"]
+    chain = kv.chain(toks)
+    assert len(chain.hashes) == 1
+    toks.append("d")
+    assert chain.update() == 2
+    assert chain.hashes == kv.chain(["a", "b", "c", "d"]).hashes
+
+
+def test_sessions_share_a_prefix_and_only_full_blocks_count() -> None:
+    model = Model(ModelConfig(prefill_ms_per_token=1.0, kv_block_tokens=4))
+    system = "you are a helpful assistant who answers briefly"  # 8 words: 2 blocks
+    for sid in ("a", "b"):
+        model.attach(sid, 0.0)
+    first = run_turn(model, "a", Prompt.from_messages([system, "hi"]), 3)
+    assert first.cached_tokens == 0
+    second = run_turn(model, "b", Prompt.from_messages([system, "hello there"]), 1)
+    assert (second.cached_tokens, second.prefill_ms) == (8, pytest.approx(2.0))
+    # a's own follow-up: its prompt, answer and the new words, in whole blocks (12 of 14).
+    again = run_turn(model, "a", text("and more"), 1)
+    assert again.cached_tokens == 12
 
 
 def test_model_eviction_lowers_later_hits() -> None:
@@ -208,7 +242,7 @@ def test_model_eviction_lowers_later_hits() -> None:
         model.attach(sid, 0.0)
     run_turn(model, "a", text("1 2 3 4"), 2)  # a caches 6
     run_turn(model, "b", text("5 6 7 8"), 2)  # b caches 6 -> a cut to 4
-    assert model.kv.cached("a") == 4
+    assert model.cached("a") == 4
     assert model.stats().kv_used_tokens == 10
     result = run_turn(model, "a", text("9"), 0)
     assert result.cached_tokens == 4
@@ -231,7 +265,8 @@ def test_session_kept_within_ttl_and_swept_after() -> None:
     assert model.sweep(119.9) == 0
     assert model.sweep(120.0) == 1
     assert model.session("s") is None
-    assert model.kv.cached("s") == 0
+    assert model.cached("s") == 0
+    assert model.stats().kv_used_tokens == 1 + 2 + 1 + 1  # its blocks stay, evictable
     fresh = model.attach("s", 121.0)
     assert fresh.turns == 0
     assert fresh.context == []
@@ -374,7 +409,8 @@ def test_freeze_exports_position_and_forgets_session() -> None:
     )
     stats = model.stats()
     assert (stats.active_sessions, stats.held_sessions, stats.decoding) == (0, 0, 0)
-    assert stats.kv_used_tokens == 0
+    assert stats.kv_used_tokens == len(context)  # its blocks stay here, evictable
+    assert stats.kv_cache_usage == 0.0
     model.detach("s", 1.0)  # the frozen connection closing later changes nothing
     assert model.stats().active_sessions == 0
     with pytest.raises(KeyError):
@@ -387,7 +423,7 @@ def test_thaw_with_kv_transfer_resumes_at_next_token() -> None:
     b = Model(ModelConfig(prefill_ms_per_token=1.0, kv_transfer_ms_per_token=0.1))
     transfer_s = b.thaw(snap, 0.0, transfer_kv=True)
     assert transfer_s == pytest.approx(len(snap.context) * 0.1 / 1000)
-    assert b.kv.cached("s") == len(snap.context)
+    assert b.cached("s") == len(snap.context)
     assert b.stats().kv_transfer_tokens_total == len(snap.context)
     assert not b.connected("s")
     b.attach("s", 0.0)
@@ -410,7 +446,7 @@ def test_thaw_with_prefill_prefills_context_again() -> None:
     snap = mid_answer(a)
     b = Model(ModelConfig(prefill_ms_per_token=1.0))
     assert b.thaw(snap, 0.0, transfer_kv=False) == 0.0
-    assert b.kv.cached("s") == 0
+    assert b.cached("s") == 0
     b.attach("s", 0.0)
     assert snap.answer is not None
     turn = b.resume_turn("s", snap.answer)
@@ -463,7 +499,7 @@ def test_thaw_refuses_connected_and_replaces_disconnected_copy() -> None:
     assert (tuple(state.context), state.turns) == (snap.context, 2)
     # Never resumed: it goes after the ttl like any disconnected session.
     assert model.stats(12.0).held_sessions == 0
-    assert model.kv.cached("s") == 0
+    assert model.cached("s") == 0
 
 
 def test_signals_count_running_work_as_vllm_does() -> None:

@@ -150,7 +150,7 @@ async def test_chat_stream_and_a_follow_up_with_cached_tokens(worker: WorkerProc
     tokens); without the key it finds nothing."""
     async with sdk(worker.http) as client:
         sid = new_sid()
-        prompt = [{"role": "user", "content": "hello there my friend"}]
+        prompt = [{"role": "user", "content": f"{sid} hello my friend"}]  # cached nowhere yet
         text, usage = await chat_stream(client, sid, messages=prompt, max_tokens=5)
         assert text == tokens(sid, 1, 5)
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 5, 9)
@@ -163,8 +163,9 @@ async def test_chat_stream_and_a_follow_up_with_cached_tokens(worker: WorkerProc
         assert usage2.prompt_tokens == 4 + 5 + 3
         assert usage2.prompt_tokens_details.cached_tokens == 4 + 5
 
+        # Without the key: no session, but the worker's one prefix cache has it all.
         _, cold = await chat_stream(client, None, messages=follow, max_tokens=3)
-        assert cold.prompt_tokens_details.cached_tokens == 0
+        assert cold.prompt_tokens_details.cached_tokens == 4 + 5 + 3
 
 
 async def test_chat_not_streamed(worker: WorkerProc) -> None:
@@ -211,7 +212,7 @@ async def test_chat_chunks_validate_strictly(worker: WorkerProc) -> None:
 async def test_responses_stream_and_previous_response_id(worker: WorkerProc) -> None:
     async with sdk(worker.http) as client:
         sid = new_sid()
-        first = whole(await response_stream(client, sid, input="hello there", max_output_tokens=4))
+        first = whole(await response_stream(client, sid, input=f"{sid} hello", max_output_tokens=4))
         assert first.response.status == "incomplete"  # its max_output_tokens reached
         assert first.response.output_text == tokens(sid, 1, 4)
         assert first.response.usage.input_tokens_details.cached_tokens == 0
@@ -415,11 +416,12 @@ async def test_sessions_are_held_only_when_named() -> None:
         await chat_stream(client, None, messages=msgs, max_tokens=2)
         await response_stream(client, None, input="x", max_output_tokens=2)
         stats = w.model.stats(time.monotonic())
-        assert (stats.held_sessions, w.model.kv.used, len(w._responses)) == (0, 0, 0)
+        assert (stats.held_sessions, len(w._responses)) == (0, 0)
+        assert w.model.kv.used == 3 + 2 + 1 + 2  # their blocks stay in the shared cache
         await chat_stream(client, "kept", messages=msgs, max_tokens=2)
         stats = w.model.stats(time.monotonic())
         assert (stats.held_sessions, stats.active_sessions) == (1, 0)
-        assert w.model.kv.cached("kept") == 3 + 2
+        assert w.model.cached("kept") == 3 + 2
 
 
 async def test_drain_waits_for_requests_in_flight_and_refuses_new_ones() -> None:
@@ -564,9 +566,11 @@ async def test_through_wslb_a_key_is_its_owners_and_a_caller_needs_a_token(
                 {"role": "user", "content": "go"},
             ]
             _, mine = await chat_stream(alice, sid, messages=follow, max_tokens=1)
-            _, theirs = await chat_stream(bob, sid, messages=follow, max_tokens=1)
+            theirs, _ = await chat_stream(bob, sid, messages=follow, max_tokens=1)
         assert mine.prompt_tokens_details.cached_tokens == 2 + 3  # her prompt and answer
-        assert theirs.prompt_tokens_details.cached_tokens == 0  # bob's key is another session
+        # bob's key is another session: its first turn (the worker's prefix cache is shared by
+        # every session, as an engine's is, so cached_tokens tells nothing here).
+        assert theirs.startswith("t1.0-"), theirs
     finally:
         lb.stop()
         w.stop()
