@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
-from balancer import selection
+from balancer import prefix, selection
 from balancer.backend import AdminState, Backend, Change, Upstream
 from balancer.config import BackendCfg, PoolCfg
 from balancer.ring import Ring, load_bound
@@ -229,6 +229,18 @@ class Pool:
             move_cost=pl.move_cost,
             prefill_s=pl.prefill_ms_per_token / 1000.0,
         )
+        # Keyless plain requests placed by their prompt's prefix (``balancer.prefix``).
+        pp = cfg.prefix_placement
+        self.prefix_rules = prefix.Rules(
+            block=pp.block,
+            anchor=pp.anchor,
+            table_size=pp.table_size,
+            threshold=pp.threshold,
+            balance_abs=pp.balance_abs,
+            balance_rel=pp.balance_rel,
+        )
+        self.prefix = prefix.Table(pp.table_size) if pp.enabled else None
+        self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0}
         # key -> its conversation (module docstring); forgotten with its placement.
         self._convs: dict[str, Conversation] = {}
         self._growth = _Mean()  # context tokens per turn
@@ -291,6 +303,8 @@ class Pool:
         b = self.backends.pop(backend_id)
         b.unlisten(self._heard)
         self._rr.forget(backend_id)
+        if self.prefix is not None:
+            self.prefix.forget(backend_id)
         self._rebuild()
         return b
 
@@ -447,11 +461,19 @@ class Pool:
             if not trimmed:
                 return
 
-    def select(self, key: str, exclude: Iterable[str] = (), now: float = 0.0) -> Backend | None:
+    def select(
+        self,
+        key: str,
+        exclude: Iterable[str] = (),
+        now: float = 0.0,
+        prompt: prefix.Prompt | None = None,
+    ) -> Backend | None:
         """Pick the backend for a new session with this key, or None if no backend is ready.
 
         ``exclude`` holds backends already tried for this session (connect failures), so the
         caller walks on to the next candidate. ``now`` is the clock of the scraped signals.
+        ``prompt``: a keyless request's prompt, placed by its prefix where the pool has
+        ``prefix_placement`` (``balancer.prefix``; ``key`` is then the one wslb made for it).
         """
         self._unreserve(key)  # a retry: its last placement failed, or this one replaces it
         self.refresh(now)
@@ -459,6 +481,16 @@ class Pool:
         ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
         if not ready:
             return None
+        if prompt is not None and self.prefix is not None:
+            walk = list(self.ring.walk(prompt.anchor))
+            chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules)
+            self.prefix_placed[why] += 1
+            if chosen is None:
+                choice = selection.consistent(ready, walk, self.rules, size=self._new_size())
+                chosen = choice.backend
+            self._pending[key] = (chosen, now + PENDING_S)
+            chosen.pending += 1
+            return chosen
         if self.balance == "consistent":
             hold = self._held.get(key)
             remembered = self._remembered(key)
@@ -543,10 +575,12 @@ class Pool:
         was = self.backends.get(prev[1])
         return prev[1] if was is None or not was.ready else first
 
-    def attach_request(self, backend: Backend) -> None:
+    def attach_request(self, backend: Backend, prompt: prefix.Prompt | None = None) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
         load for the bounds and drains, but no conversation and no held place (nothing says
-        the key will come back)."""
+        the key will come back). Its ``prompt``, if placed by prefix, is learnt as sent there."""
+        if prompt is not None and self.prefix is not None:
+            self.prefix.learn(prompt, backend.id)
         backend.sessions += 1
         backend.consecutive_failures = 0
         self._publish(backend)

@@ -16,13 +16,13 @@ Rules:
 
 1. One exchange at a time. h11 holds a pipelined request (``PAUSED``) until the one before it
    is done both ways; at most ``limits.max_header_bytes`` of it are read meanwhile.
-2. No body is buffered beyond one read: a client's body chunk goes to the worker as it arrives,
-   a worker's to the client. A full write buffer (``limits.write_buffer_high``) on one leg
-   pauses reading on the other, so a slow SSE reader stops the worker's writes. A client that
-   stays paused for ``timeouts.backpressure`` (the WebSocket side's setting) ends its exchange:
-   the answer is cut and the worker connection closed, not reused. The relay thread gives a
-   body back when the client stops taking it, so the clock is kept here (rule 7); the lane
-   thread keeps its own (``_lanes.c``).
+2. No body is buffered beyond one read (rule 9 aside): a client's body chunk goes to the worker
+   as it arrives, a worker's to the client. A full write buffer (``limits.write_buffer_high``)
+   on one leg pauses reading on the other, so a slow SSE reader stops the worker's writes. A
+   client that stays paused for ``timeouts.backpressure`` (the WebSocket side's setting) ends
+   its exchange: the answer is cut and the worker connection closed, not reused. The relay
+   thread gives a body back when the client stops taking it, so the clock is kept here (rule
+   7); the lane thread keeps its own (``_lanes.c``).
 3. The worker is chosen as a session's is (``ClientConnection.route``, then ``Pool.select``),
    before any byte goes to it; a connect that fails walks on to the next candidate. Once the
    request is written nothing is retried, except a bodiless request of an idempotent method
@@ -48,6 +48,13 @@ Rules:
    to the lane thread with its worker connection (``aio/lanes.py``, ``_lanes.c``): it serves
    the next requests of the same routing as this module would, and gives the connection back
    (``lane_back``) for the first one it does not take, which is then served here.
+9. A request without a key the client named, in a pool with ``prefix_placement``, with a body
+   (a POST of at most its ``max_body``) is read whole before its worker is chosen: its prompt
+   places it (``balancer.prefix``, ``Pool.select``), then the head and the body go as one
+   write. A body that turns out larger is placed without a prompt once past ``max_body`` and
+   streamed from there; one that is not a prompt (not JSON, no messages) is placed as any
+   keyless request. ``Expect: 100-continue`` is answered before the read;
+   ``timeout_request`` runs during it.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ from balancer.httpmsg import (
     upstream_target,
 )
 from balancer.logs import log_http_access
+from balancer.prefix import Prompt, prompt_of
 
 if TYPE_CHECKING:
     from balancer.aio.lanes import Back, Lanes
@@ -376,7 +384,7 @@ class HttpClient:
             self.unread += len(data)
             if self.unread > self.host.limits.max_header_bytes:
                 self._read(False)
-        elif ex.worker is not None:
+        elif ex.worker is not None or ex.held is not None:
             self._pump()
 
     def eof_received(self) -> bool | None:
@@ -388,7 +396,7 @@ class HttpClient:
             return True  # half-closed after its request: the answer still goes out
         if ex is not None:
             self.conn.receive_data(b"")
-            if ex.worker is not None:
+            if ex.worker is not None or ex.held is not None:
                 self._pump()
             if self.exchange is not None:
                 self.exchange.client_gone("client closed before its request ended")
@@ -511,6 +519,9 @@ class HttpClient:
             return
         self.exchange = ex
         self.host.request_started(ex)
+        if ex.wants_prompt():
+            ex.hold_body()
+            return
         if not ex.pick_pooled():
             self.task = self.host.loop.create_task(self._connect(ex))
 
@@ -751,16 +762,59 @@ class Exchange:
         self.relay: int | None = None
         self.data_events = 0
         self.chunked_out = False
+        # Rule 9: a keyless body read whole before its worker is chosen, and its prompt.
+        self.held: list[bytes] | None = None
+        self.held_size = 0
+        self.placed = False
+        self.prompt: Prompt | None = None
 
     def routed(self, r: Routed) -> None:
         self.pool, self.req, self.key, self.sid, self.named = r
         self.cfg = r.pool.cfg.http
 
+    # -- placing by the prompt (rule 9) --------------------------------------------------------
+
+    def wants_prompt(self) -> bool:
+        """Whether the request is placed by its prompt: keyless, a body, a pool that asks."""
+        pool = self.pool
+        if self.named or pool is None or pool.prefix is None or self.bodyless:
+            return False
+        limit = pool.cfg.prefix_placement.max_body
+        return self.method == b"POST" and (self.length is None or self.length <= limit)
+
+    def hold_body(self) -> None:
+        """Read the body before choosing a worker (rule 9); ``_place`` when it is in."""
+        assert self.cfg is not None
+        host = self.host
+        self.held = []
+        self.request_timer = host.loop.call_later(self.cfg.timeout_request, self._request_timeout)
+        client = self.client
+        if client.conn.they_are_waiting_for_100_continue:
+            client.transport.write(
+                client.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            )
+        client._pump()
+        if client.exchange is self and not self.placed:
+            client._read(True)
+
+    def _place(self, whole: bool) -> None:
+        """The body is in (``whole``) or past ``prefix_placement.max_body``: choose a worker."""
+        assert self.pool is not None and self.held is not None
+        self.placed = True
+        self.client._read(False)
+        if self.request_timer is not None:  # ``_begin`` arms it again for the rest
+            self.request_timer.cancel()
+            self.request_timer = None
+        if whole:
+            self.prompt = prompt_of(b"".join(self.held), self.pool.prefix_rules)
+        if not self.pick_pooled():
+            self.client.task = self.host.loop.create_task(self.client._connect(self))
+
     # -- choosing a worker (rule 3) ----------------------------------------------------------
 
     def _select(self) -> Backend | None:
         assert self.pool is not None
-        backend = self.pool.select(self.sid, self.tried, self.host.loop.time())
+        backend = self.pool.select(self.sid, self.tried, self.host.loop.time(), self.prompt)
         if backend is not None:
             self.tried.append(backend.id)
         return backend
@@ -836,7 +890,7 @@ class Exchange:
             self.pool.attach(self.sid, self.backend, now)
         else:
             self.pool.cancel(self.sid)
-            self.pool.attach_request(self.backend)
+            self.pool.attach_request(self.backend, self.prompt)
         self.host.stats.http_active[self.pool.name] += 1
 
     def _begin(self, conn: WorkerConn) -> None:
@@ -878,7 +932,13 @@ class Exchange:
             client.transport.write(
                 client.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
             )
-        if self.request_done:  # a retry of a bodiless request
+        held, self.held = self.held, None
+        if held is not None:  # read before the worker was chosen (rule 9)
+            for data in held:
+                conn.write(chunk(data) if self.chunked else data)
+            if self.request_done and self.chunked:
+                conn.write(LAST_CHUNK)
+        if self.request_done:  # a retry of a bodiless request, or a body read whole
             conn.sent = True
             conn.flush()
             return
@@ -897,6 +957,14 @@ class Exchange:
         if self.bytes_in > self.cfg.max_body:
             self.fail(413, "request body too large", "request body too large")
             return
+        held = self.held
+        if held is not None:  # rule 9: no worker yet
+            held.append(data)
+            self.held_size += len(data)
+            assert self.pool is not None
+            if not self.placed and self.held_size > self.pool.cfg.prefix_placement.max_body:
+                self._place(False)
+            return
         worker = self.worker
         if worker is not None and not worker.lost:
             worker.write(chunk(data) if self.chunked else data)
@@ -906,6 +974,10 @@ class Exchange:
         if self.request_timer is not None:
             self.request_timer.cancel()
             self.request_timer = None
+        if self.held is not None:  # rule 9: the worker is chosen now, or is being connected
+            if not self.placed:
+                self._place(True)
+            return
         worker = self.worker
         if worker is not None and not worker.lost:
             if self.chunked:

@@ -9,6 +9,7 @@ the file, the only I/O is checking that TLS and JWT key files exist.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import os
@@ -52,6 +53,7 @@ from balancer.config.model import (
     OutlierCfg,
     PlacementCfg,
     PoolCfg,
+    PrefixCfg,
     RelayCfg,
     ResumeCfg,
     Timeouts,
@@ -592,7 +594,28 @@ class _Builder(_Reader):
             overload_ratio=self.number(item, "overload_ratio", p, 1.5),
             placement=self.placement(self.section(item, "placement", p), (*p, "placement")),
             http=self.http(self.section(item, "http", p), (*p, "http")),
+            prefix_placement=self.prefix_placement(
+                self.section(item, "prefix_placement", p), (*p, "prefix_placement")
+            ),
         )
+
+    def prefix_placement(self, m: dict[object, object], p: _Path) -> PrefixCfg:
+        d = PrefixCfg()
+        out = PrefixCfg(
+            enabled=self.boolean(m, "enabled", p, d.enabled),
+            block=self.integer(m, "block", p, d.block),
+            anchor=self.integer(m, "anchor", p, d.anchor),
+            table_size=self.integer(m, "table_size", p, d.table_size),
+            threshold=self.number(m, "threshold", p, d.threshold),
+            balance_abs=self.number(m, "balance_abs", p, d.balance_abs),
+            balance_rel=self.number(m, "balance_rel", p, d.balance_rel),
+            max_body=self.size(m, "max_body", p, d.max_body),
+        )
+        for name in ("block", "table_size"):
+            if getattr(out, name) < 1:
+                self.error((*p, name), f"must be 1 or more, got {getattr(out, name)}")
+                out = dataclasses.replace(out, **{name: getattr(d, name)})
+        return out
 
     def http(self, raw: dict[object, object], p: _Path) -> HttpCfg:
         d = HttpCfg()

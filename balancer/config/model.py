@@ -220,6 +220,21 @@ class PlacementCfg:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCfg:
+    """Keyless plain requests placed by their prompt's prefix (``balancer.prefix``;
+    docs/routing.md)."""
+
+    enabled: bool = False
+    block: int = 256  # bytes of prompt text per block (a block also ends with its message)
+    anchor: int = 256  # bytes of the prompt whose hash places it on the ring without a match
+    table_size: int = 100_000  # blocks remembered (least recently used out)
+    threshold: float = 0.3  # share of the prompt a match must cover to count
+    balance_abs: float = 32.0  # load difference (requests per unit of weight) and ...
+    balance_rel: float = 1.5  # ... ratio that, both exceeded, place by load instead
+    max_body: int = 4 * 1024 * 1024  # bodies read before placing; larger ones by load alone
+
+
+@dataclass(frozen=True, slots=True)
 class UpstreamTls:
     """TLS towards ``wss://`` and ``https://`` workers: CA bundle (None: system trust) and client
     certificate."""
@@ -306,6 +321,7 @@ class PoolCfg:
     overload_ratio: float = 1.5
     placement: PlacementCfg = PlacementCfg()
     http: HttpCfg = HttpCfg()
+    prefix_placement: PrefixCfg = PrefixCfg()
 
 
 @dataclass(frozen=True, slots=True)

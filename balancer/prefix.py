@@ -1,0 +1,308 @@
+"""Prefix placement: a keyless plain request goes where its prompt's longest prefix likely is
+cached, sans I/O.
+
+An OpenAI-style request without a session key (the ``openai`` SDK's chat completions, Responses,
+completions over HTTP) names no conversation, but its prompt does: a conversation's next turn
+sends the whole history again, and conversations that share a system prompt or tool definitions
+start with the same text. An engine with a prefix cache (vLLM, SGLang, llama.cpp) answers such a
+prompt from its cache for as much of the prefix as it holds. This module is what wslb knows of
+that, without asking the engines; ``balancer.pool`` asks it, ``aio/httpproxy.py`` hands it the
+request body it buffered.
+
+Rules:
+
+1. *The prompt.* The text an engine would prefill is taken from the JSON body, in the order the
+   engine renders it: the ``tools`` definitions (canonical JSON), then each chat ``messages``
+   entry (its role, its text parts, any other part or ``tool_calls`` as canonical JSON); for the
+   Responses API ``instructions`` then each ``input`` item the same way (a string ``input`` is
+   one user message); for completions the ``prompt`` string. A body that is not JSON or has none
+   of these has no prompt, and is placed as any keyless request is.
+2. *Blocks.* Each segment (a message, the tools, the instructions) is cut into blocks of at most
+   ``block`` bytes from its start, so a block ends at a segment's end or ``block`` bytes into it:
+   a later turn, which repeats the earlier messages byte for byte and adds new ones, repeats
+   their blocks exactly, however short its first turn was. Each block's hash chains all the
+   bytes before it (BLAKE2b, 64 bits, keyed by nothing: the same on every instance), so equal
+   hashes mean equal prefixes.
+3. *The table* maps a block hash to the workers a prompt containing it was sent to, the most
+   recent first (at most ``HOLDERS``). A placement records every block of its prompt, the
+   deepest first, so the least recently used entry, evicted first once the table holds
+   ``table_size`` blocks, is never the start of a live chain. Learning is from what wslb sent
+   where: an engine keeps what it was sent until its own cache evicts it, which wslb does not
+   see; the table's bound stands for that.
+4. *The match* is the longest run of the prompt's blocks, from the first, found in the table
+   with a ready holder; its holders are the ready workers recorded for its deepest block. When
+   the run ends where a message ends and an assistant message comes next, the match covers that
+   message too: the holder generated it, and an engine keeps what it generated (so a short
+   first turn with a long answer still draws its follow-up). It counts when it covers at least
+   ``threshold`` of the prompt's bytes.
+5. *The choice* (SGLang's and vLLM's ``cache_aware``, with a ring instead of the smallest
+   tree): with ``load(b)`` the backend's counted requests and sessions per unit of effective
+   weight, the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x
+   min`` over the ready backends, both at once. Imbalanced: the least loaded backend. Else a
+   match that counts: its least loaded holder. Else (``None`` here) the caller places the
+   prompt's *anchor* on the pool's ring with the bounded-load rule, as a key: the chain hash of
+   the first block boundary at or past ``anchor`` bytes (the whole prompt if shorter). So every
+   instance, with no state shared, sends a long shared system prompt to the same worker, and a
+   conversation's later turns, which start with the same bytes, follow its first.
+
+Ties go to the backend first on the anchor's ring walk, so equal instances choose alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from balancer.backend import Backend
+
+__all__ = [
+    "HOLDERS",
+    "Match",
+    "Prompt",
+    "Rules",
+    "Table",
+    "choose",
+    "imbalanced",
+    "prompt_of",
+    "segments",
+]
+
+HOLDERS = 4
+"""Workers remembered per block (a shared system prompt spread by load sits on several)."""
+
+_SEP = b"\x1e"  # ends a segment inside the hash, so boundaries are part of what is hashed
+_ASSISTANT = "assistant\x1f"
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """A pool's ``prefix_placement`` settings (``PrefixCfg``)."""
+
+    block: int = 256
+    anchor: int = 256
+    table_size: int = 100_000
+    threshold: float = 0.3
+    balance_abs: float = 32.0
+    balance_rel: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt's chained block hashes, the bytes up to the end of each, and its anchor."""
+
+    hashes: tuple[int, ...]
+    ends: tuple[int, ...]
+    answers: tuple[int, ...]
+    """Per block: where the assistant message right after it ends, if it ends a message that
+    one follows, else 0 (rule 4)."""
+    anchor: str
+    """The ring key of the first block boundary at or past ``Rules.anchor`` bytes (rule 5)."""
+
+    @property
+    def size(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The table's longest match for a prompt: bytes covered and the ready holders (rule 4)."""
+
+    covered: int
+    holders: tuple[str, ...]
+
+
+def _dump(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _content(c: Any) -> str:
+    """A message's content as text: a string, or its parts' text (other parts as JSON)."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        out = []
+        for part in c:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                out.append(_dump(part))
+        return "\n".join(out)
+    return "" if c is None else _dump(c)
+
+
+def _message(m: Any) -> str:
+    if not isinstance(m, dict):
+        return _dump(m)
+    role = m.get("role")
+    if "content" not in m and role is None:  # a Responses item other than a message
+        return _dump(m)
+    text = f"{role}\x1f{_content(m.get('content'))}"
+    extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m}
+    return text + _dump(extra) if extra else text
+
+
+def segments(body: Any) -> list[str] | None:
+    """The prompt's segments in the order an engine renders them (rule 1), or None."""
+    if not isinstance(body, dict):
+        return None
+    out: list[str] = []
+    tools = body.get("tools")
+    if tools:
+        out.append("tools\x1f" + _dump(tools))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        out.extend(_message(m) for m in messages)
+        return out if messages else None
+    instructions = body.get("instructions")
+    inp = body.get("input")
+    if isinstance(instructions, str) or inp is not None:
+        if isinstance(instructions, str):
+            out.append(f"system\x1f{instructions}")
+        if isinstance(inp, str):
+            out.append(f"user\x1f{inp}")
+        elif isinstance(inp, list):
+            out.extend(_message(m) for m in inp)
+        return out or None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        out.append(prompt)
+        return out
+    return None
+
+
+def prompt_of(body: bytes, rules: Rules) -> Prompt | None:
+    """The prompt of a JSON request body, cut and hashed (rules 1 and 2); None without one."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    segs = segments(parsed)
+    if not segs:
+        return None
+    return cut(segs, rules)
+
+
+def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:
+    """Blocks and chained hashes of ``segs`` (rule 2)."""
+    h = hashlib.blake2b(digest_size=8)
+    hashes: list[int] = []
+    ends: list[int] = []
+    size = 0
+    block = rules.block
+    anchor: int | None = None
+    answers: list[int] = []
+    for seg in segs:
+        data = seg.encode("utf-8", "surrogatepass") + _SEP
+        if seg.startswith(_ASSISTANT) and answers:
+            answers[-1] = size + len(data)
+        for i in range(0, len(data), block):
+            answers.append(0)
+            piece = data[i : i + block]
+            h.update(piece)
+            size += len(piece)
+            hashes.append(int.from_bytes(h.copy().digest(), "big"))
+            ends.append(size)
+            if anchor is None and size >= rules.anchor:
+                anchor = hashes[-1]
+    if not hashes:
+        return None
+    if anchor is None:
+        anchor = hashes[-1]
+    return Prompt(tuple(hashes), tuple(ends), tuple(answers), f"prefix:{anchor:016x}")
+
+
+class Table:
+    """Block hash -> the workers it was sent to, most recent first; least recently used out
+    past ``size`` blocks (rule 3)."""
+
+    __slots__ = ("_t", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._t: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def learn(self, prompt: Prompt, backend_id: str) -> None:
+        """``prompt`` was sent to ``backend_id``: record its blocks there, the deepest first."""
+        t = self._t
+        for h in reversed(prompt.hashes):
+            old = t.get(h)
+            if old is None:
+                t[h] = (backend_id,)
+            else:
+                if old[0] != backend_id:
+                    t[h] = (backend_id, *(x for x in old if x != backend_id))[:HOLDERS]
+                t.move_to_end(h)
+        while len(t) > self.size:
+            t.popitem(last=False)
+
+    def match(self, prompt: Prompt, ready: Iterable[str]) -> Match:
+        """The longest run of ``prompt``'s blocks from the first with a holder in ``ready``
+        (rule 4)."""
+        ok = set(ready)
+        t = self._t
+        holders: tuple[str, ...] = ()
+        last = -1
+        for i, h in enumerate(prompt.hashes):
+            held = t.get(h)
+            if held is None:
+                break
+            live = tuple(x for x in held if x in ok)
+            if not live:
+                break
+            last, holders = i, live
+        if last < 0:
+            return Match(0, ())
+        # The holder wrote the answer that follows what it was sent: it holds that too.
+        return Match(prompt.answers[last] or prompt.ends[last], holders)
+
+    def forget(self, backend_id: str) -> None:
+        """A backend left the pool: its entries go (its id may come back as another worker)."""
+        t = self._t
+        for h, held in list(t.items()):
+            if backend_id in held:
+                rest = tuple(x for x in held if x != backend_id)
+                if rest:
+                    t[h] = rest
+                else:
+                    del t[h]
+
+
+def _load(b: Backend) -> float:
+    return b.counted / b.effective_weight if b.effective_weight > 0 else float("inf")
+
+
+def imbalanced(loads: Sequence[float], balance_abs: float, balance_rel: float) -> bool:
+    """Both margins of rule 5 at once: ``max - min > abs`` and ``max > rel x min``."""
+    if len(loads) < 2:
+        return False
+    hi, lo = max(loads), min(loads)
+    return hi - lo > balance_abs and hi > balance_rel * lo
+
+
+def choose(
+    prompt: Prompt, table: Table, ready: Sequence[Backend], walk: Iterable[str], rules: Rules
+) -> tuple[Backend | None, str]:
+    """Rule 5: the backend and why (``balance``, ``prefix``), or ``(None, "ring")`` when the
+    caller places the anchor on the ring. ``walk``: the anchor's ring walk (backend ids), for
+    ties."""
+    order = {bid: i for i, bid in enumerate(walk)}
+
+    def rank(b: Backend) -> tuple[float, int, str]:
+        return (_load(b), order.get(b.id, len(order)), b.id)
+
+    if imbalanced([_load(b) for b in ready], rules.balance_abs, rules.balance_rel):
+        return min(ready, key=rank), "balance"
+    m = table.match(prompt, (b.id for b in ready))
+    if m.covered and m.covered >= rules.threshold * prompt.size:
+        by_id = {b.id: b for b in ready}
+        return min((by_id[x] for x in m.holders), key=rank), "prefix"
+    return None, "ring"

@@ -1,0 +1,232 @@
+"""Prefix placement (``balancer.prefix`` and ``Pool.select(prompt=...)``): prompts cut at
+message boundaries, the table's longest match and LRU bound, the two-sided margin, the ring
+anchor. Sans-I/O: bodies and pools built by hand, no sockets."""
+
+from __future__ import annotations
+
+import json
+
+from balancer import prefix
+from balancer.config import BackendCfg, PoolCfg, PrefixCfg
+from balancer.pool import Pool
+from balancer.prefix import Rules, Table, choose, cut, imbalanced, prompt_of, segments
+
+R = Rules()
+SYSTEM = "You are a careful assistant. " * 40  # about 1.2 kB: several blocks
+
+
+def chat(*turns: str, system: str | None = SYSTEM) -> bytes:
+    msgs: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return json.dumps({"model": "m", "messages": msgs, "stream": True}).encode()
+
+
+def make_pool(n: int = 3, **pp: object) -> Pool:
+    cfg = PoolCfg(
+        name="p",
+        backends=tuple(BackendCfg(id=f"w{i}", url=f"ws://127.0.0.1:{9100 + i}") for i in range(n)),
+        prefix_placement=PrefixCfg(enabled=True, **pp),  # type: ignore[arg-type]
+    )
+    return Pool(cfg, seed=1)
+
+
+def place(pool: Pool, body: bytes, key: str = "k") -> str:
+    p = prompt_of(body, pool.prefix_rules)
+    b = pool.select(key, prompt=p)
+    assert b is not None
+    pool.cancel(key)
+    pool.attach_request(b, p)
+    pool.detach_request(b)
+    return b.id
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+
+
+def test_segments_of_chat_responses_and_completions() -> None:
+    assert segments({"messages": [{"role": "user", "content": "hi"}]}) == ["user\x1fhi"]
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+    }
+    assert segments({"messages": [parts]}) == ["user\x1fa\nb"]
+    assert segments({"instructions": "be brief", "input": "hi"}) == [
+        "system\x1fbe brief",
+        "user\x1fhi",
+    ]
+    assert segments({"prompt": "once upon"}) == ["once upon"]
+    assert segments({"prompt": ["once upon"]}) == ["once upon"]
+    tools = segments(
+        {"tools": [{"type": "function"}], "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert tools is not None and tools[0].startswith("tools\x1f")
+    none: object
+    for none in ({}, {"messages": []}, {"prompt": [1, 2]}, [1], "x", {"input": None}):
+        assert segments(none) is None
+
+
+def test_no_prompt_from_a_body_that_is_not_json() -> None:
+    assert prompt_of(b"\xff\x00", R) is None
+    assert prompt_of(b"[" * 100_000, R) is None  # too deep: no prompt, no traceback
+    assert prompt_of(b'{"model": "m"}', R) is None
+
+
+def test_a_later_turn_repeats_the_earlier_blocks_however_short_the_first_turn() -> None:
+    one = prompt_of(chat("hi", system=None), R)
+    two = prompt_of(chat("hi", "hello! " * 100, "and then?", system=None), R)
+    assert one is not None and two is not None
+    assert len(one.hashes) == 1 and two.hashes[:1] == one.hashes
+    long1 = prompt_of(chat("x" * 700), R)
+    long2 = prompt_of(chat("x" * 700, "ok", "more"), R)
+    assert long1 is not None and long2 is not None
+    assert long2.hashes[: len(long1.hashes)] == long1.hashes
+    assert all(b - a <= R.block for a, b in zip((0, *long1.ends), long1.ends, strict=False))
+
+
+def test_blocks_chain_the_bytes_before_them() -> None:
+    a = cut(["system\x1fA", "user\x1fsame"], R)
+    b = cut(["system\x1fB", "user\x1fsame"], R)
+    assert a is not None and b is not None
+    assert a.hashes[1] != b.hashes[1]  # same block, different prefix
+
+
+def test_the_anchor_is_the_first_boundary_past_anchor_bytes() -> None:
+    # A long shared system prompt: every conversation has the same anchor.
+    a, b = prompt_of(chat("question one"), R), prompt_of(chat("something else"), R)
+    assert a is not None and b is not None and a.anchor == b.anchor
+    # A short one: the anchor takes in the first user message, so conversations spread.
+    c = prompt_of(chat("question one " * 30, system="be brief"), R)
+    d = prompt_of(chat("something else " * 30, system="be brief"), R)
+    assert c is not None and d is not None and c.anchor != d.anchor
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def test_longest_match_and_its_ready_holders() -> None:
+    t = Table(1000)
+    p1 = prompt_of(chat("q1"), R)
+    p2 = prompt_of(chat("q1", "a1", "q2"), R)
+    assert p1 is not None and p2 is not None
+    t.learn(p1, "w1")
+    m = t.match(p2, {"w1", "w2"})
+    # p1's blocks, and the answer w1 wrote after them ("a1"), not the new question
+    assert m.holders == ("w1",)
+    assert m.covered == p1.size + len("assistant\x1fa1\x1e") < p2.size
+    t.learn(p2, "w2")
+    assert t.match(p2, {"w1", "w2"}) == prefix.Match(p2.size, ("w2",))
+    assert t.match(p1, {"w1", "w2"}).holders == ("w2", "w1")  # most recent first
+    assert t.match(p1, {"w1"}).holders == ("w1",)  # only the ready ones
+    assert t.match(p1, set()).covered == 0
+
+
+def test_the_table_is_bounded_and_keeps_the_start_of_live_chains() -> None:
+    t = Table(20)
+    prompts = [prompt_of(chat(f"conversation {i} " * 50, system=None), R) for i in range(10)]
+    for i, p in enumerate(prompts):
+        assert p is not None
+        t.learn(p, f"w{i % 3}")
+        assert len(t) <= 20
+    last = prompts[-1]
+    assert last is not None
+    assert t.match(last, {"w0", "w1", "w2"}).covered == last.size
+    first = prompts[0]
+    assert first is not None and t.match(first, {"w0"}).covered == 0  # evicted
+    # A prompt longer than the table: what is kept is its start.
+    big = prompt_of(chat("y" * 256 * 40, system=None), R)
+    assert big is not None
+    t.learn(big, "w1")
+    m = t.match(big, {"w1"})
+    assert 0 < m.covered < big.size
+
+
+def test_forget_drops_a_removed_backend() -> None:
+    t = Table(100)
+    p = prompt_of(chat("q"), R)
+    assert p is not None
+    t.learn(p, "w1")
+    t.learn(p, "w2")
+    t.forget("w2")
+    assert t.match(p, {"w1", "w2"}).holders == ("w1",)
+    t.forget("w1")
+    assert len(t) == 0
+
+
+# -- the choice -------------------------------------------------------------------------------
+
+
+def test_imbalance_needs_abs_and_rel() -> None:
+    assert imbalanced([40, 5], 32, 1.5)
+    assert not imbalanced([40, 30], 5, 1.5)  # rel 1.33 only
+    assert not imbalanced([3, 1], 5, 1.5)  # abs 2 only
+    assert not imbalanced([7], 0, 1.0)
+
+
+def test_a_follow_up_goes_where_its_first_turn_went() -> None:
+    pool = make_pool()
+    for i in range(12):
+        first = place(pool, chat(f"conversation {i}", system=None), f"a{i}")
+        second = place(
+            pool, chat(f"conversation {i}", "answer " * 80, "next", system=None), f"b{i}"
+        )
+        third = place(
+            pool,
+            chat(f"conversation {i}", "answer " * 80, "next", "more " * 60, "last", system=None),
+            f"c{i}",
+        )
+        assert first == second == third
+    assert pool.prefix_placed["prefix"] == 24 and pool.prefix_placed["ring"] == 12
+
+
+def test_without_a_table_every_pool_places_a_shared_system_prompt_alike() -> None:
+    pools = [make_pool(), make_pool()]
+    where = {place(p, chat(f"question {i}"), f"k{i}") for p in pools for i in range(10)}
+    assert len(where) == 1  # one worker for the shared prompt, from both "instances"
+
+
+def test_load_imbalance_overrides_the_prefix() -> None:
+    pool = make_pool(balance_abs=4, balance_rel=1.5)
+    body = chat("q")
+    home = place(pool, body)
+    hot = pool.backends[home]
+    hot.sessions = 6  # six requests running there
+    p = prompt_of(body, pool.prefix_rules)
+    b = pool.select("x", prompt=p)
+    assert b is not None and b.id != home
+    assert pool.prefix_placed["balance"] == 1
+    pool.cancel("x")
+    hot.sessions = 4  # abs 4 is not more than 4: the prefix wins again
+    b = pool.select("y", prompt=p)
+    assert b is not None and b.id == home
+
+
+def test_a_match_below_the_threshold_goes_to_the_ring() -> None:
+    pool = make_pool(threshold=0.9)
+    base = chat("q", system=None)
+    place(pool, base)
+    p = prompt_of(chat("q", "a", "z" * 2000, system=None), pool.prefix_rules)
+    assert p is not None
+    pool.select("x", prompt=p)
+    assert pool.prefix_placed["ring"] == 2
+
+
+def test_choose_ties_follow_the_ring_walk() -> None:
+    pool = make_pool()
+    p = prompt_of(chat("q"), pool.prefix_rules)
+    assert p is not None and pool.prefix is not None
+    ready = list(pool.backends.values())
+    for b in ready:
+        pool.prefix.learn(p, b.id)
+    walk = list(pool.ring.walk(p.anchor))
+    got, why = choose(p, pool.prefix, ready, walk, pool.prefix_rules)
+    assert why == "prefix" and got is not None and got.id == walk[0]
+
+
+def test_off_by_default_and_keyed_selection_unchanged() -> None:
+    cfg = PoolCfg(name="p", backends=(BackendCfg(id="w0", url="ws://127.0.0.1:9100"),))
+    pool = Pool(cfg)
+    assert pool.prefix is None
+    p = prompt_of(chat("q"), pool.prefix_rules)
+    assert pool.select("k", prompt=p) is pool.backends["w0"]
+    assert pool.prefix_placed == {"prefix": 0, "balance": 0, "ring": 0}

@@ -1,0 +1,165 @@
+"""Prefix placement through real processes: keyless chats over the ``openai`` SDK's plain HTTP
+through ``wslb`` in front of three reference workers (``balancer.prefix``, httpproxy rule 9).
+
+Which worker answered a request is read from wslb's access log (``backend=``), found by the
+request's own ``User-Agent``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from openai import AsyncOpenAI
+
+from tests.procs import Worker, Wslb, pool_config, running
+
+TIMEOUT = 20.0
+SYSTEM = "You are the assistant of a shop that sells bicycles and their parts. " * 20
+_tags = itertools.count()
+
+
+def config(workers: list[Worker], **prefix: Any) -> dict[str, Any]:
+    cfg = pool_config(
+        [{"id": w.id, "url": f"http://127.0.0.1:{w.port}"} for w in workers],
+        health={"path": "/healthz", "interval": "0.2s", "rise": 1},
+        prefix_placement={"enabled": True, **prefix},
+    )
+    cfg["log"] = {"access": True}
+    return cfg
+
+
+def start(workers: list[Worker], lb: Wslb) -> None:
+    lb.start(wait_ready=False)
+    lb.wait_ready(
+        until=lambda bs: len(bs) == len(workers) and all(b["state"] == "active" for b in bs)
+    )
+
+
+async def backend_of(lb: Wslb, tag: str) -> str:
+    """The worker that answered the request sent with ``User-Agent: tag`` (its access line)."""
+    pattern = re.compile(rf"backend=(\S+) .*ua={re.escape(tag)}$", re.M)
+    deadline = time.monotonic() + TIMEOUT
+    while (m := pattern.search(lb.output())) is None:
+        assert time.monotonic() < deadline, lb.log_tail()
+        await asyncio.sleep(0.05)
+    return m.group(1)
+
+
+async def turn(lb: Wslb, messages: list[Any], max_tokens: int = 8) -> tuple[str, str]:
+    """One streamed, keyless chat completion through ``lb``: its worker and its text."""
+    tag = f"prefix-test-{next(_tags)}"
+    client = AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{lb.port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=TIMEOUT,
+        default_headers={"User-Agent": tag},
+    )
+    async with client:
+        stream = await client.chat.completions.create(
+            model="wslb-reference",
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        text = ""
+        async with asyncio.timeout(TIMEOUT):
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+    return await backend_of(lb, tag), text
+
+
+async def conversation(
+    lbs: list[Wslb], first: str, turns: int = 3, system: str | None = None
+) -> list[str]:
+    """A keyless multi-turn chat, each turn the whole history, turn ``i`` through
+    ``lbs[i % len(lbs)]``; the worker of each turn."""
+    messages: list[Any] = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": first})
+    where = []
+    for i in range(turns):
+        backend, text = await turn(lbs[i % len(lbs)], messages)
+        where.append(backend)
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"and then, after step {i}?"},
+        ]
+    return where
+
+
+async def test_keyless_turns_follow_their_first_and_a_shared_system_prompt_stays_together(
+    tmp_path: Path,
+) -> None:
+    workers = [Worker(f"p{i}").start() for i in range(3)]
+    lb = Wslb(config(workers), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        spread = set()
+        for n in range(6):  # short first turns, no system prompt: each keeps its worker
+            where = await conversation([lb], f"hello number {n}, how are you?")
+            assert len(set(where)) == 1, where
+            spread.add(where[0])
+        assert len(spread) > 1  # and different conversations are spread
+        shared = [await conversation([lb], f"question {n}", system=SYSTEM) for n in range(3)]
+        assert len({w for where in shared for w in where}) == 1, shared
+
+
+async def test_two_instances_choose_the_same_worker(tmp_path: Path) -> None:
+    """Two separate wslb processes with the same config and no shared state: a conversation
+    whose turns alternate between them stays on one worker, and a shared system prompt goes to
+    the same worker from either."""
+    workers = [Worker(f"q{i}").start() for i in range(3)]
+    cfg = config(workers)
+    a, b = Wslb(cfg, tmp_path, name="wslb-a"), Wslb(cfg, tmp_path, name="wslb-b")
+    with running(*workers, a, b):
+        await asyncio.to_thread(start, workers, a)
+        await asyncio.to_thread(start, workers, b)
+        for n in range(4):  # a first message past the anchor's 256 bytes
+            first = f"conversation {n}: " + "tell me about wheels and gears. " * 10
+            where = await conversation([a, b], first, turns=4)
+            assert len(set(where)) == 1, where
+        here = {(await turn(lb, [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": f"q{n}"}]))[0]
+                for n in range(3) for lb in (a, b)}  # fmt: skip
+        assert len(here) == 1, here
+
+
+async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
+    """Three long answers with the shared prompt run on its worker; with ``balance_abs: 2`` the
+    pool is imbalanced (3 against 0, and 3 > 1.5 x 0), so the next request with that prompt goes
+    to a least loaded worker; once they end it goes back."""
+    workers = [Worker(f"r{i}", ["--tokens-per-s", "20"]).start() for i in range(3)]
+    lb = Wslb(config(workers, balance_abs=2, balance_rel=1.5), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+        home, _ = await turn(lb, prompt)
+        body = {"model": "wslb-reference", "messages": prompt, "max_tokens": 400, "stream": True}
+        url = f"http://127.0.0.1:{lb.port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            streams = []
+            try:
+                for _ in range(3):  # one at a time: each placed while the others run
+                    r = await http.post(url, json=body, timeout=aiohttp.ClientTimeout(TIMEOUT))
+                    assert r.status == 200
+                    await r.content.readline()
+                    streams.append(r)
+                listing = {x["id"]: x for x in await asyncio.to_thread(lb.admin, "/backends")}
+                assert listing[home]["sessions"] == 3, listing
+                other, _ = await turn(lb, prompt)
+                assert other != home
+            finally:
+                for r in streams:
+                    r.close()
+        deadline = time.monotonic() + TIMEOUT
+        while any(x["sessions"] for x in await asyncio.to_thread(lb.admin, "/backends")):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        back, _ = await turn(lb, prompt)
+        assert back == home
