@@ -39,10 +39,11 @@ Rules:
    tree): with ``load(b)`` the backend's counted requests and sessions per unit of effective
    weight, the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x
    min`` over the ready backends, both at once. Imbalanced: the least loaded backend. Else a
-   match that counts: its least loaded holder. Else (``None`` here) the caller places the
-   prompt's *anchor* on the pool's ring with the bounded-load rule, as a key: the chain hash of
-   the first block boundary at or past ``anchor`` bytes (the whole prompt if shorter). So every
-   instance, with no state shared, sends a long shared system prompt to the same worker, and a
+   match that counts: its least loaded holder (only the imbalance test moves a prompt off the
+   workers holding its prefix). Else (``None`` here) the caller places the prompt's *anchor*
+   on the pool's ring with the bounded-load rule, as a key: the chain hash of the first block
+   boundary at or past ``anchor`` bytes (the whole prompt if shorter). So every instance, with
+   no state shared, sends a long shared system prompt to the same worker, and a
    conversation's later turns, which start with the same bytes, follow its first.
 
 Ties go to the backend first on the anchor's ring walk, so equal instances choose alike.
@@ -289,7 +290,11 @@ def imbalanced(loads: Sequence[float], balance_abs: float, balance_rel: float) -
 
 
 def choose(
-    prompt: Prompt, table: Table, ready: Sequence[Backend], walk: Iterable[str], rules: Rules
+    prompt: Prompt,
+    table: Table,
+    ready: Sequence[Backend],
+    walk: Iterable[str],
+    rules: Rules,
 ) -> tuple[Backend | None, str]:
     """Rule 5: the backend and why (``balance``, ``prefix``), or ``(None, "ring")`` when the
     caller places the anchor on the ring. ``walk``: the anchor's ring walk (backend ids), for
