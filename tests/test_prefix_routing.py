@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import time
 from pathlib import Path
@@ -163,3 +164,76 @@ async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
             await asyncio.sleep(0.05)
         back, _ = await turn(lb, prompt)
         assert back == home
+
+
+async def raw(port: int, data: bytes, until: bytes | None = None) -> bytes:
+    """Send ``data`` on a new connection; what comes back until ``until`` is read, else until
+    the peer closes."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(data)
+        got = b""
+        async with asyncio.timeout(TIMEOUT):
+            while until is None or until not in got:
+                more = await r.read(65536)
+                if not more:
+                    break
+                got += more
+        return got
+    finally:
+        w.close()
+
+
+def head(length: int | None, *extra: str) -> bytes:
+    lines = ["POST /v1/chat/completions HTTP/1.1", "Host: wslb", "Content-Type: application/json"]
+    lines.append(
+        f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    )
+    return ("\r\n".join([*lines, *extra]) + "\r\n\r\n").encode()
+
+
+async def test_bodies_read_before_placing(tmp_path: Path) -> None:
+    """The body wslb reads before choosing the worker (httpproxy rule 9): chunked or with
+    ``Expect: 100-continue`` it is placed by its prompt as a sized one; one past
+    ``prefix_placement.max_body`` or not JSON still reaches a worker; one that stops coming
+    gets 408 after ``timeout_request``."""
+    workers = [Worker(f"s{i}").start() for i in range(3)]
+    cfg = config(workers, max_body="4KiB")
+    cfg["pools"][0]["http"] = {"timeout_request": "1s"}
+    lb = Wslb(cfg, tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+        home, _ = await turn(lb, prompt)
+        body = json.dumps({"model": "wslb-reference", "messages": prompt, "max_tokens": 2})
+        data = body.encode()
+        ua = "User-Agent: prefix-chunked"
+        chunked = b"".join(
+            b"%x\r\n%s\r\n" % (len(data[i : i + 500]), data[i : i + 500])
+            for i in range(0, len(data), 500)
+        )
+        answer = await raw(lb.port, head(None, ua, "Connection: close") + chunked + b"0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert await backend_of(lb, "prefix-chunked") == home
+        # Expect: 100-continue: wslb answers it, then reads the body
+        r, w = await asyncio.open_connection("127.0.0.1", lb.port)
+        try:
+            w.write(head(len(data), "Expect: 100-continue", "User-Agent: prefix-100"))
+            async with asyncio.timeout(TIMEOUT):
+                assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100")
+                w.write(data)
+                assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        finally:
+            w.close()
+        assert await backend_of(lb, "prefix-100") == home
+        big = json.dumps({"model": "wslb-reference", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "long " * 2000}]}).encode()  # fmt: skip
+        answer = await raw(lb.port, head(len(big), "Connection: close") + big)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        chunked_big = b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+        answer = await raw(lb.port, head(None, "Connection: close") + chunked_big)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        answer = await raw(lb.port, head(9, "Connection: close") + b"not json!")
+        assert answer.startswith(b"HTTP/1.1 400") and b"wslb" not in answer.lower(), answer
+        answer = await raw(lb.port, head(100) + b'{"messages"')
+        assert answer.startswith(b"HTTP/1.1 408"), answer
