@@ -672,7 +672,7 @@ class Model:
         queued: Sequence[QueuedPrompt] = (),
         cancelled: bool = False,
     ) -> SessionSnapshot:
-        """Export ``session`` for another worker and forget it here (its KV entry too).
+        """Export ``session`` for another worker and forget it here (its KV blocks stay, evictable).
 
         ``turn`` is the connection's answer in progress, if any (it is finished here, keeping
         its position); ``queued`` the prompts waiting behind it; ``cancelled`` whether the client
