@@ -223,8 +223,10 @@ def test_choose_ties_follow_the_ring_walk() -> None:
     assert why == "prefix" and got is not None and got.id == walk[0]
 
 
-def test_off_by_default_and_keyed_selection_unchanged() -> None:
-    cfg = PoolCfg(name="p", backends=(BackendCfg(id="w0", url="ws://127.0.0.1:9100"),))
+def test_on_by_default_and_a_pool_that_turns_it_off_ignores_prompts() -> None:
+    backends = (BackendCfg(id="w0", url="ws://127.0.0.1:9100"),)
+    assert Pool(PoolCfg(name="p", backends=backends)).prefix is not None
+    cfg = PoolCfg(name="p", backends=backends, prefix_placement=PrefixCfg(enabled=False))
     pool = Pool(cfg)
     assert pool.prefix is None
     p = prompt_of(chat("q"), pool.prefix_rules)

@@ -222,9 +222,9 @@ class PlacementCfg:
 @dataclass(frozen=True, slots=True)
 class PrefixCfg:
     """Keyless plain requests placed by their prompt's prefix (``balancer.prefix``;
-    docs/routing.md)."""
+    docs/routing.md); on by default: LLM clients over HTTP send no session key."""
 
-    enabled: bool = False
+    enabled: bool = True
     block: int = 256  # bytes of prompt text per block (a block also ends with its message)
     anchor: int = 256  # bytes of the prompt whose hash places it on the ring without a match
     table_size: int = 100_000  # blocks remembered (least recently used out)
