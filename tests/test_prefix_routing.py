@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from openai import AsyncOpenAI
 
-from tests.procs import Worker, Wslb, pool_config, running
+from tests.procs import ROOT, Worker, Wslb, free_ports, pool_config, running
 
 TIMEOUT = 20.0
 SYSTEM = "You are the assistant of a shop that sells bicycles and their parts. " * 20
@@ -237,3 +238,48 @@ async def test_bodies_read_before_placing(tmp_path: Path) -> None:
         assert answer.startswith(b"HTTP/1.1 400") and b"wslb" not in answer.lower(), answer
         answer = await raw(lb.port, head(100) + b'{"messages"')
         assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
+async def test_balancer_yaml_keyless_sdk_chat_finds_its_earlier_turns_cached(
+    tmp_path: Path,
+) -> None:
+    """The repository's ``balancer.yaml`` (its three spawned reference workers, one shared
+    prefix cache each): a keyless multi-turn chat over the SDK's plain HTTP finds its whole
+    earlier context cached on every follow-up (``usage.prompt_tokens_details.cached_tokens``),
+    because every turn reaches the worker that answered the one before."""
+    cfg = yaml.safe_load((ROOT / "balancer.yaml").read_text())
+    for key in ("listen", "admin", "metrics"):
+        cfg.pop(key, None)
+    ports = free_ports(3)
+    env = {f"WSLB_WORKER_PORT{i + 1}": str(p) for i, p in enumerate(ports)}
+    lb = Wslb(cfg, tmp_path, extra_env=env)
+    with running(lb):
+        await asyncio.to_thread(lb.start, False)
+        await asyncio.to_thread(
+            lb.wait_ready,
+            until=lambda bs: len(bs) == 3 and all(b["state"] == "active" for b in bs),
+        )
+        client = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{lb.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=TIMEOUT,
+        )
+        async with client:
+            for n in range(3):
+                messages: list[Any] = [{"role": "user", "content": f"conversation {n}: hello"}]
+                before = 0  # the context the worker saw last turn, answer included
+                for t in range(4):
+                    r = await client.chat.completions.create(
+                        model="wslb-reference", messages=messages, max_tokens=12
+                    )
+                    usage = r.usage
+                    assert usage is not None and usage.prompt_tokens_details is not None
+                    cached = usage.prompt_tokens_details.cached_tokens or 0
+                    if t:  # the worker caches token by token (--kv-block-tokens 1)
+                        assert cached >= before, (n, t, cached, before)
+                    before = usage.prompt_tokens + usage.completion_tokens
+                    messages += [
+                        {"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": f"and after step {t}?"},
+                    ]
