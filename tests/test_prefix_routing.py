@@ -283,3 +283,44 @@ async def test_balancer_yaml_keyless_sdk_chat_finds_its_earlier_turns_cached(
                         {"role": "assistant", "content": r.choices[0].message.content},
                         {"role": "user", "content": f"and after step {t}?"},
                     ]
+
+
+async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None:
+    """The Responses API over plain HTTP, the client keeping the conversation (``input`` the
+    whole history, ``instructions`` a shared prompt): every turn on the first one's worker,
+    its earlier context cached there (``input_tokens_details.cached_tokens``)."""
+    workers = [Worker(f"t{i}").start() for i in range(3)]
+    lb = Wslb(config(workers), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        for n in range(3):
+            tag = f"prefix-responses-{n}"
+            client = AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{lb.port}/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=TIMEOUT,
+                default_headers={"User-Agent": tag},
+            )
+            history: list[Any] = [{"role": "user", "content": f"conversation {n}: hello"}]
+            async with client:
+                for t in range(3):
+                    r = await client.responses.create(
+                        model="wslb-reference",
+                        instructions="Answer briefly.",
+                        input=history,
+                        max_output_tokens=10,
+                    )
+                    assert r.usage is not None
+                    if t:
+                        assert r.usage.input_tokens_details.cached_tokens > 0, r.usage
+                    history += [
+                        {"role": "assistant", "content": r.output_text},
+                        {"role": "user", "content": f"and after step {t}?"},
+                    ]
+            pattern = re.compile(rf"backend=(\S+) .*ua={tag}$", re.M)
+            deadline = time.monotonic() + TIMEOUT
+            while len(found := pattern.findall(lb.output())) < 3:
+                assert time.monotonic() < deadline, lb.log_tail()
+                await asyncio.sleep(0.05)
+            assert len(set(found)) == 1, found
