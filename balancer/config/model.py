@@ -231,7 +231,7 @@ class PrefixCfg:
     threshold: float = 0.3  # share of the prompt a match must cover to count
     balance_abs: float = 32.0  # load difference (requests per unit of weight) and ...
     balance_rel: float = 1.5  # ... ratio that, both exceeded, place by load instead
-    max_body: int = 4 * 1024 * 1024  # bodies read before placing; larger ones by load alone
+    max_body: int = 1024 * 1024  # bodies read before placing; larger ones by load alone
 
 
 @dataclass(frozen=True, slots=True)
