@@ -195,6 +195,8 @@ class Stats:
     http_upstream: Counter[str] = field(default_factory=Counter)
     # The lane thread (aio/lanes.py): connections "taken", back by reason, "exchanges" served.
     http_lanes: Counter[str] = field(default_factory=Counter)
+    # Keyless requests placed by their prompt (prefix_placement), by (pool, how).
+    http_placed: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
@@ -611,6 +613,16 @@ def _http_families(st: Stats) -> Iterator[Metric]:
     for result in ("new", "reused"):
         up.add_metric([result], st.http_upstream[result])
     yield up
+    placed = CounterMetricFamily(
+        "wslb_http_prefix_placements",
+        "Keyless plain requests placed by their prompt (prefix_placement), by how: prefix (a "
+        "worker holding its prefix), balance (the least loaded: load imbalanced), ring (the "
+        "prompt's first bytes on the ring)",
+        labels=["pool", "how"],
+    )
+    for (pool, how), n in sorted(st.http_placed.items()):
+        placed.add_metric([pool, how], n)
+    yield placed
     lanes = CounterMetricFamily(
         "wslb_http_lane_events",
         "Kept-alive connections the lane thread took (taken), gave back (by reason), and the "

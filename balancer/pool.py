@@ -475,22 +475,14 @@ class Pool:
         ``prompt``: a keyless request's prompt, placed by its prefix where the pool has
         ``prefix_placement`` (``balancer.prefix``; ``key`` is then the one wslb made for it).
         """
+        if prompt is not None and self.prefix is not None:
+            return self.place_prompt(key, prompt, exclude, now)[0]
         self._unreserve(key)  # a retry: its last placement failed, or this one replaces it
         self.refresh(now)
         skip = set(exclude)
         ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
         if not ready:
             return None
-        if prompt is not None and self.prefix is not None:
-            walk = list(self.ring.walk(prompt.anchor))
-            chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules)
-            self.prefix_placed[why] += 1
-            if chosen is None:
-                choice = selection.consistent(ready, walk, self.rules, size=self._new_size())
-                chosen = choice.backend
-            self._pending[key] = (chosen, now + PENDING_S)
-            chosen.pending += 1
-            return chosen
         if self.balance == "consistent":
             hold = self._held.get(key)
             remembered = self._remembered(key)
@@ -520,6 +512,29 @@ class Pool:
         if self.balance == "round_robin":
             return self._rr.pick(ready)
         return selection.weighted_random(self._random, ready)
+
+    def place_prompt(
+        self, key: str, prompt: prefix.Prompt, exclude: Iterable[str] = (), now: float = 0.0
+    ) -> tuple[Backend | None, str]:
+        """``select`` for a keyless request's ``prompt`` in a pool with ``prefix_placement``
+        (``balancer.prefix``), and how it was placed: ``prefix`` (a worker holding its
+        prefix), ``balance`` (the least loaded: the load was imbalanced) or ``ring`` (its
+        anchor on the ring, bounded load); ``none`` when no backend is ready."""
+        assert self.prefix is not None
+        self._unreserve(key)
+        self.refresh(now)
+        skip = set(exclude)
+        ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
+        if not ready:
+            return None, "none"
+        walk = list(self.ring.walk(prompt.anchor))
+        chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules)
+        self.prefix_placed[why] += 1
+        if chosen is None:
+            chosen = selection.consistent(ready, walk, self.rules, size=self._new_size()).backend
+        self._pending[key] = (chosen, now + PENDING_S)
+        chosen.pending += 1
+        return chosen, why
 
     # -- accounting ------------------------------------------------------------------------
 

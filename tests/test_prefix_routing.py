@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import yaml
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import ROOT, Worker, Wslb, free_ports, pool_config, running
 
@@ -110,6 +111,17 @@ async def test_keyless_turns_follow_their_first_and_a_shared_system_prompt_stays
         assert len(spread) > 1  # and different conversations are spread
         shared = [await conversation([lb], f"question {n}", system=SYSTEM) for n in range(3)]
         assert len({w for where in shared for w in where}) == 1, shared
+        text = await asyncio.to_thread(lb.admin, "/metrics")
+        placed = {
+            s.labels["how"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "wslb_http_prefix_placements_total" and s.labels["pool"] == "chat"
+        }
+        # 9 turns of 3 chats, 6 short ones: every first turn on the ring, every later one by
+        # its prefix (the shared prompt's first turn included, after the first chat)
+        assert placed.get("ring", 0) >= 7 and placed.get("prefix", 0) >= 14, placed
+        assert placed.get("ring", 0) + placed.get("prefix", 0) == 27, placed
 
 
 async def test_two_instances_choose_the_same_worker(tmp_path: Path) -> None:

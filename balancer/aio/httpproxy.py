@@ -814,7 +814,12 @@ class Exchange:
 
     def _select(self) -> Backend | None:
         assert self.pool is not None
-        backend = self.pool.select(self.sid, self.tried, self.host.loop.time(), self.prompt)
+        pool, prompt, now = self.pool, self.prompt, self.host.loop.time()
+        if prompt is not None and pool.prefix is not None:
+            backend, how = pool.place_prompt(self.sid, prompt, self.tried, now)
+            self.host.stats.http_placed[(pool.name, how)] += 1
+        else:
+            backend = pool.select(self.sid, self.tried, now)
         if backend is not None:
             self.tried.append(backend.id)
         return backend
