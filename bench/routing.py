@@ -1158,10 +1158,10 @@ def write_doc(
         "(conversation before the turn + its new prompt, counted as the worker counts them: "
         "whitespace-separated words of all messages). **ideal** = the same ratio if every "
         "follow-up turn found its whole previous context cached (context - new prompt tokens) "
-        "and first turns found nothing. The reference worker caches per session, so the shared "
-        "system prompt is uncached on every session's first turn under any routing (no "
-        "cross-session prefix sharing); hit/ideal is the share of the achievable reuse "
-        "achieved.",
+        "and first turns found nothing: each session's reuse of its own context. The reference "
+        "worker's cache is shared across sessions, as an engine's, so a first turn may also "
+        "find a system prompt another session sent to the same worker: hit/ideal above 1 is "
+        "that cross-session sharing.",
         "- **TTFT** = prompt sent -> first token received, in the client (for reconnecting "
         "clients the connection is opened before; its time is `connect p99`). First turns "
         "are cold under any routing; follow-up turns are where routing shows.",
