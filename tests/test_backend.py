@@ -29,6 +29,7 @@ from balancer.board import Board, BoardInfo
 from balancer.config import BackendCfg, Config, OutlierCfg, PoolCfg
 from balancer.metrics import Stats
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Pool
+from tests.waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,12 +90,14 @@ class FakeBoard:
     def __init__(self) -> None:
         self.seq = 0
         self.healthy = True
+        self.reads = 0
 
     def set(self, healthy: bool) -> None:
         self.seq += 1
         self.healthy = healthy
 
     def read_info(self, backend_id: str) -> BoardInfo | None:
+        self.reads += 1
         return BoardInfo(self.seq, self.healthy, None, None, None, None, None, None)
 
 
@@ -108,7 +111,9 @@ async def test_the_board_is_heard_once_per_change() -> None:
     try:
 
         async def settle() -> None:
-            await asyncio.sleep(BOARD_FOLLOW * 3)
+            """Two more passes over the board: the last change was read and acted on."""
+            reads = board.reads
+            await until(lambda: board.reads >= reads + 2, 5 + BOARD_FOLLOW * 3, "two passes")
 
         board.set(True)  # rewritten (new signals, say), health unchanged
         await settle()
@@ -260,7 +265,7 @@ async def test_the_feed_has_one_state_event_per_change_with_todays_fields() -> N
     assert [(e["backend"], e["from"], e["to"]) for e in states()[3:]] == [
         ("w1", "active", "ejected")
     ]
-    await asyncio.sleep(0.1)
+    await until(lambda: len(states()) > 4, 5, "w1 back from its ejection")
     assert [(e["backend"], e["from"], e["to"]) for e in states()[3:]] == [
         ("w1", "active", "ejected"),
         ("w1", "ejected", "active"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -34,6 +35,7 @@ from bench.lib.rawws import (
     upgrade_request,
 )
 from bench.proxies import Burst, build_parser, target_names
+from tests.waits import until
 
 
 def test_frames_round_trip() -> None:
@@ -82,14 +84,16 @@ async def test_worker_streams_paced_and_unpaced() -> None:
     paced, unpaced = ClientStats(), ClientStats()
     transports = []
     try:
+        t0 = time.monotonic()
         for st, rate in ((paced, 200.0), (unpaced, 0.0)):
             conn = ClientConn(st, upgrade_request("127.0.0.1", port, "/ws?session=s"), rate)
             t, proto = await loop.create_connection(_returns(conn), "127.0.0.1", port)
             transports.append(t)
             await asyncio.wait_for(proto.upgraded, 5)
             proto.go()
-        await asyncio.sleep(0.3)
-        assert 10 <= paced.recv <= 100
+        await until(lambda: paced.recv >= 10 and unpaced.recv > 1000, 10, "both streams flow")
+        took = time.monotonic() - t0
+        assert paced.recv <= 200 * took + 40, (paced.recv, took)  # its rate, give or take a start
         assert sum(paced.lat) == paced.recv  # every paced frame's latency was recorded
         assert unpaced.recv > 1000
         assert paced.bad == unpaced.bad == 0
@@ -156,8 +160,8 @@ async def test_client_streams_over_tls(tmp_path: Path) -> None:
         )
         assert conn.transport is not None and conn.transport.get_extra_info("ssl_object")
         conn.go()
-        await asyncio.sleep(0.3)
-        assert st.recv >= 10 and st.bad == 0
+        await until(lambda: st.recv >= 10, 10, "frames over TLS")
+        assert st.bad == 0
         conn.transport.close()
     finally:
         server.close()
