@@ -549,9 +549,14 @@ class Pool:
         if entry is not None:
             entry[0].pending -= 1
 
-    def attach(self, key: str, backend: Backend, now: float = 0.0) -> None:
+    def attach(
+        self, key: str, backend: Backend, now: float = 0.0, prompt: prefix.Prompt | None = None
+    ) -> None:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
-        held (wherever) is taken back, as is its placement under way."""
+        held (wherever) is taken back, as is its placement under way. Its first ``prompt``, if
+        placed by prefix, is learnt as sent there."""
+        if prompt is not None and self.prefix is not None:
+            self.prefix.learn(prompt, backend.id)
         self._unreserve(key)
         self._release(key)
         backend.sessions += 1
@@ -802,6 +807,11 @@ class Pool:
         if self.shared is not None:
             return self.shared.recall(key, AFFINITY_TTL)
         return self._affinity.get(key)
+
+    def knows(self, key: str) -> bool:
+        """Whether the key has a place already (a live conversation, a held place, or a
+        remembered worker): its next request goes home rather than by its prompt."""
+        return key in self._convs or key in self._held or self._remembered(key) is not None
 
     def last_backend(self, key: str) -> str | None:
         """The backend this key was last placed on, if remembered."""

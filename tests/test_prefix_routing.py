@@ -53,15 +53,19 @@ async def backend_of(lb: Wslb, tag: str) -> str:
     return m.group(1)
 
 
-async def turn(lb: Wslb, messages: list[Any], max_tokens: int = 8) -> tuple[str, str]:
-    """One streamed, keyless chat completion through ``lb``: its worker and its text."""
+async def turn(
+    lb: Wslb, messages: list[Any], max_tokens: int = 8, key: str | None = None
+) -> tuple[str, str]:
+    """One streamed chat completion through ``lb`` (keyless unless ``key`` names its
+    ``X-Session-Id``): its worker and its text."""
     tag = f"prefix-test-{next(_tags)}"
+    headers = {"User-Agent": tag} | ({"X-Session-Id": key} if key is not None else {})
     client = AsyncOpenAI(
         base_url=f"http://127.0.0.1:{lb.port}/v1",
         api_key="unused",
         max_retries=0,
         timeout=TIMEOUT,
-        default_headers={"User-Agent": tag},
+        default_headers=headers,
     )
     async with client:
         stream = await client.chat.completions.create(
@@ -79,15 +83,15 @@ async def turn(lb: Wslb, messages: list[Any], max_tokens: int = 8) -> tuple[str,
 
 
 async def conversation(
-    lbs: list[Wslb], first: str, turns: int = 3, system: str | None = None
+    lbs: list[Wslb], first: str, turns: int = 3, system: str | None = None, key: str | None = None
 ) -> list[str]:
-    """A keyless multi-turn chat, each turn the whole history, turn ``i`` through
-    ``lbs[i % len(lbs)]``; the worker of each turn."""
+    """A multi-turn chat (keyless unless ``key``), each turn the whole history, turn ``i``
+    through ``lbs[i % len(lbs)]``; the worker of each turn."""
     messages: list[Any] = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": first})
     where = []
     for i in range(turns):
-        backend, text = await turn(lbs[i % len(lbs)], messages)
+        backend, text = await turn(lbs[i % len(lbs)], messages, key=key)
         where.append(backend)
         messages += [
             {"role": "assistant", "content": text},
@@ -122,6 +126,30 @@ async def test_keyless_turns_follow_their_first_and_a_shared_system_prompt_stays
         # its prefix (the shared prompt's first turn included, after the first chat)
         assert placed.get("ring", 0) >= 7 and placed.get("prefix", 0) >= 14, placed
         assert placed.get("ring", 0) + placed.get("prefix", 0) == 27, placed
+
+
+async def test_a_keyed_conversation_is_placed_by_its_prompt_then_stays_by_its_key(
+    tmp_path: Path,
+) -> None:
+    """``X-Session-Id`` per conversation: a new key's first request goes where its prompt's
+    prefix is (a shared system prompt: one worker for all), its later ones follow the key;
+    with ``prefix_placement`` off the same keys spread by the ring."""
+    workers = [Worker(f"k{i}").start() for i in range(3)]
+    with running(*workers):
+        for enabled in (True, False):
+            lb = Wslb(config(workers, enabled=enabled), tmp_path, name=f"wslb-{enabled}")
+            with running(lb):
+                await asyncio.to_thread(start, workers, lb)
+                where = [
+                    await conversation([lb], f"question {n}", system=SYSTEM, key=f"k{n}-{enabled}")
+                    for n in range(6)
+                ]
+            assert all(len(set(w)) == 1 for w in where), where  # a key keeps its worker
+            firsts = {w[0] for w in where}
+            if enabled:
+                assert len(firsts) == 1, where  # the shared prompt drew every new key
+            else:
+                assert len(firsts) > 1, where  # the keys alone spread
 
 
 async def test_two_instances_choose_the_same_worker(tmp_path: Path) -> None:

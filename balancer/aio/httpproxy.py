@@ -48,9 +48,11 @@ Rules:
    to the lane thread with its worker connection (``aio/lanes.py``, ``_lanes.c``): it serves
    the next requests of the same routing as this module would, and gives the connection back
    (``lane_back``) for the first one it does not take, which is then served here.
-9. A request without a key the client named, in a pool with ``prefix_placement``, with a body
-   (a POST of at most its ``max_body``) is read whole before its worker is chosen: its prompt
-   places it (``balancer.prefix``, ``Pool.select``), then the head and the body go as one
+9. A request without a key the client named, or whose named key the pool has not placed yet
+   (a conversation's first request), in a pool with ``prefix_placement``, with a body (a POST
+   of at most its ``max_body``) is read whole before its worker is chosen: its prompt places
+   it (``balancer.prefix``, ``Pool.place_prompt``; a named key then stays where its first
+   request went, by affinity), then the head and the body go as one
    write. A body that turns out larger is placed without a prompt once past ``max_body`` and
    streamed from there; one that is not a prompt (not JSON, no messages) is placed as any
    keyless request. ``Expect: 100-continue`` is answered before the read;
@@ -775,9 +777,12 @@ class Exchange:
     # -- placing by the prompt (rule 9) --------------------------------------------------------
 
     def wants_prompt(self) -> bool:
-        """Whether the request is placed by its prompt: keyless, a body, a pool that asks."""
+        """Whether the request is placed by its prompt: a body, a pool that asks, and no
+        placement of its key yet (a known key goes home by affinity instead)."""
         pool = self.pool
-        if self.named or pool is None or pool.prefix is None or self.bodyless:
+        if pool is None or pool.prefix is None or self.bodyless:
+            return False
+        if self.named and pool.knows(self.sid):
             return False
         limit = pool.cfg.prefix_placement.max_body
         return self.method == b"POST" and (self.length is None or self.length <= limit)
@@ -892,7 +897,7 @@ class Exchange:
         self.counted = True
         now = self.host.loop.time()
         if self.named:
-            self.pool.attach(self.sid, self.backend, now)
+            self.pool.attach(self.sid, self.backend, now, prompt=self.prompt)
         else:
             self.pool.cancel(self.sid)
             self.pool.attach_request(self.backend, self.prompt)
