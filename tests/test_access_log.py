@@ -15,6 +15,8 @@ from websockets.exceptions import ConnectionClosed
 from balancer import logs
 from balancer.logs import JsonFormatter, access_text
 from tests.procs import Worker, Wslb, free_port, pool_config
+from tests.test_http_proxy import metric
+from tests.waits import until
 
 FIELDS = {
     "client": "127.0.0.1",
@@ -57,6 +59,11 @@ def test_json_line() -> None:
     out = json.loads(JsonFormatter().format(record))
     assert out["logger"] == "wslb.access" and out["level"] == "info"
     assert {k: out[k] for k in FIELDS} == FIELDS
+
+
+def ended(lb: Wslb) -> float:
+    """Sessions wslb has finished (counted in the same step that writes their access line)."""
+    return metric(lb, "wslb_session_duration_seconds_count")
 
 
 def access_lines(lb: Wslb) -> list[str]:
@@ -122,7 +129,7 @@ async def test_json_format_and_off(tmp_path: Path) -> None:
             async with connect(f"{lb.url}/ws?session=j") as ws:
                 await ws.recv()
                 await ask(ws, n=2)
-            await asyncio.sleep(0.3)
+            await until(lambda: '"wslb.access"' in lb.output(), 10, "the access line")
         finally:
             lb.stop()
         records = [json.loads(x) for x in lb.output().splitlines() if x.startswith("{")]
@@ -141,7 +148,8 @@ async def test_json_format_and_off(tmp_path: Path) -> None:
         try:
             async with connect(f"{lb.url}/ws?session=quiet") as ws:
                 await ws.recv()
-            await asyncio.sleep(0.3)
+            # The session's end is counted as it is logged: once counted, no line was written.
+            await until(lambda: ended(lb) >= 1, 10, "the session's end")
         finally:
             lb.stop()
         assert "wslb.access" not in lb.output()
@@ -160,7 +168,7 @@ async def test_one_format_for_wslb_and_the_workers_it_spawns(tmp_path: Path) -> 
         async with connect(f"{lb.url}/ws?session=j") as ws:
             await ws.recv()
             await ask(ws, n=2)
-        await asyncio.sleep(0.3)
+        await until(lambda: '"wslb.access"' in lb.output(), 10, "the access line")
     finally:
         lb.stop()
     lines = [x for x in lb.output().splitlines() if x.strip()]

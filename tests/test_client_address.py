@@ -7,7 +7,6 @@ is the real proxy in front of wslb here; the parser itself is checked byte by by
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import json
 import struct
@@ -22,6 +21,7 @@ from websockets.exceptions import InvalidStatus
 from balancer import proxyproto as pp
 from tests import installs
 from tests.procs import Worker, Wslb, free_port, pool_config, stop, wait_port
+from tests.waits import until
 from tests.wsraw import RawClient
 
 V2 = pp.V2_SIGNATURE
@@ -223,7 +223,7 @@ async def test_haproxy_send_proxy_v2_in_front(worker: Worker, tmp_path: Path) ->
             (s,) = lb.admin("/sessions")
             # HAProxy saw the test client on 127.0.0.1; its own address is 127.0.0.2.
             assert s["client"] == "127.0.0.1"
-        await asyncio.sleep(0.3)
+        await until(lambda: '"wslb.access"' in lb.output(), 10, "the access line")
     finally:
         stop(hp)
         lb.stop()

@@ -126,10 +126,11 @@ async def test_three_instances_one_balancer(tmp_path: Path) -> None:
         on_victim = [k for k, w in zip(keys, table[0], strict=True) if w == victim]
         others = [k for k, w in zip(keys, table[0], strict=True) if w != victim]
         clients = []
+        seen: dict[str, int] = {}
         for i, lb in enumerate(lbs):
             mine = on_victim[4 * i : 4 * i + 4] + others[2 * i : 2 * i + 2]
-            clients += [asyncio.ensure_future(chat_session(lb.url, k, 3)) for k in mine]
-        await asyncio.sleep(0.6)  # everyone is mid-answer
+            clients += [asyncio.ensure_future(chat_session(lb.url, k, 3, seen)) for k in mine]
+        await until(lambda: len(seen) == len(clients), 30, "everyone mid-answer")
         assert all(lb.admin(f"/backends/{victim}")["sessions"] == 4 for lb in lbs)
         t0 = time.monotonic()
         code, body = status(lbs[0], "POST", f"/backends/{victim}/drain", {"timeout": "20s"})

@@ -324,7 +324,9 @@ async def test_at_1280_px_drain_is_on_screen_and_a_fresh_start_counts_no_errors(
         async with dashboard(lb, {"width": width, "height": height}) as dash:
             await dash.login()
             await eventually(lambda: table_matches_api(dash), 10, "backends table")
-            await asyncio.sleep(2.5)  # past the first health interval and a few scrapes
+            # Negative check: no check or scrape fails in the first health interval and a few
+            # scrapes (no count of passed checks to wait on).
+            await asyncio.sleep(2.5)
             for b in lb.admin("/backends"):
                 counters = b["counters"]
                 assert counters["health_check_failures"] == 0, b
@@ -412,8 +414,14 @@ async def test_drain_moves_live_sessions_and_the_feed_shows_each(lb: Wslb, tmp_p
         keys = [f"drain-{i}" for i in range(9)]
         conns = [await chat(lb, k) for k in keys]
         answers = [asyncio.ensure_future(answer(ws, 300)) for ws in conns]  # ~6 s each
-        await asyncio.sleep(0.5)  # streaming
-        where = {s["id"]: s["backend"] for s in lb.admin("/sessions")}
+
+        async def streaming() -> tuple[bool, Any]:
+            live = await asyncio.to_thread(lb.admin, "/sessions")
+            tokens = [s["messages"]["worker_to_client"] > 1 for s in live]  # the hello, a token
+            return len(live) == len(keys) and all(tokens), live
+
+        live = await eventually(streaming, 10, "every answer streaming")
+        where = {s["id"]: s["backend"] for s in live}
         victim = max(set(where.values()), key=list(where.values()).count)
         moving = sorted(k for k, b in where.items() if b == victim)
         await eventually(lambda: table_matches_api(dash), FOLLOW_S, "sessions shown")
@@ -497,7 +505,8 @@ async def test_client_chosen_strings_are_text(lb: Wslb) -> None:
                     return any(f"session {key} moved {bid}" in i for i in items), items
 
                 await eventually(in_feed, FOLLOW_S, "the key in the feed")
-        await asyncio.sleep(0.5)  # time for a handler, had any been made, to fire
+        # Negative check: time for a handler, had any been made, to fire.
+        await asyncio.sleep(0.5)
         for where in ("#sessions", "#feed", "#backends"):
             assert await dash.page.locator(f"{where} img, {where} script").count() == 0
         assert await dash.page.locator("#sessions svg, #feed svg").count() == 0

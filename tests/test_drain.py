@@ -14,14 +14,21 @@ from websockets.exceptions import ConnectionClosed
 
 from backends.model import token_text
 from tests.procs import Worker, Wslb, pool_config
+from tests.waits import until
 
 TOKENS = 120
 
 
 async def read_answer(
-    ws: ClientConnection, sid: str, turn: int, workers: list[str], tokens: int = TOKENS
+    ws: ClientConnection,
+    sid: str,
+    turn: int,
+    workers: list[str],
+    tokens: int = TOKENS,
+    seen: dict[str, int] | None = None,
 ) -> None:
-    """One answer: every token once, in order, with its deterministic text."""
+    """One answer: every token once, in order, with its deterministic text. ``seen`` counts the
+    tokens read per session (a test waits on it for "mid-answer")."""
     i = 0
     while True:
         msg = json.loads(await asyncio.wait_for(ws.recv(), 10))
@@ -34,16 +41,20 @@ async def read_answer(
         assert msg["i"] == i, (sid, turn, msg["i"], i)
         assert msg["text"] == token_text(sid, turn, i)
         i += 1
+        if seen is not None:
+            seen[sid] = seen.get(sid, 0) + 1
 
 
-async def chat_session(url: str, sid: str, turns: int) -> dict[str, Any]:
+async def chat_session(
+    url: str, sid: str, turns: int, seen: dict[str, int] | None = None
+) -> dict[str, Any]:
     async with connect(f"{url}/ws?session={sid}") as ws:
         hello = json.loads(await ws.recv())
         assert hello["type"] == "hello"
         workers: list[str] = []
         for turn in range(1, turns + 1):
             await ws.send(json.dumps({"type": "prompt", "text": f"q{turn}", "max_tokens": TOKENS}))
-            await read_answer(ws, sid, turn, workers)
+            await read_answer(ws, sid, turn, workers, seen=seen)
         return {"first": hello["worker"], "workers": workers}
 
 
@@ -63,8 +74,11 @@ async def test_two_drains_migrate_every_session_exactly_once(tmp_path: Path) -> 
     cfg["timeouts"] = {"close": "2s", "shutdown_grace": "0.1s"}
     lb = Wslb(cfg, tmp_path).start()
     try:
-        clients = [asyncio.ensure_future(chat_session(lb.url, f"mig-{i}", 3)) for i in range(30)]
-        await asyncio.sleep(0.6)  # everyone is mid-answer
+        seen: dict[str, int] = {}
+        clients = [
+            asyncio.ensure_future(chat_session(lb.url, f"mig-{i}", 3, seen)) for i in range(30)
+        ]
+        await until(lambda: len(seen) == 30, 30, "everyone mid-answer")
         live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
         first, second = sorted(live, key=lambda k: -live[k])[:2]
         assert live[first] > 0 and live[second] > 0, live
@@ -105,13 +119,18 @@ async def test_worker_without_handoff_gets_graceful_1012_after_its_answer(tmp_pa
             conns.append(ws)
         lb.admin_post("/backends", {"id": "other", "url": other.url})
         await wait_state(lb, "other", "active")
+        seen: dict[str, int] = {}
         for ws in conns:
             await ws.send(json.dumps({"type": "prompt", "text": "x", "max_tokens": 60}))
-        await asyncio.sleep(0.1)
+        readers = [
+            asyncio.ensure_future(read_answer(ws, sid, 1, [], tokens=60, seen=seen))
+            for sid, ws in zip(sids, conns, strict=True)
+        ]
+        await until(lambda: len(seen) == len(sids), 20, "every answer under way")
         lb.admin_post("/backends/plain/drain", {"migrate": True, "timeout": "10s"})
-        for sid, ws in zip(sids, conns, strict=True):
-            # The answer in progress completes, then the close comes.
-            await read_answer(ws, sid, 1, [], tokens=60)
+        # The answers in progress complete, then the close comes.
+        await asyncio.wait_for(asyncio.gather(*readers), 20)
+        for ws in conns:
             try:
                 await asyncio.wait_for(ws.recv(), 5)
                 raise AssertionError("expected a close after the answer")
@@ -149,8 +168,9 @@ async def test_worker_sigterm_is_drained_automatically(tmp_path: Path) -> None:
                 if json.loads(await ws.recv())["worker"] == "quit":
                     sids.append(f"term-{i}")
             i += 1
-        clients = [asyncio.ensure_future(chat_session(lb.url, sid, 2)) for sid in sids]
-        await asyncio.sleep(0.5)
+        seen: dict[str, int] = {}
+        clients = [asyncio.ensure_future(chat_session(lb.url, sid, 2, seen)) for sid in sids]
+        await until(lambda: len(seen) == len(sids), 20, "every answer under way")
         assert a.proc is not None
         a.proc.terminate()  # pod termination: the worker drains itself
         results = await asyncio.wait_for(asyncio.gather(*clients), 30)
@@ -179,8 +199,9 @@ async def test_migrate_one_session_on_request_and_roll_back_on_refusal(tmp_path:
             assert json.loads(await ws.recv())["worker"] == "src"
             await ws.send(json.dumps({"type": "prompt", "text": "go", "max_tokens": TOKENS}))
             workers: list[str] = []
-            reader = asyncio.ensure_future(read_answer(ws, "one", 1, workers))
-            await asyncio.sleep(0.3)
+            seen: dict[str, int] = {}
+            reader = asyncio.ensure_future(read_answer(ws, "one", 1, workers, seen=seen))
+            await until(lambda: seen.get("one", 0) > 0, 20, "the answer under way")
             # Its own worker, or none of the pool's: refused before the freeze (no pause).
             for to in ("src", "nope"):
                 status, body = await asyncio.to_thread(
@@ -192,7 +213,8 @@ async def test_migrate_one_session_on_request_and_roll_back_on_refusal(tmp_path:
                 _post_status, lb, "/sessions/one/migrate", {"to": "old-school"}
             )
             assert status == 409 and body["result"] == "thaw" and body["backend"] == "src"
-            await asyncio.sleep(0.2)
+            back = seen["one"]
+            await until(lambda: seen["one"] > back, 20, "the answer streams on from src")
             result = await asyncio.to_thread(lb.admin_post, "/sessions/one/migrate", {"to": "dst"})
             assert result["migrated"] and result["backend"] == "dst"
             assert result["pause_ms"] is not None and result["pause_ms"] < 1000

@@ -25,6 +25,7 @@ from tests.test_drain import (
     states_until_back,
     wait_state,
 )
+from tests.waits import until
 from tests.wsraw import RawClient
 
 # -- the board -----------------------------------------------------------------------------
@@ -281,8 +282,11 @@ async def test_a_drain_reaches_every_process_and_survives_a_restart(tmp_path: Pa
     cfg["timeouts"] = {"close": "1s", "shutdown_grace": "0.1s"}
     lb = Wslb(cfg, tmp_path).start()
     try:
-        clients = [asyncio.ensure_future(chat_session(lb.url, f"mp-{i}", 2)) for i in range(24)]
-        await asyncio.sleep(0.6)  # everyone is mid-answer
+        seen: dict[str, int] = {}
+        clients = [
+            asyncio.ensure_future(chat_session(lb.url, f"mp-{i}", 2, seen)) for i in range(24)
+        ]
+        await until(lambda: len(seen) == 24, 30, "everyone mid-answer")
         live = {b["id"]: b["sessions"] for b in lb.admin("/backends")}
         holders = {b: {s["process"] for s in lb.admin(f"/sessions?backend={b}")} for b in live}
         # The drain must have sessions to move in both processes. The kernel's SO_REUSEPORT
