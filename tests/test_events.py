@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect
 
 from balancer.events import EventLog
 from tests.procs import Worker, Wslb, pool_config
+from tests.waits import until
 
 TOKEN = "events-test-token"
 
@@ -40,14 +41,17 @@ def test_log_numbers_bounds_and_reads_since() -> None:
 
 
 async def read_stream(
-    url: str, token: str, want: Any, timeout: float = 20.0
+    url: str, token: str, want: Any, connected: asyncio.Event | None = None, timeout: float = 20.0
 ) -> list[dict[str, Any]]:
-    """SSE events from ``url`` until ``want(events)`` holds."""
+    """SSE events from ``url`` until ``want(events)`` holds; ``connected`` is set once the
+    stream's head came (what happens from then on comes live)."""
     events: list[dict[str, Any]] = []
     headers = {"Authorization": f"Bearer {token}"}
     async with aiohttp.ClientSession() as http, http.get(url, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         assert resp.headers["Content-Type"].startswith("text/event-stream")
+        if connected is not None:
+            connected.set()
         buf = ""
 
         async def read() -> None:
@@ -100,21 +104,28 @@ async def test_a_drain_on_the_stream(tmp_path: Path, processes: int) -> None:
     try:
         lb.wait_ready()
         conns = await streaming_sessions(lb.url, 6, f"ev{processes}-")
-        await asyncio.sleep(0.5)
-        sessions = lb.admin("/sessions")
+
+        def streaming() -> list[dict[str, Any]] | None:
+            live: list[dict[str, Any]] = lb.admin("/sessions")
+            tokens = [s["messages"]["worker_to_client"] > 1 for s in live]  # the hello, a token
+            return live if len(live) == len(conns) and all(tokens) else None
+
+        sessions = await until(streaming, 10, "every answer streaming")
         victim = max(
             {s["backend"] for s in sessions},
             key=lambda b: sum(s["backend"] == b for s in sessions),
         )
         moving = sum(s["backend"] == victim for s in sessions)
+        connected = asyncio.Event()
         stream = asyncio.ensure_future(
             read_stream(
                 f"http://127.0.0.1:{lb.admin_port}/events/stream",
                 TOKEN,
                 lambda evs: drained(evs, victim, processes),
+                connected,
             )
         )
-        await asyncio.sleep(0.3)  # the reader is connected: what follows comes live
+        await asyncio.wait_for(connected.wait(), 10)  # what follows comes live
         lb.admin_post(f"/backends/{victim}/drain", {})
         events = await stream
         kinds = [e["kind"] for e in events]
@@ -173,10 +184,13 @@ async def test_a_killed_worker_is_one_state_event_and_its_return_another(tmp_pat
     try:
         lb.wait_ready()
         base = f"http://127.0.0.1:{lb.admin_port}/events"
+        connected = asyncio.Event()
         stream = asyncio.ensure_future(
-            read_stream(f"{base}/stream", TOKEN, lambda evs: len(victim_states(evs, "k0")) >= 2)
+            read_stream(
+                f"{base}/stream", TOKEN, lambda evs: len(victim_states(evs, "k0")) >= 2, connected
+            )
         )
-        await asyncio.sleep(0.3)  # the reader is connected: what follows comes live
+        await asyncio.wait_for(connected.wait(), 10)  # what follows comes live
         killed = time.time()
         victim.kill()
         for _ in range(100):  # its down event, then it comes back
@@ -191,7 +205,8 @@ async def test_a_killed_worker_is_one_state_event_and_its_return_another(tmp_pat
             if lb.admin("/backends/k0")["state"] == "active":
                 break
         up_since = lb.admin("/backends/k0")["health"]["since"]
-        await asyncio.sleep(4 * interval)  # more probes: no more events
+        # Negative check: more probes, no more events (nothing to wait on but the probes' time).
+        await asyncio.sleep(4 * interval)
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with aiohttp.ClientSession() as http, http.get(f"{base}?since=0", headers=auth) as r:
             everything = (await r.json())["events"]

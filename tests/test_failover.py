@@ -182,7 +182,10 @@ async def test_two_workers_killed_one_after_the_other(system: tuple[Wslb, list[i
     first, _ = busiest(lb)
     worker_proc(lb, first).send_signal(signal.SIGKILL)
     await until(lambda: failovers(lb)["resumed"] > 0, what="the first failover")
-    await asyncio.sleep(0.5)
+    await until(
+        lambda: all(s["backend"] != first for s in lb.admin("/sessions")),
+        what="every session off the first victim",
+    )
     second, _ = busiest(lb, exclude=(first,))
     worker_proc(lb, second).send_signal(signal.SIGKILL)
     await asyncio.gather(*tasks)
@@ -219,12 +222,20 @@ async def test_kill_of_the_failover_target_during_its_thaw(
     tasks = await streaming(chats, 1, 250)
     victim, _ = busiest(lb)
     others = [b["id"] for b in lb.admin("/backends") if b["id"] != victim]
-    placed = Counter(s["backend"] for s in lb.admin("/sessions"))
+    placed_on = {s["id"]: s["backend"] for s in lb.admin("/sessions")}
+    placed = Counter(placed_on.values())
     target = worker_proc(lb, others[0])
     target.send_signal(signal.SIGSTOP)  # its thaws hang until it is killed
     try:
         worker_proc(lb, victim).send_signal(signal.SIGKILL)
-        await asyncio.sleep(0.5)
+
+        def failing_over() -> bool:
+            """Every session of the victim is failing over (some hang on the stopped target)
+            or has resumed on the other one."""
+            on_victim = [s for s in lb.admin("/sessions") if placed_on[s["id"]] == victim]
+            return all(s["mode"] == "failing_over" or s["backend"] == others[1] for s in on_victim)
+
+        await until(failing_over, what="the victim's sessions failing over")
     finally:
         target.send_signal(signal.SIGKILL)
     await asyncio.gather(*tasks)

@@ -20,6 +20,8 @@ from balancer.aio.health import HealthChecker, ProbeResult
 from balancer.config import BackendCfg, HealthCfg, PoolCfg
 from balancer.pool import Backend, Pool
 from tests.procs import ROOT, Wslb, free_port, pool_config, stop, wait_port
+from tests.test_http_proxy import metric
+from tests.waits import until
 
 
 def pool_for(port: int, path: str | None) -> Pool:
@@ -151,7 +153,11 @@ async def test_a_dead_backend_says_why_everywhere(tmp_path: Path) -> None:
         (row,) = [line for line in out.stdout.splitlines() if line.startswith("e0 ")]
         assert row.split()[1] == "down" and row.endswith("connect refused")
         # A server without /metrics: one line per backend, however many scrapes failed.
-        await asyncio.sleep(2.5)
+        await until(
+            lambda: metric(lb, "wslb_scrape_failures_total", backend="e1") >= 3,
+            20,
+            "three failed scrapes of e1",
+        )
         assert lb.output().count("no load signals") == 2, lb.output()
     finally:
         lb.stop()
