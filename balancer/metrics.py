@@ -197,6 +197,9 @@ class Stats:
     http_lanes: Counter[str] = field(default_factory=Counter)
     # Keyless requests placed by their prompt (prefix_placement), by (pool, how).
     http_placed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # WebSocket sessions bound late (balancer/late.py), by (pool, how): placed by prefix,
+    # balance or ring, or why not by a prompt (timeout, too large, not a prompt), or ended.
+    late_bound: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
@@ -623,6 +626,17 @@ def _http_families(st: Stats) -> Iterator[Metric]:
     for (pool, how), n in sorted(st.http_placed.items()):
         placed.add_metric([pool, how], n)
     yield placed
+    bound = CounterMetricFamily(
+        "wslb_late_bindings",
+        "WebSocket sessions placed by their first message (prefix_placement.websocket), by how: "
+        "prefix, balance, ring (as keyless requests), none (placed without a prompt: the wait "
+        "for it ran out, it was too large or not a prompt), closed (the client closed or broke "
+        "the protocol before it)",
+        labels=["pool", "how"],
+    )
+    for (pool, how), n in sorted(st.late_bound.items()):
+        bound.add_metric([pool, how], n)
+    yield bound
     lanes = CounterMetricFamily(
         "wslb_http_lane_events",
         "Kept-alive connections the lane thread took (taken), gave back (by reason), and the "

@@ -555,8 +555,7 @@ class Pool:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
         held (wherever) is taken back, as is its placement under way. Its first ``prompt``, if
         placed by prefix, is learnt as sent there."""
-        if prompt is not None and self.prefix is not None:
-            self.prefix.learn(prompt, backend.id)
+        self.learn(prompt, backend)
         self._unreserve(key)
         self._release(key)
         backend.sessions += 1
@@ -599,11 +598,15 @@ class Pool:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
         load for the bounds and drains, but no conversation and no held place (nothing says
         the key will come back). Its ``prompt``, if placed by prefix, is learnt as sent there."""
-        if prompt is not None and self.prefix is not None:
-            self.prefix.learn(prompt, backend.id)
+        self.learn(prompt, backend)
         backend.sessions += 1
         backend.consecutive_failures = 0
         self._publish(backend)
+
+    def learn(self, prompt: prefix.Prompt | None, backend: Backend) -> None:
+        """``prompt`` was sent to ``backend`` (placed by prefix): its blocks are there now."""
+        if prompt is not None and self.prefix is not None:
+            self.prefix.learn(prompt, backend.id)
 
     def detach_request(self, backend: Backend) -> None:
         """The request ``attach_request`` counted is over."""

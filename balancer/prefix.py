@@ -16,7 +16,13 @@ Rules:
    entry (its role, its text parts, any other part or ``tool_calls`` as canonical JSON); for the
    Responses API ``instructions`` then each ``input`` item the same way (a string ``input`` is
    one user message); for completions the ``prompt`` string. A body that is not JSON or has none
-   of these has no prompt, and is placed as any keyless request is.
+   of these has no prompt, and is placed as any keyless request is. A WebSocket session's first
+   message (late binding, ``message_prompt``) is read as such a body: the Realtime
+   ``session.update`` as its session's ``tools`` and ``instructions``, ``conversation.item.create``
+   as an ``input`` of its one item, ``response.create`` as its ``response`` object (or the event
+   itself: the Responses WebSocket mode), the reference worker's ``prompt`` event's ``text`` as a
+   user message; so Realtime instructions and a chat's system message of the same text make the
+   same blocks.
 2. *Blocks.* Each segment (a message, the tools, the instructions) is cut into blocks of at most
    ``block`` bytes from its start, so a block ends at a segment's end or ``block`` bytes into it:
    a later turn, which repeats the earlier messages byte for byte and adds new ones, repeats
@@ -68,6 +74,8 @@ __all__ = [
     "Table",
     "choose",
     "imbalanced",
+    "message_body",
+    "message_prompt",
     "prompt_of",
     "segments",
 ]
@@ -187,6 +195,36 @@ def prompt_of(body: bytes, rules: Rules) -> Prompt | None:
     if not segs:
         return None
     return cut(segs, rules)
+
+
+def message_body(event: Any) -> Any:
+    """A WebSocket client's first message as the request body it stands for (rule 1)."""
+    if not isinstance(event, dict):
+        return None
+    kind = event.get("type")
+    if kind == "session.update":
+        session = event.get("session")
+        if not isinstance(session, dict):
+            return None
+        return {"tools": session.get("tools"), "instructions": session.get("instructions")}
+    if kind == "conversation.item.create":
+        return {"input": [event.get("item")]}
+    if kind == "response.create":
+        inner = event.get("response")
+        return inner if isinstance(inner, dict) else event
+    if kind == "prompt" and isinstance(event.get("text"), str) and "messages" not in event:
+        return {"messages": [{"role": "user", "content": event["text"]}]}
+    return event
+
+
+def message_prompt(text: str | bytes, rules: Rules) -> Prompt | None:
+    """The prompt of a WebSocket session's first message, cut and hashed; None without one."""
+    try:
+        parsed = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    segs = segments(message_body(parsed))
+    return cut(segs, rules) if segs else None
 
 
 def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:

@@ -8,12 +8,17 @@ and a backend chosen and connected (``open_upstream``: wslb is the WebSocket cli
 answer walks on to the next candidate; every refusal is an HTTP status before any byte is
 tunnelled. Once the worker's 101 is checked, both transports are handed to a ``Session``
 (``session.py``), which owns them from then on.
+
+In a pool that binds WebSocket sessions late (``prefix_placement.websocket``), a new session is
+answered by wslb first, its first message read (``balancer/late.py``, whose rules say what
+changes: a refusal is a close after the 101), and only then placed and connected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -24,7 +29,7 @@ from urllib.parse import parse_qsl
 
 import h11
 
-from balancer import proxyproto, workerauth
+from balancer import late, proxyproto, workerauth
 from balancer.aio.httpproxy import HttpClient, Routed
 from balancer.aio.peers import (
     PEER_CLIENT_HEADER,
@@ -53,6 +58,7 @@ from balancer.handshake import (
     upstream_request,
 )
 from balancer.httpmsg import is_handshake
+from balancer.prefix import Prompt
 from balancer.proxyproto import forwarded_client, is_trusted
 from balancer.resume import (
     NO_RESUME,
@@ -188,6 +194,11 @@ class ClientConnection(asyncio.Protocol):
         # (balancer/resume.py); the request's key and first subprotocol make that 101.
         self.in_band: tuple[bytes, str | None] | None = None
         self.lingering = False  # closed in band: waiting for the client's close
+        # Late binding (balancer/late.py): wslb's own 101 is sent and the first message read.
+        self.late: late.Reader | None = None
+        self.late_done: asyncio.Future[late.Outcome] | None = None
+        self.answered = False  # wslb's 101 went out: a refusal is a close from now on
+        self.late_kept = bytearray()  # what the client sent meanwhile, for its worker
 
     # -- asyncio callbacks -----------------------------------------------------------------
 
@@ -230,6 +241,9 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.lingering:  # the client's close (or whatever it sent before it): done
             self._close()
+            return
+        if self.late is not None:
+            self._late_data(data)
             return
         if self.proxy_buf is not None:
             self.proxy_buf += data
@@ -328,6 +342,9 @@ class ClientConnection(asyncio.Protocol):
                 rej.message,
             )
         if self.transport is not None and not self.transport.is_closing():
+            if self.answered:  # late binding: the 101 is out, so a close says it (late.py)
+                self._close_in_band(*late.refusal_close(rej.status, rej.message))
+                return
             # A carried resume is answered in statuses: the instance that carried it reads
             # them (aio/peers.py) and answers its client in the client's form.
             in_band = self.in_band is not None and not self.carried
@@ -347,10 +364,14 @@ class ClientConnection(asyncio.Protocol):
         ``code`` and ``reason``; the TCP connection ends when the client answers the close (or
         after ``timeouts.close``): closed with the client's close unread, it would be reset,
         and the reset may destroy the close frame before the browser reads it."""
-        assert self.transport is not None and self.in_band is not None
-        key, subprotocol = self.in_band
-        head = switching_protocols(accept_headers(key, subprotocol, None))
+        assert self.transport is not None
+        head = b""
+        if not self.answered:
+            assert self.in_band is not None
+            key, subprotocol = self.in_band
+            head = switching_protocols(accept_headers(key, subprotocol, None))
         self.transport.write(head + build_frame(OP_CLOSE, close_payload(code, reason)))
+        self.late = None
         self.lingering = True
         self.transport.resume_reading()
         self.timer = self.state.loop.call_later(self.state.timeouts.close, self._close)
@@ -414,16 +435,127 @@ class ClientConnection(asyncio.Protocol):
                 )
             elif live is not None:
                 self._token_taken(pool)
-        tried: list[str] = []
-        limit = len(pool.backends)
-        last_error = "no worker available"
         extra: list[tuple[bytes, bytes]] = []
         if pool.cfg.resume.enabled:  # Rule 8: the client's secret for its reconnect
             self.token = self.resume.token or new_token()
             r = pool.cfg.resume
             extra.append((PARK_HEADER, park_value(0, r.grace, r.buffer, self.token)))
+        prompt: Prompt | None = None
+        client_bytes = self.reader.trailing
+        if self._binds_late(pool, sid):
+            outcome = await self._read_first_message(pool, req, key)
+            if outcome is None:
+                return
+            prompt, client_bytes = outcome.prompt, bytes(self.late_kept)
+            if self.transport is None or self.transport.is_closing():
+                return
+            # Only the subprotocol the client was told: the worker must speak that one.
+            req = dataclasses.replace(req, subprotocols=req.subprotocols[:1])
+        opened = await self._open_worker(pool, req, sid, extra, prompt)
+        if opened is None:
+            return
+        backend, transport, proto, response, trailing = opened
+        if self.answered and response != (req.subprotocols[0] if req.subprotocols else None):
+            transport.close()
+            raise HandshakeReject(502, "the worker did not accept the session's subprotocol")
+        self._start_session(
+            pool,
+            backend,
+            sid,
+            req,
+            transport,
+            proto,
+            response,
+            trailing,
+            key,
+            client_bytes=client_bytes,
+        )
+        if prompt is not None:
+            pool.learn(prompt, backend)
+
+    def _binds_late(self, pool: Pool, sid: str) -> bool:
+        """Late binding (``balancer/late.py``): a new session of a pool that asks for it, whose
+        key has no place yet (a known key goes home as soon as it asks)."""
+        pp = pool.cfg.prefix_placement
+        return pp.websocket and pool.prefix is not None and not self.carried and not pool.knows(sid)
+
+    async def _read_first_message(
+        self, pool: Pool, req: ClientRequest, key: str
+    ) -> late.Outcome | None:
+        """Send wslb's own 101 and read the session's first message (late.py rules 1-4);
+        None: the read ended the session (a close answered here)."""
+        st = self.state
+        assert self.transport is not None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        headers = accept_headers(req.key, req.subprotocols[0] if req.subprotocols else None, key)
+        if self.token is not None:
+            headers.append((TOKEN_HEADER, self.token.encode()))
+        pp = pool.cfg.prefix_placement
+        reader = self.late = late.Reader(pool.prefix_rules, pp.max_body)
+        self.late_done = st.loop.create_future()
+        self.answered = True
+        self.transport.write(switching_protocols(headers))
+        st.stats.handshake_duration.observe(st.loop.time() - self.opened)
+        wait = st.loop.call_later(pp.first_message_wait, self._late_timeout)
+        try:
+            self._late_data(self.reader.trailing)
+            if not self.late_done.done():
+                pause_reading(self.transport, False)
+            outcome = await self.late_done
+        finally:
+            wait.cancel()
+            self.late_kept = reader.kept
+            self.late = None
+            self.late_done = None
+        if outcome.state is late.Read.END:
+            st.stats.late_bound[(pool.name, "closed")] += 1
+            self._close_in_band(outcome.code, outcome.reason)
+            return None
+        if outcome.prompt is None:
+            st.stats.late_bound[(pool.name, "none")] += 1
+        return outcome
+
+    def _late_data(self, data: bytes) -> None:
+        assert self.late is not None
+        outcome = self.late.feed(data)
+        if outcome is not None and self.late_done is not None and not self.late_done.done():
+            pause_reading(self.transport, True)  # until the session reads on
+            self.late_done.set_result(outcome)
+
+    def _late_timeout(self) -> None:
+        if self.late is not None and self.late_done is not None and not self.late_done.done():
+            self.late_done.set_result(self.late.timeout())
+
+    async def _open_worker(
+        self,
+        pool: Pool,
+        req: ClientRequest,
+        sid: str,
+        extra: Sequence[tuple[bytes, bytes]],
+        prompt: Prompt | None,
+    ) -> tuple[Backend, asyncio.Transport, UpstreamHandshake, str | None, bytes] | None:
+        """The session's worker, connected and upgraded: the pool's choice (by ``prompt``
+        when it has one), walking on past workers that fail or are busy; None: the client
+        went meanwhile.
+
+        Raises:
+            WorkerRefused: the worker's own refusal, passed on as it sent it.
+            HandshakeReject: 502 (no worker took it, or a bad answer), 503 (none ready).
+        """
+        st = self.state
+        tried: list[str] = []
+        limit = len(pool.backends)
+        last_error = "no worker available"
         while len(tried) < limit:
-            backend = pool.select(sid, tried, st.loop.time())
+            now = st.loop.time()
+            if prompt is not None:
+                backend, how = pool.place_prompt(sid, prompt, tried, now)
+                if backend is not None:
+                    st.stats.late_bound[(pool.name, how)] += 1
+            else:
+                backend = pool.select(sid, tried, now)
             if backend is None:
                 break
             tried.append(backend.id)
@@ -457,15 +589,14 @@ class ClientConnection(asyncio.Protocol):
                 continue
             if self.gone:
                 transport.close()
-                return
+                return None
             token = self.resume.token
             if pool.cfg.resume.enabled and token is not None:
                 other = st.find_resumable(token)  # named meanwhile by another upgrade?
                 if other is not None and not (other.sid == sid and ending(other)):
                     transport.close()
                     self._token_taken(pool)
-            self._start_session(pool, backend, sid, req, transport, proto, response, trailing, key)
-            return
+            return backend, transport, proto, response, trailing
         status = 502 if tried else 503
         if tried:
             log.warning("no worker took the upgrade for %s (%s)", req.path, last_error)
@@ -731,7 +862,11 @@ class ClientConnection(asyncio.Protocol):
         worker_trailing: bytes,
         client_key: str,
         resumed: int | None = None,
+        client_bytes: bytes | None = None,
     ) -> None:
+        """Hand both legs to a new ``Session``: the client's 101 (unless late binding sent it
+        already), then what each side sent meanwhile (``client_bytes``: the client's after its
+        request, by default what the request reader kept)."""
         assert self.transport is not None
         if self.timer is not None:
             self.timer.cancel()
@@ -762,11 +897,12 @@ class ClientConnection(asyncio.Protocol):
                 session.core.window.base_msg = resumed
                 headers.append((RESUMED_HEADER, str(resumed).encode()))
             headers.append((TOKEN_HEADER, self.token.encode()))
-        ctransport.write(switching_protocols(headers))
-        state.stats.handshake_duration.observe(state.loop.time() - self.opened)
+        if not self.answered:
+            ctransport.write(switching_protocols(headers))
+            state.stats.handshake_duration.observe(state.loop.time() - self.opened)
         ctransport.set_protocol(ClientLeg(session))
         wtransport.set_protocol(session)
-        client_trailing = self.reader.trailing
+        client_trailing = self.reader.trailing if client_bytes is None else client_bytes
         worker_trailing += bytes(proto.extra)
         if worker_trailing:
             session.data_received(worker_trailing)

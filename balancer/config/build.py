@@ -610,6 +610,10 @@ class _Builder(_Reader):
             balance_abs=self.number(m, "balance_abs", p, d.balance_abs),
             balance_rel=self.number(m, "balance_rel", p, d.balance_rel),
             max_body=self.size(m, "max_body", p, d.max_body),
+            websocket=self.boolean(m, "websocket", p, d.websocket),
+            first_message_wait=self.duration(
+                m, "first_message_wait", p, d.first_message_wait, positive=True
+            ),
         )
         for name in ("block", "table_size"):
             if getattr(out, name) < 1:

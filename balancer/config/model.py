@@ -232,6 +232,9 @@ class PrefixCfg:
     balance_abs: float = 32.0  # load difference (requests per unit of weight) and ...
     balance_rel: float = 1.5  # ... ratio that, both exceeded, place by load instead
     max_body: int = 1024 * 1024  # bodies read before placing; larger ones by load alone
+    # Late binding: a new WebSocket session is answered by wslb and placed by its first message.
+    websocket: bool = False
+    first_message_wait: float = 2.0  # seconds a late-bound session waits for that message
 
 
 @dataclass(frozen=True, slots=True)

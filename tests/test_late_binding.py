@@ -1,0 +1,326 @@
+"""Late binding (``balancer/late.py``): a new WebSocket session answered by wslb, placed by its
+first message, then connected to its worker with that message replayed.
+
+Through real processes: ``wslb`` in front of three reference workers (whose prefix cache is
+shared across sessions and reports ``cached_tokens``), and in front of a stock ``websockets``
+server (the library's ``serve``, no wslb in mind) for what a worker that was not written for
+wslb sees: the first message replayed, the subprotocol, its own refusals as closes, and what a
+hostile client's bytes do before any worker is chosen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from tests.procs import Worker, Wslb, free_port, pool_config, running
+
+TIMEOUT = 20.0
+SYSTEM = "You are the assistant of a shop that sells bicycles and their parts. " * 12
+PROMPT_ARGS = ["--tokens-per-s", "0", "--kv-block-tokens", "4"]
+
+
+def late_config(backends: list[dict[str, Any]], **prefix: Any) -> dict[str, Any]:
+    return pool_config(
+        backends,
+        prefix_placement={"websocket": True, **prefix},
+    )
+
+
+def bindings(lb: Wslb) -> dict[str, float]:
+    """``wslb_late_bindings_total`` by ``how``."""
+    text = lb.admin("/metrics")
+    return {
+        s.labels["how"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "wslb_late_bindings_total"
+    }
+
+
+async def recv(ws: ClientConnection) -> dict[str, Any]:
+    async with asyncio.timeout(TIMEOUT):
+        msg: dict[str, Any] = json.loads(await ws.recv())
+    return msg
+
+
+async def chat(lb: Wslb, key: str, question: str) -> tuple[str, int]:
+    """One session whose first message is a prompt with the shared system prompt: the worker
+    that answered and the tokens it found cached."""
+    url = f"ws://127.0.0.1:{lb.port}/"
+    async with connect(url, open_timeout=TIMEOUT, additional_headers={"X-Session-Id": key}) as ws:
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "prompt",
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": question},
+                    ],
+                    "max_tokens": 3,
+                }
+            )
+        )
+        assert (await recv(ws))["type"] == "hello"  # the worker's, after the replayed prompt
+        while (msg := await recv(ws))["type"] != "done":
+            assert msg["type"] == "token", msg
+        return str(msg["worker"]), int(msg["cached_tokens"])
+
+
+async def test_a_late_bound_session_lands_where_its_system_prompt_is_cached(
+    tmp_path: Path,
+) -> None:
+    """Six sessions, each with its own new key, whose first message starts with one system
+    prompt: bound late, all reach the worker the first was sent to and find the prompt cached
+    there; bound at the handshake (the setting off), the same keys spread over the workers and
+    find nothing cached."""
+    seen: dict[bool, list[tuple[str, int]]] = {}
+    for on in (True, False):  # each round with its own workers: cold caches
+        workers = [Worker(f"l{on:d}{i}", PROMPT_ARGS).start() for i in range(3)]
+        backends = [
+            {"id": f"w{i}", "url": f"ws://127.0.0.1:{w.port}"} for i, w in enumerate(workers)
+        ]
+        lb = Wslb(late_config(backends, websocket=on), tmp_path, name=f"wslb-{on}")
+        with running(*workers, lb):
+            await asyncio.to_thread(lb.start)
+            seen[on] = [await chat(lb, f"late-{n}", f"question {n}?") for n in range(6)]
+            counts = await asyncio.to_thread(bindings, lb)
+        if on:
+            assert counts.get("ring", 0) == 1 and counts.get("prefix", 0) == 5, counts
+        else:
+            assert counts == {}, counts
+    assert len({w for w, _ in seen[True]}) == 1, seen
+    assert seen[True][0][1] == 0 and all(c > 0 for _, c in seen[True][1:]), seen
+    spread = {w for w, _ in seen[False]}
+    assert len(spread) > 1, seen  # the same keys, placed at the handshake, spread
+    hits = sum(1 for _, c in seen[False] if c > 0)
+    assert hits == len(seen[False]) - len(spread) < 5, seen  # each worker's first: cold
+
+
+async def test_a_known_key_goes_home_without_waiting(tmp_path: Path) -> None:
+    """A key wslb has placed already is not bound late: its reconnect reaches its worker at
+    the handshake (the worker's hello comes first, before the client says anything)."""
+    workers = [Worker(f"lk{i}", PROMPT_ARGS).start() for i in range(2)]
+    backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers]
+    lb = Wslb(late_config(backends, first_message_wait="30s"), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(lb.start)
+        first, _ = await chat(lb, "known", "hello?")
+        url = f"ws://127.0.0.1:{lb.port}/"
+        headers = {"X-Session-Id": "known"}
+        async with connect(url, open_timeout=TIMEOUT, additional_headers=headers) as ws:
+            hello = await recv(ws)  # no first message sent: only a bound session speaks
+            assert hello["type"] == "hello" and hello["worker"] == first, hello
+
+
+# -- a worker nobody wrote for wslb ---------------------------------------------------------------
+
+
+@dataclass
+class Stock:
+    """A stock ``websockets`` echo server: what it accepted, in order."""
+
+    subprotocols: list[str] | None = None
+    refuse: int | None = None
+    port: int = field(default_factory=free_port)
+    connections: int = 0
+    received: list[str | bytes] = field(default_factory=list)
+    chosen: list[str | None] = field(default_factory=list)
+
+    async def handler(self, ws: ServerConnection) -> None:
+        self.connections += 1
+        self.chosen.append(ws.subprotocol)
+        async for msg in ws:
+            self.received.append(msg)
+            await ws.send(msg)
+
+    def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
+        if self.refuse is None:
+            return None
+        if request.headers.get("Upgrade", "").lower() == "websocket":  # not wslb's scrapes
+            self.connections += 1
+        return ws.respond(HTTPStatus(self.refuse), "not for you\n")
+
+
+async def stock_server(stock: Stock) -> AsyncIterator[Stock]:
+    async with serve(
+        stock.handler,
+        "127.0.0.1",
+        stock.port,
+        subprotocols=stock.subprotocols,  # type: ignore[arg-type]
+        process_request=stock.process_request,
+    ):
+        yield stock
+
+
+@pytest.fixture
+async def echo(request: pytest.FixtureRequest) -> AsyncIterator[Stock]:
+    params: dict[str, Any] = getattr(request, "param", {})
+    async for s in stock_server(Stock(**params)):
+        yield s
+
+
+@pytest.fixture
+async def lb(echo: Stock, tmp_path: Path) -> AsyncIterator[Wslb]:
+    cfg = late_config(
+        [{"id": "stock", "url": f"ws://127.0.0.1:{echo.port}"}],
+        first_message_wait="1s",
+        max_body="2KiB",
+    )
+    wslb = Wslb(cfg, tmp_path)
+    try:
+        await asyncio.to_thread(wslb.start)
+        yield wslb
+    finally:
+        await asyncio.to_thread(wslb.stop)
+
+
+def url(lb: Wslb) -> str:
+    return f"ws://127.0.0.1:{lb.port}/ws/chat"
+
+
+async def test_the_stock_server_gets_the_first_message_replayed(echo: Stock, lb: Wslb) -> None:
+    """Whatever the first message is (a prompt, text that is not JSON, a large binary one past
+    ``max_body``), the worker gets it first, whole, then the rest of the session."""
+    big = bytes(range(256)) * 40  # 10 KiB: past max_body, placed without a prompt
+    firsts: list[str | bytes] = [
+        json.dumps({"type": "response.create", "instructions": SYSTEM, "input": "hi"}),
+        "not json at all",
+        big,
+    ]
+    for first in firsts:
+        async with connect(url(lb), open_timeout=TIMEOUT) as ws:
+            await ws.send(first)
+            await ws.send("second")
+            async with asyncio.timeout(TIMEOUT):
+                assert await ws.recv() == first
+                assert await ws.recv() == "second"
+    assert echo.received == [m for f in firsts for m in (f, "second")]
+    counts = await asyncio.to_thread(bindings, lb)
+    assert counts.get("ring", 0) == 1 and counts.get("none", 0) == 2, counts
+
+
+async def test_a_client_waiting_for_the_server_is_placed_after_the_wait(
+    echo: Stock, lb: Wslb
+) -> None:
+    """A client that says nothing first: after ``first_message_wait`` (1 s here) the session
+    is placed without a prompt and works as any other."""
+    async with connect(url(lb), open_timeout=TIMEOUT) as ws:
+        deadline = time.monotonic() + TIMEOUT
+        while echo.connections == 0:  # the worker leg comes once the wait is over
+            assert time.monotonic() < deadline, "no worker leg after the wait"
+            await asyncio.sleep(0.05)
+        await ws.send("late")
+        async with asyncio.timeout(TIMEOUT):
+            assert await ws.recv() == "late"
+    assert (await asyncio.to_thread(bindings, lb)).get("none") == 1
+
+
+@pytest.mark.parametrize("echo", [{"subprotocols": ["chat.v2", "chat.v1"]}], indirect=True)
+async def test_the_subprotocol_is_the_clients_first_and_the_worker_is_asked_for_it(
+    echo: Stock, lb: Wslb
+) -> None:
+    """wslb answers with the client's first offered subprotocol and offers the worker only
+    that one, so both ends agree."""
+    async with connect(url(lb), open_timeout=TIMEOUT, subprotocols=["chat.v1", "chat.v2"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == "chat.v1"
+        await ws.send("hello")
+        async with asyncio.timeout(TIMEOUT):
+            assert await ws.recv() == "hello"
+    assert echo.chosen == ["chat.v1"]
+
+
+@pytest.mark.parametrize("echo", [{"subprotocols": ["chat.v2"]}], indirect=True)
+async def test_a_worker_that_cannot_speak_the_subprotocol_closes_the_session(
+    echo: Stock, lb: Wslb
+) -> None:
+    """The client was told ``chat.v1`` before the worker was asked: a worker that does not
+    take it ends the session with a close naming why (a handshake answer could not)."""
+    async with connect(url(lb), open_timeout=TIMEOUT, subprotocols=["chat.v1", "chat.v2"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == "chat.v1"
+        await ws.send("hello")
+        with pytest.raises(ConnectionClosed) as info:
+            async with asyncio.timeout(TIMEOUT):
+                await ws.recv()
+    rcvd = info.value.rcvd
+    assert rcvd is not None and rcvd.code in (1008, 1014), rcvd
+    assert json.loads(rcvd.reason)["status"] in (400, 502), rcvd
+    assert echo.received == []
+
+
+@pytest.mark.parametrize("echo", [{"refuse": 403}], indirect=True)
+async def test_the_workers_refusal_is_a_close_after_the_101(echo: Stock, lb: Wslb) -> None:
+    """The worker refuses the upgrade (403): the client, which has its 101 already, gets a
+    1008 close whose reason carries the status; no traceback in wslb's log."""
+    async with connect(url(lb), open_timeout=TIMEOUT) as ws:
+        await ws.send(json.dumps({"type": "prompt", "text": "let me in"}))
+        with pytest.raises(ConnectionClosed) as info:
+            async with asyncio.timeout(TIMEOUT):
+                await ws.recv()
+    rcvd = info.value.rcvd
+    assert rcvd is not None and rcvd.code == 1008, rcvd
+    assert json.loads(rcvd.reason)["status"] == 403
+    assert echo.connections == 1
+    assert "Traceback" not in lb.output()
+
+
+# -- hostile clients: nothing reaches a worker before the session is placed -------------------
+
+
+async def raw_upgrade(lb: Wslb) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    r, w = await asyncio.open_connection("127.0.0.1", lb.port)
+    w.write(
+        b"GET /ws/chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), TIMEOUT)
+    assert head.startswith(b"HTTP/1.1 101 "), head
+    return r, w
+
+
+async def close_of(r: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The close frame wslb sends (unmasked, short): its code and reason."""
+    frame = await asyncio.wait_for(r.readexactly(2), TIMEOUT)
+    assert frame[0] == 0x88, frame
+    body = await asyncio.wait_for(r.readexactly(frame[1] & 0x7F), TIMEOUT)
+    return int.from_bytes(body[:2], "big"), body[2:]
+
+
+async def test_hostile_first_bytes_are_answered_by_wslb_alone(echo: Stock, lb: Wslb) -> None:
+    """An unmasked frame (1002), invalid UTF-8 in a text frame (1007), a close before any
+    message (echoed), a client that goes away: each ends with no worker connection made and
+    no traceback logged."""
+    cases: list[tuple[bytes, int]] = [
+        (b"\x81\x05hello", 1002),  # unmasked
+        (b"\x81\x81\x00\x00\x00\x00\xff", 1007),  # a masked text frame of one invalid byte
+        (b"\x88\x82\x00\x00\x00\x00\x0f\xa0", 4000),  # a masked close 4000
+    ]
+    for data, code in cases:
+        r, w = await raw_upgrade(lb)
+        w.write(data)
+        got, _ = await close_of(r)
+        assert got == code, (data, got)
+        w.close()
+    r, w = await raw_upgrade(lb)
+    w.close()  # gone before any message
+    r, w = await raw_upgrade(lb)  # the next session still works
+    w.write(b"\x81\x82\x00\x00\x00\x00ok")
+    frame = await asyncio.wait_for(r.readexactly(4), TIMEOUT)
+    assert frame == b"\x81\x02ok", frame
+    w.close()
+    assert echo.connections == 1  # only the last one reached the server
+    assert (await asyncio.to_thread(bindings, lb)).get("closed") == 3
+    assert "Traceback" not in lb.output()
