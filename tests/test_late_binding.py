@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -124,6 +125,51 @@ async def test_a_known_key_goes_home_without_waiting(tmp_path: Path) -> None:
         async with connect(url, open_timeout=TIMEOUT, additional_headers=headers) as ws:
             hello = await recv(ws)  # no first message sent: only a bound session speaks
             assert hello["type"] == "hello" and hello["worker"] == first, hello
+
+
+async def test_the_openai_sdks_realtime_sessions_meet_their_instructions_cached(
+    tmp_path: Path,
+) -> None:
+    """The ``openai`` SDK's Realtime client sends ``session.update`` with the instructions
+    first, without waiting for ``session.created``: bound late by it, three sessions with the
+    same instructions share a worker, and the later ones find the instructions cached."""
+    workers = [Worker(f"lr{i}", PROMPT_ARGS).start() for i in range(3)]
+    backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers]
+    lb = Wslb(late_config(backends), tmp_path)
+    sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{lb.port}/v1", api_key="not-needed")
+    cached = []
+    with running(*workers, lb):
+        await asyncio.to_thread(lb.start)
+        for n in range(3):
+            async with sdk.realtime.connect(
+                model="wslb-reference", extra_query={"session": f"rt-late-{n}"}
+            ) as conn:
+                await conn.session.update(
+                    session={
+                        "type": "realtime",
+                        "instructions": SYSTEM,
+                        "output_modalities": ["text"],
+                    }
+                )
+                await conn.conversation.item.create(
+                    item={
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": f"question {n}"}],
+                    }
+                )
+                await conn.response.create(response={"max_output_tokens": 3})
+                async with asyncio.timeout(TIMEOUT):
+                    async for event in conn:
+                        assert event.type != "error", event
+                        if event.type == "response.done":
+                            usage = event.response.usage
+                            assert usage is not None and usage.input_token_details is not None
+                            cached.append(usage.input_token_details.cached_tokens or 0)
+                            break
+        counts = await asyncio.to_thread(bindings, lb)
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
+    assert counts.get("ring") == 1 and counts.get("prefix") == 2, counts
 
 
 # -- a worker nobody wrote for wslb ---------------------------------------------------------------
