@@ -36,6 +36,7 @@ __all__ = [
     "SESSION_KEY_RULE",
     "WSLB_PREFIX",
     "ClientRequest",
+    "ClosedBeforeRequest",
     "HandshakeReject",
     "RequestReader",
     "UpstreamReject",
@@ -109,6 +110,14 @@ class HandshakeReject(Exception):
         self.details = details
 
 
+class ClosedBeforeRequest(HandshakeReject):
+    """The client closed its connection with no request under way: nothing to answer (a
+    kept-alive client's goodbye), though a reader that needed a request refuses it (400)."""
+
+    def __init__(self) -> None:
+        super().__init__(400, "connection closed before a request")
+
+
 class RequestReader:
     """Reads a client's upgrade request head with h11, within size and count limits.
 
@@ -174,7 +183,7 @@ def next_request(conn: h11.Connection, max_bytes: int, max_headers: int) -> h11.
     if event is h11.NEED_DATA:
         return None
     if isinstance(event, h11.ConnectionClosed):
-        raise HandshakeReject(400, "connection closed before a request")
+        raise ClosedBeforeRequest
     if not isinstance(event, h11.Request):  # pragma: no cover - a server sees requests
         raise HandshakeReject(400, "unexpected HTTP event")
     # h11 bounds only an incomplete head; a head that arrived whole is measured here.

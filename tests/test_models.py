@@ -13,7 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from balancer.aio.proxy import requested_model
+from balancer.router import requested_model
 from tests.procs import Worker, Wslb, running
 
 

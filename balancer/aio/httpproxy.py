@@ -23,8 +23,8 @@ Rules:
    its exchange: the answer is cut and the worker connection closed, not reused. The relay
    thread gives a body back when the client stops taking it, so the clock is kept here (rule
    7); the lane thread keeps its own (``_lanes.c``).
-3. The worker is chosen as a session's is (``ClientConnection.route``, then ``Pool.select``),
-   before any byte goes to it; a connect that fails walks on to the next candidate. Once the
+3. The worker is chosen as a session's is (``router.route``, then the candidates of a
+   ``router.Walk``), before any byte goes to it; a connect that fails walks on to the next. Once the
    request is written nothing is retried, except a bodiless request of an idempotent method
    on a kept-alive connection that died before any answer: it goes again on a new connection.
 4. Before the worker's response head, wslb's own answer ends the exchange and the connection:
@@ -67,14 +67,14 @@ import functools
 import logging
 import ssl
 import time
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Final, Protocol, cast
 
 import h11
 
 from balancer.aio.lanes import IDLE_S as LANE_IDLE_S
 from balancer.aio.lanes import Spec
 from balancer.aio.offload import OFFLOAD_AFTER, plain_socket
-from balancer.handshake import ClientRequest, HandshakeReject, next_request
+from balancer.handshake import ClientRequest, ClosedBeforeRequest, HandshakeReject, next_request
 from balancer.httpmsg import (
     END,
     IDEMPOTENT,
@@ -98,6 +98,7 @@ from balancer.httpmsg import (
 )
 from balancer.logs import log_http_access
 from balancer.prefix import Prompt, prompt_of
+from balancer.router import Client, Host, Routed, Walk, route
 
 if TYPE_CHECKING:
     from balancer.aio.lanes import Back, Lanes
@@ -107,7 +108,7 @@ if TYPE_CHECKING:
     from balancer.metrics import Stats
     from balancer.pool import Backend, Pool
 
-__all__ = ["Exchange", "HttpClient", "HttpHost", "Keepalive", "Routed", "WorkerConn"]
+__all__ = ["Exchange", "HttpClient", "HttpHost", "Keepalive", "WorkerConn"]
 
 log = logging.getLogger("wslb.http")
 
@@ -136,30 +137,9 @@ def _lines(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
 
 
-class Routed(NamedTuple):
-    """Where a request goes (``ClientConnection.route``): its pool, the request with the
-    forwarding headers wslb vouches for, the client's key, the key the worker sees (scoped
-    with JWT) and whether the client named it (a conversation) or wslb made it."""
-
-    pool: Pool
-    req: ClientRequest
-    key: str
-    sid: str
-    named: bool
-
-
-class Front(Protocol):
-    """What an ``HttpClient`` uses of the ``ClientConnection`` it serves for."""
-
-    peer: str
-
-    def route(self, req: ClientRequest) -> Routed | None:
-        """The request's pool and key, or None if it refused the connection itself.
-
-        Raises:
-            HandshakeReject: the request is refused (404, 401, 403, 400, 429).
-        """
-        ...
+class Front(Client, Protocol):
+    """What an ``HttpClient`` uses of the ``ClientConnection`` it serves for: the client as
+    the router sees it, and the way back to the upgrade path."""
 
     def upgrade(self, event: h11.Request) -> None:
         """A WebSocket handshake read after plain requests: the upgrade path takes over."""
@@ -170,8 +150,8 @@ class Front(Protocol):
         ...
 
 
-class HttpHost(Protocol):
-    """What plain HTTP uses of ``ServerState``."""
+class HttpHost(Host, Protocol):
+    """What plain HTTP uses of ``ServerState`` (the router's part included)."""
 
     loop: asyncio.AbstractEventLoop
     stats: Stats
@@ -474,10 +454,10 @@ class HttpClient:
         limits = self.host.limits
         try:
             event = next_request(conn, limits.max_header_bytes, limits.max_headers)
+        except ClosedBeforeRequest:  # a kept-alive client's goodbye
+            self.close()
+            return
         except HandshakeReject as rej:
-            if rej.message == "connection closed before a request":
-                self.close()
-                return
             self._refuse(rej, None)
             return
         if event is None:
@@ -502,7 +482,7 @@ class HttpClient:
         ex = Exchange(self, event)
         try:
             req = plain_request(event)
-            routed = self.front.route(req)
+            routed = route(self.host, req, self.front)
         except HandshakeReject as rej:
             self._refuse(rej, ex)
             return
@@ -737,7 +717,7 @@ class Exchange:
             elif name == b"transfer-encoding":
                 self.chunked = True
         self.bodyless = not self.chunked and not self.length
-        self.tried: list[str] = []
+        self.walk: Walk | None = None  # the candidates (router.Walk), from the first choice on
         self.retried = False
         self.request_done = False
         self.response_started = False
@@ -818,16 +798,14 @@ class Exchange:
     # -- choosing a worker (rule 3) ----------------------------------------------------------
 
     def _select(self) -> Backend | None:
-        assert self.pool is not None
-        pool, prompt, now = self.pool, self.prompt, self.host.loop.time()
-        if prompt is not None and pool.prefix is not None:
-            backend, how = pool.place_prompt(self.sid, prompt, self.tried, now)
-            self.host.stats.http_placed[(pool.name, how)] += 1
-        else:
-            backend = pool.select(self.sid, self.tried, now)
-        if backend is not None:
-            self.tried.append(backend.id)
-        return backend
+        """The next candidate (rule 3): by the prompt once it is read (rule 9)."""
+        if self.walk is None:
+            assert self.pool is not None
+            host = self.host
+            self.walk = Walk(
+                self.pool, self.sid, host.loop.time, self.prompt, host.stats.http_placed
+            )
+        return self.walk.next()
 
     def pick_pooled(self) -> bool:
         """Start at once on a kept-alive connection to the chosen worker, if the pool has one;
@@ -872,8 +850,6 @@ class Exchange:
                 host.worker_failed(pool, backend)
                 last_error = f"worker {backend.id}: {exc or type(exc).__name__}"
                 log.warning("connect to %s failed: %s", backend.id, last_error)
-                if len(self.tried) >= len(pool.backends):
-                    break
                 backend = self.backend = self._select()
                 continue
             self.connect_s = time.perf_counter() - dialled
@@ -884,7 +860,7 @@ class Exchange:
                 return
             self._begin(conn)
             return
-        if self.tried:
+        if self.walk is not None and self.walk.tried:
             log.warning("no worker took %s (%s)", self.event.target[:200], last_error)
             self.fail(502, "no worker could take the request", "no worker could take it")
         else:

@@ -25,12 +25,11 @@ import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
-from urllib.parse import parse_qsl
 
 import h11
 
 from balancer import late, proxyproto, workerauth
-from balancer.aio.httpproxy import HttpClient, Routed
+from balancer.aio.httpproxy import HttpClient
 from balancer.aio.peers import (
     PEER_CLIENT_HEADER,
     PEER_HEADER,
@@ -41,8 +40,6 @@ from balancer.aio.peers import (
 )
 from balancer.aio.session import ClientLeg, Leg, Session, pause_reading
 from balancer.aio.state import ServerState
-from balancer.auth import scoped_key
-from balancer.contract import RESERVED_PREFIX, reserved_target
 from balancer.frames import OP_CLOSE, build_frame, close_payload
 from balancer.handshake import (
     WORKER_BODY_LIMIT,
@@ -53,13 +50,11 @@ from balancer.handshake import (
     accept_headers,
     check_client_request,
     check_upstream_response,
-    new_session_id,
-    session_key,
     upstream_request,
 )
 from balancer.httpmsg import is_handshake
 from balancer.prefix import Prompt
-from balancer.proxyproto import forwarded_client, is_trusted
+from balancer.proxyproto import is_trusted
 from balancer.resume import (
     NO_RESUME,
     PARK_HEADER,
@@ -73,8 +68,8 @@ from balancer.resume import (
     new_token,
     park_value,
     read_resume,
-    without_wslb_params,
 )
+from balancer.router import Walk, route
 from balancer.session_core import ResumeRefused
 
 if TYPE_CHECKING:
@@ -83,14 +78,6 @@ if TYPE_CHECKING:
 __all__ = ["ClientConnection", "UpstreamHandshake", "http_response", "open_upstream"]
 
 log = logging.getLogger("wslb.server")
-
-
-def requested_model(query: str) -> str | None:
-    """The ``model`` query parameter (OpenAI Realtime clients name the model there)."""
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name == "model":
-            return value or None
-    return None
 
 
 ARRIVAL_WAIT = 35.0  # a resume during a restart: the old code's sessions moving (30 s at most)
@@ -398,7 +385,7 @@ class ClientConnection(asyncio.Protocol):
         if answers_in_band(raw):
             self.in_band = (raw.key, raw.subprotocols[0] if raw.subprotocols else None)
         resume = self.resume = read_resume(raw)  # before route() strips the wslb_ parameters
-        routed = self.route(raw)
+        routed = route(self.state, raw, self)
         if routed is None:
             return
         pool, req, key, sid, _ = routed
@@ -545,20 +532,9 @@ class ClientConnection(asyncio.Protocol):
             HandshakeReject: 502 (no worker took it, or a bad answer), 503 (none ready).
         """
         st = self.state
-        tried: list[str] = []
-        limit = len(pool.backends)
+        walk = Walk(pool, sid, st.loop.time, prompt, st.stats.late_bound)
         last_error = "no worker available"
-        while len(tried) < limit:
-            now = st.loop.time()
-            if prompt is not None:
-                backend, how = pool.place_prompt(sid, prompt, tried, now)
-                if backend is not None:
-                    st.stats.late_bound[(pool.name, how)] += 1
-            else:
-                backend = pool.select(sid, tried, now)
-            if backend is None:
-                break
-            tried.append(backend.id)
+        while (backend := walk.next()) is not None:
             try:
                 transport, proto, response, trailing = await open_upstream(
                     st, backend, req, sid, self.secure, extra=extra
@@ -597,54 +573,19 @@ class ClientConnection(asyncio.Protocol):
                     transport.close()
                     self._token_taken(pool)
             return backend, transport, proto, response, trailing
-        status = 502 if tried else 503
+        tried = bool(walk.tried)
         if tried:
             log.warning("no worker took the upgrade for %s (%s)", req.path, last_error)
         # The client is told what happened, not which worker (ids are the operator's).
-        raise HandshakeReject(status, "no worker could take the session" if tried else last_error)
+        raise HandshakeReject(
+            502 if tried else 503, "no worker could take the session" if tried else last_error
+        )
 
-    def route(self, req: ClientRequest) -> Routed | None:
-        """A request's pool and session key, for an upgrade and a plain request alike: the
-        forwarding headers wslb vouches for, the pool by path and ``?model=``, the auth
-        checks, the key (named, claimed or made). None: refused here already (the per-client
-        limit, once a trusted proxy named the client).
-
-        Raises:
-            HandshakeReject: 404 (no pool, or a path the worker protocol reserves), 401/403
-                (auth), 400 (a bad key).
-        """
-        if reserved_target(req.target):  # a worker's internal API: never a client's (contract)
-            raise HandshakeReject(404, f"{RESERVED_PREFIX} is internal to wslb and its workers")
-        st = self.state
-        # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's
-        # client: that proxy is transparent), once, whatever worker legs the session opens.
-        # Forwarded and X-Real-IP are wslb's too: a client's own are its claims (handshake.py).
-        hop = self.peer
-        xff = req.header(b"x-forwarded-for")
-        if self.trusted and not self.proxied and xff is not None:
-            named = forwarded_client(xff.decode("latin-1"), st.trusted_proxies)
-            if named is not None:
-                self._client_is(named)
-                if self._over_limit_once_named():
-                    return None
-        req = req.forwarded_for(hop, trusted=self.trusted, client=self.peer)
-        model = requested_model(req.query)
-        pool = st.route(req.path, model)
-        if pool is None:
-            served = st.models(req.path)
-            if served:  # pools here serve models, and not this one: say which they serve
-                why = "no ?model= given" if model is None else f"model {model!r} is not served"
-                raise HandshakeReject(404, why, details={"models": served})
-            raise HandshakeReject(404, f"no pool serves {req.path}")
-        owner, claimed = st.authorize(req)
-        given = claimed or session_key(pool.cfg.session_key, req)
-        key = given or new_session_id()
-        # With JWT, a key the client names (or one made for it) is scoped to its owner: the
-        # worker sees the scoped one, the client its own (auth.py).
-        sid = key if owner is None or claimed else scoped_key(owner, key)
-        req = st.auth.strip(req)  # the token in ?access_token= is not the worker's business
-        req = without_wslb_params(req)  # wslb_resume, wslb_from: wslb's, not the worker's
-        return Routed(pool, req, key, sid, given is not None)
+    def named(self, address: str) -> bool:
+        """``router.Client``: a trusted proxy names the client; counted under that address,
+        False when that puts it over the per-client limit (refused here)."""
+        self._client_is(address)
+        return not self._over_limit_once_named()
 
     def _resume_throttled(self, pool: Pool) -> bool:
         """Rule 8: True (refused here with 429) while this address has spent its failed
