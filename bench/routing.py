@@ -58,6 +58,10 @@ lengths, growth and think times, KV sizes the balanced share fits in) with ``--s
 (wslb's default, round robin, HAProxy) and prints a table and the targets per case; ten cases
 take about 11 minutes on a 2-core machine.
 
+``--workload keyless`` is another benchmark (``bench/lib/keyless.py``, its own options): chats
+with no session key over plain HTTP, through wslb, SGLang's gateway and vLLM's router, on
+llama-servers or reference workers, measured by the tokens the engines prefilled.
+
 Not a test: ``pytest`` only collects ``tests/``. ``python bench/routing.py --help``;
 ``--quick`` for a small version.
 """
@@ -1312,9 +1316,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a(
         "--workload",
-        choices=sorted(WORKLOADS),
+        choices=[*sorted(WORKLOADS), "keyless"],
         default="issue17",
-        help="issue17: 90 sessions of 5 turns, a connection per turn, 3 workers; issue24: the "
+        help="keyless: chats with no session key over plain HTTP, against SGLang's and vLLM's "
+        "routers (its options: --workload keyless --help); issue17: 90 sessions of 5 turns, "
+        "a connection per turn, 3 workers; issue24: the "
         "same kind, 6 turns, every first turn at once, seed 22, max batch 10, KV 26000; mixed: "
         "300 sessions of 4-6 turns, half reconnecting, 4 workers (the options below override it)",
     )
@@ -1703,12 +1709,34 @@ def sweep(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def _llama_starter(parallel: int, ctx: int) -> Callable[[Procs, str], str]:
+    """``--workload keyless --engines llama``'s engines: llama-server with Gemma (``--swa-full``:
+    its sliding-window layers keep the whole context, so a prefix can be reused)."""
+    from tests.engines import LlamaServer
+
+    def start(procs: Procs, name: str) -> str:
+        args = ["--swa-full"]
+        server = LlamaServer(parallel=parallel, ctx=ctx, args=args, procs=procs, name=name)
+        return server.start(timeout=120.0).url
+
+    return start
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload")
+    keyless_workload = pre.parse_known_args(argv)[0].workload == "keyless"
+    args = None if keyless_workload else build_parser().parse_args(argv)
     # SIGTERM (and SIGINT, also where a non-interactive shell ignores it) end the script
     # through its finally blocks, so every worker and wslb it started is stopped.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
+    if args is None:  # bench/lib/keyless.py parses its own options
+        from bench.lib import keyless
+
+        line = "python bench/routing.py " + " ".join(shlex.quote(x) for x in argv)
+        return keyless.main(argv, line, _llama_starter)
     command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     if args.sweep:
         return sweep(args, command.strip())

@@ -3,9 +3,13 @@ verdicts are the issue's targets (no processes started)."""
 
 from __future__ import annotations
 
+import json
 import math
+import signal
+from pathlib import Path
 
 from bench import routing
+from bench.lib import keyless
 
 
 def test_the_sweep_draws_are_seeded_and_cover_the_issue_ranges() -> None:
@@ -107,3 +111,37 @@ def test_the_verdicts_are_the_issue_targets() -> None:
     assert "HAProxy" in only and "MET" in only
     (only,) = routing.verdicts(_result(routing.NEW, 0.51, 0, 0.8), rs, identical=False)
     assert "MISSED" in only
+
+
+def test_keyless_quick_run_places_by_prefix_and_writes_only_its_section(tmp_path: Path) -> None:
+    """``--workload keyless --quick`` through real wslb processes in front of reference workers
+    (the peers need installing, so they are left out): every turn answered and traced to its
+    engine, prefix placement keeps each conversation on one engine where round robin moves
+    them, and the doc gets the section between its markers and nothing else changes."""
+    doc = tmp_path / "routing.md"
+    doc.write_text("# Routing\n\nkept\n")
+    raw = tmp_path / "keyless.json"
+    argv = ["--workload", "keyless", "--quick", "--routers", "wslb-keyless,wslb-round_robin"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert routing.main([*argv, "--doc", str(doc), "--json", str(raw)]) == 0
+    finally:  # main() makes both signals exit the script
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    by = {r["router"]: r for r in json.loads(raw.read_text())}
+    assert set(by) == {"wslb-keyless", "wslb-round_robin"}
+    for r in by.values():
+        assert r["failed"] == 0 and sum(r["per_engine"].values()) == 12  # 6 x 2 turns
+        assert 0 < r["prefilled"] < r["prompt"]
+    prefix, rr = by["wslb-keyless"], by["wslb-round_robin"]
+    assert prefix["changed"] == 0 and prefix["reprefilled"] == 0
+    assert prefix["prefilled"] <= rr["prefilled"] and prefix["prompt"] == rr["prompt"]
+    text = doc.read_text()
+    assert text.startswith("# Routing\n\nkept\n") and keyless.TITLE in text
+    # A rewrite replaces the measured part and keeps the hand-written analysis after it.
+    analysed = text.replace(keyless.ANALYSIS, keyless.ANALYSIS + "\nby hand\n")
+    doc.write_text(analysed)
+    keyless.write_section(doc, "new figures")
+    again = doc.read_text()
+    assert again.startswith("# Routing\n\nkept\n") and keyless.TITLE not in again
+    assert "new figures" in again and "by hand" in again and again.endswith(keyless.END + "\n")
