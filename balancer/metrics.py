@@ -11,9 +11,9 @@ from __future__ import annotations
 import platform
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -456,38 +456,30 @@ class BalancerCollector(Collector):
         info.add_metric(self._build, 1)
         yield info
 
-        rej = CounterMetricFamily(
+        yield labelled(
             "wslb_handshake_rejections",
             "Client handshakes refused, by HTTP status",
-            labels=["status"],
+            ["status"],
+            st.rejections,
         )
-        for status, n in sorted(st.rejections.items()):
-            rej.add_metric([str(status)], n)
-        yield rej
-        tls = CounterMetricFamily(
+        yield labelled(
             "wslb_tls_handshake_failures",
             "Client TLS handshakes that failed, by reason (OpenSSL's, or timeout/reset/closed)",
-            labels=["reason"],
+            ["reason"],
+            st.tls_failures,
         )
-        for reason, n in sorted(st.tls_failures.items()):
-            tls.add_metric([reason], n)
-        yield tls
-        closes = CounterMetricFamily(
+        yield labelled(
             "wslb_close_frames",
             "Close frames sent, by receiving side and code (forwarded or wslb's own)",
-            labels=["to", "code"],
+            ["to", "code"],
+            st.closes,
         )
-        for (side, code), n in sorted(st.closes.items()):
-            closes.add_metric([side, str(code)], n)
-        yield closes
-        mig = CounterMetricFamily(
+        yield labelled(
             "wslb_migrations",
             "Session migrations by result (migrated or why not)",
-            labels=["result"],
+            ["result"],
+            st.migrations,
         )
-        for result, n in sorted(st.migrations.items()):
-            mig.add_metric([result], n)
-        yield mig
         yield st.migration_pause.metric(
             "wslb_migration_pause_seconds", "From freeze to the first message on the new leg"
         )
@@ -496,26 +488,22 @@ class BalancerCollector(Collector):
             "From freeze to the first worker message after a move, however late (a real "
             "engine's re-prefill included); moves of sessions that stayed quiet are not counted",
         )
-        failovers = CounterMetricFamily(
+        yield labelled(
             "wslb_failovers",
             "Sessions whose worker was lost, by outcome (resumed on another worker, or why not)",
-            labels=["result"],
+            ["result"],
+            st.failovers,
         )
-        for result, n in sorted(st.failovers.items()):
-            failovers.add_metric([result], n)
-        yield failovers
         yield st.failover_pause.metric(
             "wslb_failover_pause_seconds",
             "From the loss of a worker to its session's resumed leg on another worker",
         )
-        resumes = CounterMetricFamily(
+        yield labelled(
             "wslb_resumes",
             "Client reconnects that asked to resume a session, by result (resumed, or why not)",
-            labels=["result"],
+            ["result"],
+            st.resumes,
         )
-        for result, n in sorted(st.resumes.items()):
-            resumes.add_metric([result], n)
-        yield resumes
         detached = GaugeMetricFamily(
             "wslb_detached_sessions",
             "Sessions whose client left without a close, kept for its reconnect",
@@ -527,23 +515,19 @@ class BalancerCollector(Collector):
             "From a resuming client's TCP accept to the first byte written back to it (the "
             "101, then what it missed)",
         )
-        restarts = CounterMetricFamily(
+        yield labelled(
             "wslb_restarts",
             "Restarts this process asked for (ok, or why the new code did not take over) or "
             "took over (taken)",
-            labels=["result"],
+            ["result"],
+            st.restarts,
         )
-        for result, n in sorted(st.restarts.items()):
-            restarts.add_metric([result], n)
-        yield restarts
-        moved = CounterMetricFamily(
+        yield labelled(
             "wslb_restart_sessions",
             "Sessions a restart handed to the new code (moved), or why not",
-            labels=["result"],
+            ["result"],
+            st.restart_sessions,
         )
-        for result, n in sorted(st.restart_sessions.items()):
-            moved.add_metric([result], n)
-        yield moved
         yield st.restart_pause.metric(
             "wslb_restart_pause_seconds",
             "Per session handed on by a restart: from its reads stopping in the old code to "
@@ -560,14 +544,12 @@ class BalancerCollector(Collector):
         )
         bp.add_metric([], st.backpressure_closes)
         yield bp
-        rt = CounterMetricFamily(
+        yield labelled(
             "wslb_relay_thread_handovers",
             "Sessions handed to the relay thread (taken) and back (by reason)",
-            labels=["event"],
+            ["event"],
+            st.relay_thread,
         )
-        for event, n in sorted(st.relay_thread.items()):
-            rt.add_metric([event], n)
-        yield rt
         live = GaugeMetricFamily("wslb_relay_thread_sessions", "Sessions the relay thread relays")
         live.add_metric([], sum(1 for s in self._sessions() if s.relay is not None))
         yield live
@@ -577,23 +559,38 @@ class BalancerCollector(Collector):
         yield from _http_families(st)
 
 
+def labelled(
+    name: str,
+    documentation: str,
+    labels: Sequence[str],
+    counts: Mapping[Any, float],
+    family: type[CounterMetricFamily] | type[GaugeMetricFamily] = CounterMetricFamily,
+) -> Metric:
+    """A family with one sample per entry of ``counts``, sorted: a key is one label's value or
+    a tuple of them, each written as text."""
+    metric = family(name, documentation, labels=list(labels))
+    for key, n in sorted(counts.items()):
+        values = key if isinstance(key, tuple) else (key,)
+        metric.add_metric([str(v) for v in values], n)
+    return metric
+
+
 def _http_families(st: Stats) -> Iterator[Metric]:
     """Plain HTTP requests (``aio/httpproxy.py``), by pool and kind: ``sse`` for a
     ``text/event-stream`` answer, ``plain`` for any other."""
-    reqs = CounterMetricFamily(
+    yield labelled(
         "wslb_http_requests",
         "Plain HTTP requests ended, by pool, kind (plain or sse) and status",
-        labels=["pool", "kind", "code"],
+        ["pool", "kind", "code"],
+        st.http_requests,
     )
-    for (pool, kind, code), n in sorted(st.http_requests.items()):
-        reqs.add_metric([pool, kind, str(code)], n)
-    yield reqs
-    active = GaugeMetricFamily(
-        "wslb_http_requests_active", "Plain HTTP requests in flight", labels=["pool"]
+    yield labelled(
+        "wslb_http_requests_active",
+        "Plain HTTP requests in flight",
+        ["pool"],
+        st.http_active,
+        family=GaugeMetricFamily,
     )
-    for pool, n in sorted(st.http_active.items()):
-        active.add_metric([pool], n)
-    yield active
     nbytes = CounterMetricFamily(
         "wslb_http_body_bytes", "Plain HTTP body bytes relayed", labels=["direction"]
     )
@@ -616,33 +613,27 @@ def _http_families(st: Stats) -> Iterator[Metric]:
     for result in ("new", "reused"):
         up.add_metric([result], st.http_upstream[result])
     yield up
-    placed = CounterMetricFamily(
+    yield labelled(
         "wslb_http_prefix_placements",
         "Keyless plain requests placed by their prompt (prefix_placement), by how: prefix (a "
         "worker holding its prefix), balance (the least loaded: load imbalanced), ring (the "
         "prompt's first bytes on the ring)",
-        labels=["pool", "how"],
+        ["pool", "how"],
+        st.http_placed,
     )
-    for (pool, how), n in sorted(st.http_placed.items()):
-        placed.add_metric([pool, how], n)
-    yield placed
-    bound = CounterMetricFamily(
+    yield labelled(
         "wslb_late_bindings",
         "WebSocket sessions placed by their first message (prefix_placement.websocket), by how: "
         "prefix, balance, ring (as keyless requests), none (placed without a prompt: the wait "
         "for it ran out, it was too large or not a prompt), closed (the client closed or broke "
         "the protocol before it)",
-        labels=["pool", "how"],
+        ["pool", "how"],
+        st.late_bound,
     )
-    for (pool, how), n in sorted(st.late_bound.items()):
-        bound.add_metric([pool, how], n)
-    yield bound
-    lanes = CounterMetricFamily(
+    yield labelled(
         "wslb_http_lane_events",
         "Kept-alive connections the lane thread took (taken), gave back (by reason), and the "
         "requests it served (exchanges)",
-        labels=["event"],
+        ["event"],
+        st.http_lanes,
     )
-    for event, n in sorted(st.http_lanes.items()):
-        lanes.add_metric([event], n)
-    yield lanes
