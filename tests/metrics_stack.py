@@ -64,6 +64,16 @@ def _session(lb: Wslb, sid: str) -> None:
             pass
 
 
+def _settled(lb: Wslb) -> bool:
+    """Every backend scraped and probed, and the three sessions ended and counted."""
+    backends = lb.admin("/backends")
+    seen = all(b["signals"] and b["health"]["last_check"] for b in backends)
+    count = "wslb_session_duration_seconds_count"
+    families = text_string_to_metric_families(lb.admin("/metrics"))
+    ended = sum(s.value for f in families for s in f.samples if s.name == count)
+    return seen and ended >= 3
+
+
 def _plain_metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return str(r.read().decode())
@@ -95,7 +105,10 @@ def every_feature(tmp: Path) -> Iterator[tuple[Exposition, Wslb, int]]:
             for target in (lb, multi):
                 for sid in ("alice", "bob", "carol"):
                     _session(target, sid)
-            time.sleep(0.5)  # a scrape of the workers' signals, a probe
+            deadline = time.monotonic() + 20  # a scrape of the workers' signals, a probe, and
+            while not all(_settled(target) for target in (lb, multi)):  # the sessions counted
+                assert time.monotonic() < deadline, (lb.admin("/backends"), multi.log_tail())
+                time.sleep(0.05)
             expo = Exposition(
                 cluster=lb.admin("/metrics"),
                 plain=_plain_metrics(metrics_port),

@@ -156,7 +156,8 @@ async def test_pings_keep_an_idle_session_open(ref: dict[str, Wslb]) -> None:
     sends nothing: the relay carried no frame of its own from it but the prompt)."""
     async with through(ref["main"], "quiet", idle_timeout=IDLE) as (_, s):
         await hello(s)
-        await asyncio.sleep(3 * IDLE)  # the condition is that nothing happens meanwhile
+        # Negative check: the condition is that nothing happens meanwhile.
+        await asyncio.sleep(3 * IDLE)
         assert kinds(s) == ["open"], s.events
         assert await asyncio.wait_for(answer(s, 1, 3), 10) == [0, 1, 2]
 

@@ -41,6 +41,7 @@ from balancer.handshake import (
     valid_key,
 )
 from tests.procs import WORKER_TOKEN, Worker, Wslb, free_port, pool_config
+from tests.waits import until
 from tests.wsraw import RawClient
 
 SECRET = "a-long-shared-secret-for-hs256-tests-" + "x" * 40
@@ -431,11 +432,20 @@ async def test_odd_keys_migrate_and_fail_over_without_touching_another(tmp_path:
 
         home = {key: where(key) for key in conns}
         target = next(w.id for w in workers if w.id not in home.values())
+
+        def sent(key: str) -> int:
+            return int(lb.admin(f"/sessions/{quote_key(key)}")["messages"]["worker_to_client"])
+
+        async def streaming(before: dict[str, int]) -> None:
+            """Every session has had a message of the new answer."""
+            await until(lambda: all(sent(k) > n for k, n in before.items()), 10, "answers")
+
         # Turn 1 streams; the odd keys move to the target mid-answer.
+        before = {k: sent(k) for k in conns}
         for ws in conns.values():
             await ws.send(json.dumps({"type": "prompt", "text": "go", "max_tokens": 40}))
         turns = {k: asyncio.ensure_future(read_turn(ws, k, 1, 40)) for k, ws in conns.items()}
-        await asyncio.sleep(0.2)
+        await streaming(before)
         for key in odd:
             moved = await asyncio.to_thread(
                 lb.admin_post, f"/sessions/{quote_key(key)}/migrate", {"to": target}
@@ -446,10 +456,11 @@ async def test_odd_keys_migrate_and_fail_over_without_touching_another(tmp_path:
             assert done[key][-1] == target and where(key) == target
         assert where(neighbour) == home[neighbour] and done[neighbour] == [home[neighbour]]
         # Turn 2: the target is killed mid-answer; the odd keys fail over, the neighbour not.
+        before = {k: sent(k) for k in conns}
         for ws in conns.values():
             await ws.send(json.dumps({"type": "prompt", "text": "more", "max_tokens": 40}))
         turns = {k: asyncio.ensure_future(read_turn(ws, k, 2, 40)) for k, ws in conns.items()}
-        await asyncio.sleep(0.3)
+        await streaming(before)
         next(w for w in workers if w.id == target).kill()
         done = {k: await asyncio.wait_for(t, 30) for k, t in turns.items()}
         for key in odd:

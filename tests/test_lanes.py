@@ -38,6 +38,7 @@ from tests.test_http_proxy import (
     serve,
     status_of,
 )
+from tests.waits import settled, until
 
 needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
 
@@ -369,12 +370,16 @@ async def test_slow_reader_on_a_lane_holds_the_worker_back(stack: Stack) -> None
         c.writer.write(
             b"GET /flood?n=100000&size=1024 HTTP/1.1\r\nHost: x\r\nX-Session-Id: flood\r\n\r\n"
         )
-        await asyncio.sleep(1.5)
-        async with (
-            aiohttp.ClientSession() as http,
-            http.get(f"{stack.base}/progress", headers={"X-Session-Id": "flood"}) as r,
-        ):
-            sent = int((await r.json())["bytes"])
+
+        async def progress() -> int:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"{stack.base}/progress", headers={"X-Session-Id": "flood"}) as r,
+            ):
+                return int((await r.json())["bytes"])
+
+        await until(progress, 10, "the flood under way")
+        sent = await settled(progress, quiet=1.0, timeout=20, what="the worker's bytes sent")
         assert sent < 30 * 1024 * 1024, sent  # 100 MiB were asked for
     finally:
         c.close()

@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed
 
 from balancer.frames import OP_TEXT
 from tests.procs import Worker, Wslb, free_port, pool_config
+from tests.waits import until
 from tests.wsraw import RawClient
 
 
@@ -67,7 +68,7 @@ async def test_per_client_address_limit_gives_429(flood: Flood, tmp_path: Path) 
         assert c.status == 429
         assert flood.connections == 2
         await held[0].close()
-        await asyncio.sleep(0.2)
+        await until(lambda: len(lb.admin("/sessions")) == 1, 10, "the closed session let go")
         async with connect(lb.url):
             pass
         for ws in held[1:]:
@@ -217,9 +218,8 @@ async def test_no_refused_handshake_reaches_the_worker(tmp_path: Path) -> None:
         held = [await asyncio.open_connection("127.0.0.1", lb.port) for _ in range(3)]
         c = await RawClient.connect(lb.port)
         assert c.status == 429
-        await asyncio.sleep(0.8)  # the held ones time out their handshake (408)
-        for r, wr in held:
-            assert (await asyncio.wait_for(r.read(), 2)).startswith(b"HTTP/1.1 408")
+        for r, wr in held:  # the held ones time out their handshake (408)
+            assert (await asyncio.wait_for(r.read(), 10)).startswith(b"HTTP/1.1 408")
             wr.close()
         assert connections() == before
     finally:

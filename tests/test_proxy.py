@@ -25,6 +25,7 @@ from websockets.typing import Subprotocol
 from backends.model import token_text
 from balancer.frames import OP_BINARY, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT, close_payload
 from tests.procs import Worker, Wslb, free_port, pool_config
+from tests.waits import settled, until
 from tests.wsraw import RawClient
 
 FAST = {"ping_interval": "30s", "ping_timeout": "30s", "close": "2s", "shutdown_grace": "0.2s"}
@@ -364,8 +365,15 @@ async def test_backpressure_stops_a_flooding_worker(recorder: Recorder, tmp_path
     try:
         c = await RawClient.connect(lb.port)
         c.send_frame(OP_TEXT, b"flood")
-        await asyncio.sleep(1.5)  # the client reads nothing meanwhile
-        m = lb.admin("/sessions")[0]
+
+        def session() -> dict[str, Any]:
+            (view,) = lb.admin("/sessions")
+            return dict(view)
+
+        # The client reads nothing meanwhile: the relayed count stops (bounded).
+        await until(lambda: session()["frames"]["worker_to_client"] > 0, 10, "the flood")
+        await settled(lambda: session()["frames"]["worker_to_client"], 1.0, 20, "frames relayed")
+        m = session()
         # 4000 x 8 KiB = 32 MiB offered; only what fits the kernel's loopback socket buffers
         # (a few MiB) and wslb's 64 KiB passed: the worker is blocked, nothing piles up.
         assert m["frames"]["worker_to_client"] < 1500, m
@@ -462,7 +470,11 @@ async def test_worker_killed_mid_stream_gives_1011_fast_and_others_continue(
             i += 1
         for ws in conns["a"] + conns["b"]:
             await ws.send(json.dumps({"type": "prompt", "text": "long", "max_tokens": 500}))
-        await asyncio.sleep(0.3)
+        await until(  # every answer under way: more than the hello came
+            lambda: all(s["messages"]["worker_to_client"] > 1 for s in lb.admin("/sessions")),
+            10,
+            "every answer streaming",
+        )
         a.kill()
         t0 = time.monotonic()
         for ws in conns["a"]:
@@ -500,6 +512,7 @@ async def test_ping_timeout_and_idle_timeout(recorder: Recorder, tmp_path: Path)
         assert code == 1011
         # A client that answers (websockets does) stays connected past several intervals.
         async with connect(lb.url) as ws:
+            # Negative check: not closed over several ping intervals (no count of pongs to await).
             await asyncio.sleep(1.5)
             await ws.send("still")
             assert await ws.recv() == "still"

@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,8 @@ from openai import AsyncOpenAI
 from openai.resources.realtime.realtime import AsyncRealtimeConnection
 from websockets.exceptions import InvalidStatus
 
-from tests.procs import ROOT, Worker, Wslb, free_port, pool_config, wait_port
+from balancer import admintoken
+from tests.procs import ROOT, Worker, Wslb, all_active, free_port, pool_config, wait_port
 
 MODEL = "wslb-reference"
 
@@ -122,13 +125,30 @@ def balancer_yaml(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
         )
     for port in (ports[0], *ports[2:]):
         wait_port(port, timeout=30, proc=proc)
+    deadline = time.monotonic() + 30  # the spawned workers' first health checks passed
+    while not all_active(listing := _backends(ports[1], env)):
+        assert proc.poll() is None and time.monotonic() < deadline, (listing, log.read_text())
+        time.sleep(0.05)
     return proc, ports[0], log
+
+
+def _backends(admin_port: int, env: dict[str, str]) -> list[dict[str, Any]]:
+    """The admin API's backends (its generated token), or none while it cannot say."""
+    token = admintoken.read(admin_port, env)
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{admin_port}/backends", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            listing: list[dict[str, Any]] = json.loads(r.read())
+    except (OSError, ValueError):
+        return [{"state": "unknown"}]
+    return listing or [{"state": "none yet"}]
 
 
 async def test_two_turns_through_the_repos_balancer_yaml(tmp_path: Path) -> None:
     proc, port, log = balancer_yaml(tmp_path)
     try:
-        await asyncio.sleep(0.5)  # the spawned workers' first health checks
         async with client(port).realtime.connect(
             model=MODEL, extra_query={"session": "rt-two"}
         ) as conn:

@@ -33,6 +33,7 @@ from balancer.aio import offload
 from balancer.frames import OP_BINARY, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT
 from tests.servers.websockets_echo import echo
 from tests.test_offload import python_scan, read_available
+from tests.waits import until
 
 _relay: ModuleType | None
 try:
@@ -338,7 +339,8 @@ async def relay_echoes(off: offload.Offload, port: int, rng: random.Random) -> N
         await loop.sock_sendall(wsock, frame(OP_PING, b"end", mask=os.urandom(4)))
         r = await asyncio.wait_for(s.back, 20)  # through Offload._events, not by the test
         assert r.reason in (C().NOMEM, C().FRAME)
-        await asyncio.sleep(0.05)
+        # What the thread forwarded has reached the client's reader.
+        await until(lambda: len(got) + len(r.backlog) >= r.nbytes, 10, "the forwarded bytes")
         forwarded = bytes(got) + r.backlog
         assert r.record == forwarded and r.nbytes == len(forwarded)
         assert python_scan(forwarded).frames == r.frames

@@ -37,9 +37,19 @@ from tests.test_cluster_etcd import cluster_config
 from tests.test_failover import default_system, failovers, relay_thread, worker_proc
 from tests.test_resume import Client, rest_of_words, stock_system
 from tests.test_resume_compose import TlsClient, rest_of_answer, start_answer, transport_stack
+from tests.waits import until
 
 TOKENS = 250  # at balancer.yaml's workers' 50 tokens/s: 5 s per answer
 N = int(os.environ.get("RESTART_N", "100"))
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` mask, Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
 
 
 def restart(lb: Wslb) -> dict[str, Any]:
@@ -377,11 +387,19 @@ os.execv(sys.executable, [sys.executable, *keeper])
     try:
         assert keeper.stdout is not None
         first, second = map(int, keeper.stdout.readline().split())
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # everyone's handlers are in (else USR2 kills it)
+        while not all(catches(pid, signal.SIGUSR2) for pid in (keeper.pid, first, second)):
+            assert keeper.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
         keeper.send_signal(signal.SIGUSR2)
         assert keeper.stdout.readline().strip() == "usr2"  # the announced successor's
         os.kill(first, signal.SIGKILL)  # the old one exits: the keeper stays for the new
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # the keeper reaped it (a zombie until then)
+        while psutil.pid_exists(first):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        keeper.send_signal(signal.SIGUSR2)  # still there, and still passing signals on
+        assert keeper.stdout.readline().strip() == "usr2"
         assert keeper.poll() is None
         keeper.send_signal(signal.SIGTERM)
         assert keeper.wait(10) == 128 + signal.SIGTERM
@@ -451,8 +469,7 @@ async def test_over_each_transport_with_the_relay_thread(tmp_path: Path, scheme:
             clients = [TlsClient(url, f"{scheme}-r{i}", ctx) for i in range(6)]
             seens = await asyncio.gather(*(start_answer(c, 400, 5) for c in clients))
             if scheme == "ws" and offload.AVAILABLE:
-                await asyncio.sleep(0.3)
-                assert relay_thread(lb)["taken"] >= 6, relay_thread(lb)
+                await until(lambda: relay_thread(lb)["taken"] >= 6, 10, "all six on the thread")
             answer = await asyncio.to_thread(restart, lb)
             if scheme == "ws":
                 assert answer["sessions"]["moved"] == 6, answer
@@ -526,7 +543,8 @@ async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
         assert answer["sessions"]["moved"] == 1, answer
         await rest_of_answer(c, seen)
         assert seen == list(range(200))
-        await asyncio.sleep(1.0)  # past the old process's exit and lease revocation
+        # Past the old process's exit (it revokes its lease as it goes).
+        await until(lambda: not psutil.pid_exists(answer["old"]["pid"]), 10, "the old exited")
         after = lb.admin("/readyz")["cluster"]["instances"]
         deadline = time.monotonic() + 10
         while after != before and time.monotonic() < deadline:

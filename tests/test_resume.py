@@ -22,6 +22,7 @@ from backends.model import token_text
 from tests.procs import Procs, Wslb, free_port, pool_config, wait_port
 from tests.servers import WORDS
 from tests.test_failover import default_system
+from tests.waits import until
 
 TOKENS = 80
 
@@ -68,6 +69,16 @@ def metric(lb: Wslb, name: str) -> dict[str, float]:
     return out
 
 
+async def away(lb: Wslb, sid: str) -> None:
+    """Until wslb has seen the client's cut: the session is detached (bounded)."""
+
+    def detached() -> bool:
+        view = lb.admin(f"/sessions/{sid}")["resume"]
+        return view is not None and bool(view["detached"])
+
+    await until(detached, 10, f"session {sid} detached")
+
+
 @pytest.fixture
 def system(tmp_path: Path) -> Iterator[Wslb]:
     lb, _ = default_system(tmp_path)
@@ -87,7 +98,7 @@ async def chat_cut_and_resumed(lb: Wslb, sid: str, cut_after: int) -> None:
         assert msg["type"] == "token"
         seen.append(msg["i"])
     c.cut()
-    await asyncio.sleep(0.3)
+    await away(lb, sid)
     await c.open(resume=True)
     assert c.resumed == str(c.count)
     done = None
@@ -124,7 +135,7 @@ async def test_a_wrong_token_key_or_count_gets_409(system: Wslb) -> None:
     await c.open()
     await c.recv()  # hello
     c.cut()
-    await asyncio.sleep(0.3)
+    await away(lb, "victim")
     token = c.token
     assert token is not None
     attempts = [
@@ -156,10 +167,8 @@ async def test_the_grace_expiring_gives_the_worker_1001(tmp_path: Path) -> None:
         await c.open()
         await c.recv()
         c.cut()
-        await asyncio.sleep(0.2)
-        assert metric(lb, "wslb_detached_sessions") == {"": 1}
-        await asyncio.sleep(2.5)
-        assert metric(lb, "wslb_detached_sessions") == {"": 0}
+        await until(lambda: metric(lb, "wslb_detached_sessions") == {"": 1}, 10, "detached")
+        await until(lambda: metric(lb, "wslb_detached_sessions") == {"": 0}, 20, "grace over")
         assert lb.admin("/sessions") == []
         closes = [e for e in lb.admin("/events?since=0")["events"] if e["kind"] == "detached"]
         assert len(closes) == 1
@@ -232,7 +241,7 @@ async def test_the_articles_fastapi_app_answer_survives_a_cut(tmp_path: Path) ->
         await c.ws.send("hello")
         words = [(await c.recv())["text"] for _ in range(4)]
         c.cut()
-        await asyncio.sleep(0.3)
+        await away(lb, c.sid)
         await c.open(resume=True)
         await rest_of_words(c, words)
         assert words == list(WORDS)
@@ -251,7 +260,7 @@ async def test_a_stock_websockets_server_sees_nothing_of_a_cut(tmp_path: Path) -
             await c.ws.send(json.dumps({"n": i}))
         got = [(await c.recv())["n"] for _ in range(7)]
         c.cut()
-        await asyncio.sleep(0.3)
+        await away(lb, c.sid)
         await c.open(resume=True)
         while len(got) < 20:
             got.append((await c.recv())["n"])
@@ -290,7 +299,7 @@ async def test_workers_n_a_reconnect_to_another_process_finds_its_session(
         await c.open()
         await c.recv()
         c.cut()
-        await asyncio.sleep(0.3)
+        await away(lb, "guarded")
         for _ in range(6):
             with pytest.raises(InvalidStatus) as err:
                 await connect(

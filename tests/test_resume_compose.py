@@ -37,7 +37,7 @@ from tests.test_bridge import STORY, BridgeProc
 from tests.test_drain import wait_state
 from tests.test_failover import default_system, failovers, relay_thread, until, worker_proc
 from tests.test_realtime import client, next_event, say
-from tests.test_resume import Client, metric
+from tests.test_resume import Client, away, metric
 from tests.test_tls_stream import make_certs, tls_listener, with_listeners
 
 TOKENS = 150  # at balancer.yaml's workers' 50 tokens/s: 3 s per answer
@@ -238,7 +238,8 @@ async def test_a_full_window_is_not_migrated_by_a_drain_and_closes_after_the_res
             lambda: lb.admin(f"/backends/{victim}")["drain"]["migration_failures"] == 1,
             what="the migration to be refused",
         )
-        await asyncio.sleep(1.0)  # quiet (its worker is not read), yet not closed: mid-answer
+        # Negative check: quiet (its worker is not read), yet not closed: mid-answer.
+        await asyncio.sleep(1.0)
         drain = lb.admin(f"/backends/{victim}")["drain"]
         assert drain["closed_after_answer"] == drain["closed_at_timeout"] == 0, drain
         assert window()["detached"], window()
@@ -390,7 +391,10 @@ async def test_a_worker_killed_while_its_client_is_away_is_failed_over(system: W
     seen = await start_answer(c, TOKENS, 10)
     c.cut()
     await until(lambda: metric(lb, "wslb_detached_sessions") == {"": 1}, what="the detach")
-    await asyncio.sleep(0.3)  # the worker streams on into the window
+    kept = lb.admin("/sessions/fk")["resume"]["window_bytes"]
+    await until(  # the worker streams on into the window
+        lambda: lb.admin("/sessions/fk")["resume"]["window_bytes"] > kept, what="more kept"
+    )
     victim = lb.admin("/sessions/fk")["backend"]
     worker_proc(lb, victim).send_signal(signal.SIGKILL)
     await until(lambda: failovers(lb)["resumed"] == 1, what="the failover")
@@ -664,7 +668,7 @@ async def test_a_chat_answer_from_llama_server_survives_a_cut(tmp_path: Path) ->
             assert msg["type"] == "token" and msg["i"] == len(chunks), msg
             chunks.append(msg)
         c.cut()
-        await asyncio.sleep(0.5)
+        await away(lb, "llama-cut")
         await c.open(resume=True)
         assert c.resumed == str(c.count)
         while True:

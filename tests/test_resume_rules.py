@@ -4,7 +4,6 @@ owner's key and token, a forged token, parameters a worker must never see; and t
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -19,7 +18,8 @@ from balancer.handshake import ClientRequest, HandshakeReject, check_client_requ
 from balancer.resume import NO_RESUME, read_resume, same_token, without_wslb_params
 from tests.procs import Worker, Wslb, free_port, pool_config
 from tests.test_auth import SECRET, token
-from tests.test_resume import Client
+from tests.test_resume import Client, away, metric
+from tests.waits import until
 
 
 def request(target: str, **headers: str) -> ClientRequest:
@@ -101,7 +101,7 @@ async def test_a_worker_never_sees_the_wslb_parameters(tmp_path: Path) -> None:
             await ws.send("1")
             assert await ws.recv() == "1"
             ws.transport.abort()
-            await asyncio.sleep(0.3)
+            await away(lb, "k")
             ws2 = await connect(f"{lb.url}/chat?session=k&wslb_resume={t}&wslb_from=1")
             assert ws2.response is not None and ws2.response.headers["X-WSLB-Resumed"] == "1"
             await ws2.send("2")
@@ -130,7 +130,8 @@ async def test_another_owner_with_the_key_and_token_gets_409(tmp_path: Path) -> 
         tok = c.ws.response.headers["X-WSLB-Resume-Token"]
         await c.recv()
         c.cut()
-        await asyncio.sleep(0.3)
+        # The owner's session (its id is not the bare key): detached once wslb saw the cut.
+        await until(lambda: metric(lb, "wslb_detached_sessions") == {"": 1}, 10, "detached")
         resume = {"X-WSLB-Resume-Token": tok, "X-WSLB-Resume-From": "1"}
         with pytest.raises(InvalidStatus) as err:
             await connect(c.url, additional_headers={**bob, **resume})

@@ -43,6 +43,7 @@ from balancer.handshake import ClientRequest
 from balancer.metrics import Stats
 from balancer.pool import ACTIVE, DRAINED, DRAINING, Pool
 from balancer.session_core import VIOLATION_GRACE
+from tests.waits import until
 
 
 class FakeTransport(asyncio.Transport):
@@ -243,8 +244,7 @@ async def test_client_violation_rule_3() -> None:
     assert s.core.pending_client_close == (CloseCode.PROTOCOL_ERROR, "unmasked frame from client")
     s.data_received(text(b"in flight", mask=False))  # still relayed
     assert ct.frames(False) == [(OP_TEXT, b"in flight")]
-    await asyncio.sleep(VIOLATION_GRACE * 2)
-    assert closes(wt, True) == [1001]
+    await until(lambda: closes(wt, True) == [1001], VIOLATION_GRACE + 5, "the worker told to go")
     s.data_received(close(1001))  # the worker's answer is dropped; the client gets its code
     assert closes(ct, False) == [1002] and ct.closed  # failing the connection: TCP closed
     assert s.ended == "client broke the protocol: unmasked frame from client"
@@ -341,8 +341,8 @@ async def test_drain_without_migration_closes_after_the_answer(
     drainer = Drainer(state)
     progress = drainer.start(pool, b, False, 5.0)
     assert b.admin_state == DRAINING and isinstance(progress, DrainProgress)
-    await asyncio.sleep(0.1)
-    assert closes(ct, False) == [1012]  # the worker was quiet: its answer was over
+    # The worker was quiet: its answer was over.
+    await until(lambda: closes(ct, False) == [1012], 5, "the client's 1012")
     s.client_lost()
     s.connection_lost(None)
     task = drainer.tasks.get(b.id)
@@ -361,11 +361,10 @@ async def test_a_worker_that_drains_itself_is_undrained_when_back() -> None:
     b = pool.backends["w"]
     assert drainer.worker_drains(pool, b)
     assert not drainer.worker_drains(pool, b)  # already draining
-    await asyncio.sleep(0.05)
-    assert b.admin_state == DRAINED
+    await until(lambda: b.admin_state == DRAINED, 5, "drained")
     assert drainer.worker_back(b)
-    await asyncio.sleep(0.01)
-    assert b.admin_state == ACTIVE and not drainer.worker_back(b)
+    await until(lambda: b.admin_state == ACTIVE, 5, "active again")
+    assert not drainer.worker_back(b)
     # An operator's drain is not undone by probes.
     assert drainer.worker_drains(pool, b)
     drainer.keep_drained(b)
@@ -449,6 +448,7 @@ async def test_a_late_first_message_after_a_move_is_timed(monkeypatch: pytest.Mo
     monkeypatch.setattr(migrate_mod, "FIRST_MESSAGE_POLL", 0.005)
     t_freeze = loop.time()
     watcher = asyncio.ensure_future(migrate_mod.watch_first_message(state, s, s.ws, t_freeze))
+    # Negative check: the engine's re-prefill (0.1 s of its own) counts nothing meanwhile.
     await asyncio.sleep(0.1)
     assert state.stats.migration_first_message.count == 0
     s.data_received(text(b"first token after the move", mask=False))

@@ -131,7 +131,8 @@ async def test_a_session_rebuilt_from_its_snapshot_goes_on_unbroken() -> None:
     tokens = [build_frame(OP_TEXT, f"token {i}".encode(), mask=False) for i in range(6)]
     worker.transport.write(tokens[0] + tokens[1] + tokens[2][:5])
     await until(lambda: len(client.messages()) == 2 and worker.messages() == [b"prompt 1"])
-    await asyncio.sleep(0.05)  # the cut frame's first bytes reach wslb
+    cut = len(tokens[0]) + len(tokens[1]) + 5  # the cut frame's first bytes reach wslb
+    await until(lambda: len(client.raw) == cut)  # which relays them as they come
     s2, data = await adopted(host, pool, s, settings)
     assert data["core"]["ws"]["remaining"] > 0  # described in the middle of a frame
     assert s2.core.mode is Mode.RELAYING and s2.totals[:2] == s.totals[:2]

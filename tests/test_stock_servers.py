@@ -16,7 +16,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ from websockets.exceptions import ConnectionClosed
 from balancer.config import HealthCfg
 from tests.procs import Wslb
 from tests.servers import DELAY, KINDS, WORDS, Server
+from tests.test_http_proxy import metric
+from tests.waits import until
 
 # Default health checks (fall 3 x interval 2 s): a server failing them would be down by then.
 FALL_TIMES_INTERVAL = HealthCfg().fall * HealthCfg().interval
@@ -54,7 +56,6 @@ class Stack:
     kind: str
     servers: dict[str, Server]
     lb: Wslb
-    started: float = field(default_factory=time.monotonic)
 
     @property
     def echo(self) -> bool:
@@ -217,9 +218,20 @@ async def test_sessions_with_different_keys_spread_over_both(stack: Stack) -> No
         assert dict(zip(keys, answered, strict=True)) == {k: placed[k] for k in keys}
 
 
+async def scrapes_failed(stack: Stack, n: int = 3) -> None:
+    """Until every backend has failed ``n`` scrapes (no ``/metrics``): a line per failure
+    would be there by now."""
+
+    def failed() -> bool:
+        count = "wslb_scrape_failures_total"
+        return all(metric(stack.lb, count, backend=bid) >= n for bid in IDS)
+
+    await until(failed, 20, f"{n} failed scrapes of each backend")
+
+
 async def test_missing_metrics_is_logged_once_per_backend(stack: Stack) -> None:
     """The servers have no ``/metrics``; scrapes every second must not log every time."""
-    await asyncio.sleep(max(0.0, 3.5 - (time.monotonic() - stack.started)))
+    await scrapes_failed(stack)
     lines = metrics_lines(stack.lb.output())
     assert len(lines) <= len(IDS), "\n".join(lines)
 
@@ -291,7 +303,7 @@ async def test_killed_server_goes_down_with_its_reason(tmp_path: Path) -> None:
             assert {"ok", "reason", "since", "last_check"} <= set(v["health"]), v
             assert v["health"]["ok"] is True and v["state"] == "active", v
             assert v["overloaded"] is False, v  # no /metrics: no signals, never overloaded
-        await asyncio.sleep(max(0.0, 3.5 - (time.monotonic() - stack.started)))
+        await scrapes_failed(stack)
         lines = metrics_lines(stack.lb.output())
         assert len(lines) <= len(IDS), "\n".join(lines)
 

@@ -13,6 +13,7 @@ import pytest
 import uvloop
 
 from balancer.aio.wheel import FIRE_CHUNK, Bucket, TimerWheel, granularity
+from tests.waits import until
 
 
 class FakeHandle:
@@ -302,7 +303,7 @@ async def _real_loop_check() -> None:
         cases.append((o, loop.time() + delay, delay))
         wheel.schedule(o, delay)
         await asyncio.sleep(0.013)
-    await asyncio.sleep(0.8)
+    await until(lambda: all(o.fired for o, _, _ in cases), 10, "every timer fired")
     for o, due, delay in cases:
         assert len(o.fired) == 1
         late = o.fired[0] - due

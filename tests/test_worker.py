@@ -29,6 +29,7 @@ from backends.gpu import open_gpu
 from backends.model import ModelConfig, token_text
 from backends.worker import METRIC_NAMES, READY_PREFIX, Worker, WorkerConfig
 from tests.procs import WORKER_AUTH, WORKER_TOKEN
+from tests.waits import until
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFILL_MS = 0.01
@@ -461,7 +462,12 @@ async def test_second_signal_exits_at_once() -> None:
         async with await open_chat(w, new_sid()) as ws:
             await recv(ws)
             w.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
+
+            async def draining() -> bool:
+                async with aiohttp.ClientSession() as http, http.get(w.http + "/healthz") as r:
+                    return r.status == 503
+
+            await until(draining, 10, "the first signal taken (draining)")
             assert w.proc.poll() is None
             w.proc.send_signal(signal.SIGINT)
             with pytest.raises(ConnectionClosed) as info:
