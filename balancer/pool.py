@@ -231,14 +231,7 @@ class Pool:
         )
         # Keyless plain requests placed by their prompt's prefix (``balancer.prefix``).
         pp = cfg.prefix_placement
-        self.prefix_rules = prefix.Rules(
-            block=pp.block,
-            anchor=pp.anchor,
-            table_size=pp.table_size,
-            threshold=pp.threshold,
-            balance_abs=pp.balance_abs,
-            balance_rel=pp.balance_rel,
-        )
+        self.prefix_rules = pp
         self.prefix = prefix.Table(pp.table_size) if pp.enabled else None
         self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0}
         # key -> its conversation (module docstring); forgotten with its placement.

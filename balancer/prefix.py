@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from balancer.backend import Backend
+from balancer.config import PrefixCfg
 
 __all__ = [
     "HOLDERS",
@@ -87,16 +88,8 @@ _SEP = b"\x1e"  # ends a segment inside the hash, so boundaries are part of what
 _ASSISTANT = "assistant\x1f"
 
 
-@dataclass(frozen=True, slots=True)
-class Rules:
-    """A pool's ``prefix_placement`` settings (``PrefixCfg``)."""
-
-    block: int = 256
-    anchor: int = 256
-    table_size: int = 100_000
-    threshold: float = 0.3
-    balance_abs: float = 32.0
-    balance_rel: float = 1.5
+Rules = PrefixCfg
+"""A pool's ``prefix_placement`` settings: the config's own object, one owner of the numbers."""
 
 
 @dataclass(frozen=True, slots=True)
