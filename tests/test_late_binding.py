@@ -28,6 +28,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from tests.procs import Worker, Wslb, free_port, pool_config, running
+from tests.test_failover import default_system
+from tests.test_resume import Client as ResumingClient
+from tests.test_resume import away
 
 TIMEOUT = 20.0
 SYSTEM = "You are the assistant of a shop that sells bicycles and their parts. " * 12
@@ -170,6 +173,31 @@ async def test_the_openai_sdks_realtime_sessions_meet_their_instructions_cached(
         counts = await asyncio.to_thread(bindings, lb)
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
     assert counts.get("ring") == 1 and counts.get("prefix") == 2, counts
+
+
+async def test_a_late_bound_session_resumes_after_a_cut(tmp_path: Path) -> None:
+    """The repo's ``balancer.yaml`` (resume on) with late binding: the token comes with wslb's
+    own 101, and a client cut mid-answer resumes from its count, every token once."""
+    lb, _ = default_system(tmp_path, prefix_placement={"websocket": True})
+    try:
+        c = ResumingClient(lb.url, "late-resume")
+        await c.open()
+        assert c.ws is not None and c.token
+        await c.ws.send(json.dumps({"type": "prompt", "text": "tell me", "max_tokens": 40}))
+        assert (await c.recv())["type"] == "hello"
+        seen: list[int] = []
+        while len(seen) < 10:
+            seen.append((await c.recv())["i"])
+        c.cut()
+        await away(lb, "late-resume")
+        await c.open(resume=True)
+        assert c.resumed == str(c.count)
+        while (msg := await c.recv())["type"] != "done":
+            seen.append(msg["i"])
+        assert seen == list(range(40))
+        assert (await asyncio.to_thread(bindings, lb)) == {"ring": 1.0}
+    finally:
+        lb.stop()
 
 
 # -- a worker nobody wrote for wslb ---------------------------------------------------------------
