@@ -324,9 +324,16 @@ async def test_at_1280_px_drain_is_on_screen_and_a_fresh_start_counts_no_errors(
         async with dashboard(lb, {"width": width, "height": height}) as dash:
             await dash.login()
             await eventually(lambda: table_matches_api(dash), 10, "backends table")
-            # Negative check: no check or scrape fails in the first health interval and a few
-            # scrapes (no count of passed checks to wait on).
-            await asyncio.sleep(2.5)
+            # Past the first health interval: every backend probed again since (and scraped a
+            # few times, every second), none of it failed.
+            first = {b["id"]: b["health"]["last_check"] or 0 for b in lb.admin("/backends")}
+
+            async def probed_again() -> tuple[bool, Any]:
+                now = await asyncio.to_thread(lb.admin, "/backends")
+                again = [(b["health"]["last_check"] or 0) > first[b["id"]] for b in now]
+                return all(again), now
+
+            await eventually(probed_again, 15, "a second round of health checks")
             for b in lb.admin("/backends"):
                 counters = b["counters"]
                 assert counters["health_check_failures"] == 0, b

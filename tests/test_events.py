@@ -205,8 +205,12 @@ async def test_a_killed_worker_is_one_state_event_and_its_return_another(tmp_pat
             if lb.admin("/backends/k0")["state"] == "active":
                 break
         up_since = lb.admin("/backends/k0")["health"]["since"]
-        # Negative check: more probes, no more events (nothing to wait on but the probes' time).
-        await asyncio.sleep(4 * interval)
+        # More probes (three after the one that found it back): no more events.
+        await until(
+            lambda: lb.admin("/backends/k0")["health"]["last_check"] >= up_since + 3 * interval,
+            10 + 4 * interval,
+            "three more probes",
+        )
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with aiohttp.ClientSession() as http, http.get(f"{base}?since=0", headers=auth) as r:
             everything = (await r.json())["events"]

@@ -467,7 +467,10 @@ async def test_over_each_transport_with_the_relay_thread(tmp_path: Path, scheme:
         lb, url, ctx = transport_stack(tmp_path, procs, scheme, True)
         try:
             clients = [TlsClient(url, f"{scheme}-r{i}", ctx) for i in range(6)]
-            seens = await asyncio.gather(*(start_answer(c, 400, 5) for c in clients))
+            # wss: the 1012 must come mid-answer, however long the restart takes on a loaded
+            # machine (seconds): an answer long enough for that (100 tokens/s).
+            tokens = 400 if scheme == "ws" else 1500
+            seens = await asyncio.gather(*(start_answer(c, tokens, 5) for c in clients))
             if scheme == "ws" and offload.AVAILABLE:
                 await until(lambda: relay_thread(lb)["taken"] >= 6, 10, "all six on the thread")
             answer = await asyncio.to_thread(restart, lb)
@@ -490,7 +493,7 @@ async def test_over_each_transport_with_the_relay_thread(tmp_path: Path, scheme:
                     assert c.resumed == str(c.count)
             for c, seen in zip(clients, seens, strict=True):
                 await rest_of_answer(c, seen)
-                assert seen == list(range(400)), c.sid
+                assert seen == list(range(tokens)), c.sid
                 assert c.ws is not None
                 await c.ws.close()
         finally:
@@ -543,8 +546,7 @@ async def test_a_cluster_instance_keeps_its_place(tmp_path: Path) -> None:
         assert answer["sessions"]["moved"] == 1, answer
         await rest_of_answer(c, seen)
         assert seen == list(range(200))
-        # Past the old process's exit (it revokes its lease as it goes).
-        await until(lambda: not psutil.pid_exists(answer["old"]["pid"]), 10, "the old exited")
+        await asyncio.sleep(1.0)  # past the old process's exit and lease revocation
         after = lb.admin("/readyz")["cluster"]["instances"]
         deadline = time.monotonic() + 10
         while after != before and time.monotonic() < deadline:
