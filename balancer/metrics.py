@@ -617,16 +617,16 @@ def _http_families(st: Stats) -> Iterator[Metric]:
         "wslb_http_prefix_placements",
         "Keyless plain requests placed by their prompt (prefix_placement), by how: prefix (a "
         "worker holding its prefix), balance (the least loaded: load imbalanced), ring (the "
-        "prompt's first bytes on the ring)",
+        "prompt's first bytes on the ring), bound (so, every holder being at its bound)",
         ["pool", "how"],
         st.http_placed,
     )
     yield labelled(
         "wslb_late_bindings",
         "WebSocket sessions placed by their first message (prefix_placement.websocket), by how: "
-        "prefix, balance, ring (as keyless requests), none (placed without a prompt: the wait "
-        "for it ran out, it was too large or not a prompt), closed (the client closed or broke "
-        "the protocol before it)",
+        "prefix, balance, ring, bound (as keyless requests), none (placed without a prompt: the "
+        "wait for it ran out, it was too large or not a prompt), closed (the client closed or "
+        "broke the protocol before it)",
         ["pool", "how"],
         st.late_bound,
     )

@@ -233,7 +233,7 @@ class Pool:
         pp = cfg.prefix_placement
         self.prefix_rules = pp
         self.prefix = prefix.Table(pp.table_size) if pp.enabled else None
-        self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0}
+        self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
         # key -> its conversation (module docstring); forgotten with its placement.
         self._convs: dict[str, Conversation] = {}
         self._growth = _Mean()  # context tokens per turn
@@ -511,8 +511,9 @@ class Pool:
     ) -> tuple[Backend | None, str]:
         """``select`` for a keyless request's ``prompt`` in a pool with ``prefix_placement``
         (``balancer.prefix``), and how it was placed: ``prefix`` (a worker holding its
-        prefix), ``balance`` (the least loaded: the load was imbalanced) or ``ring`` (its
-        anchor on the ring, bounded load); ``none`` when no backend is ready."""
+        prefix), ``balance`` (the least loaded: the load was imbalanced), ``ring`` (its
+        anchor on the ring, bounded load) or ``bound`` (so placed too: every worker holding
+        its prefix was at its bound); ``none`` when no backend is ready."""
         assert self.prefix is not None
         self._unreserve(key)
         self.refresh(now)
@@ -521,7 +522,14 @@ class Pool:
         if not ready:
             return None, "none"
         walk = list(self.ring.walk(prompt.anchor))
-        chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules)
+        rules = self.rules
+        strict = selection.within_bound(ready, rules.factor)
+        loose = selection.within_bound(ready, max(rules.factor, rules.ceiling))
+
+        def fits(b: Backend, going_on: bool) -> bool:
+            return loose(b) if going_on else strict(b)
+
+        chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules, fits)
         self.prefix_placed[why] += 1
         if chosen is None:
             chosen = selection.consistent(ready, walk, self.rules, size=self._new_size()).backend

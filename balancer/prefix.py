@@ -45,9 +45,14 @@ Rules:
    tree): with ``load(b)`` the backend's counted requests and sessions per unit of effective
    weight, the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x
    min`` over the ready backends, both at once. Imbalanced: the least loaded backend. Else a
-   match that counts: its least loaded holder (only the imbalance test moves a prompt off the
-   workers holding its prefix). Else (``None`` here) the caller places the prompt's *anchor*
-   on the pool's ring with the bounded-load rule, as a key: the chain hash of the first block
+   match that counts: its least loaded holder within the pool's bounded-load bound (``fits``):
+   ``hash_balance_factor`` times its share for a prompt that shares a prefix with others (a
+   system prompt), so a worker holding a popular prefix takes no more than its share and the
+   margin; ``affinity_ceiling`` times it for a conversation going on (its match ends with an
+   answer the holder wrote), as for a returning key. A match whose holders are all
+   over the bound is ``bound``; no match that counts is ``ring``: either way (``None`` here)
+   the caller places the prompt's *anchor* on the pool's ring with the bounded-load rule, as a
+   key, which passes over the workers above their bound: the chain hash of the first block
    boundary at or past ``anchor`` bytes (the whole prompt if shorter). So every instance, with
    no state shared, sends a long shared system prompt to the same worker, and a
    conversation's later turns, which start with the same bytes, follow its first.
@@ -60,7 +65,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +116,12 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """The table's longest match for a prompt: bytes covered and the ready holders (rule 4)."""
+    """The table's longest match for a prompt: bytes covered and the ready holders (rule 4);
+    ``answered``: it ends with an answer its holders wrote (a conversation going on)."""
 
     covered: int
     holders: tuple[str, ...]
+    answered: bool = False
 
 
 def _dump(v: Any) -> str:
@@ -294,7 +301,8 @@ class Table:
         if last < 0:
             return Match(0, ())
         # The holder wrote the answer that follows what it was sent: it holds that too.
-        return Match(prompt.answers[last] or prompt.ends[last], holders)
+        answer = prompt.answers[last]
+        return Match(answer or prompt.ends[last], holders, answer > 0)
 
     def forget(self, backend_id: str) -> None:
         """A backend left the pool: its entries go (its id may come back as another worker)."""
@@ -326,10 +334,12 @@ def choose(
     ready: Sequence[Backend],
     walk: Iterable[str],
     rules: Rules,
+    fits: Callable[[Backend, bool], bool] = lambda b, going_on: True,
 ) -> tuple[Backend | None, str]:
-    """Rule 5: the backend and why (``balance``, ``prefix``), or ``(None, "ring")`` when the
-    caller places the anchor on the ring. ``walk``: the anchor's ring walk (backend ids), for
-    ties."""
+    """Rule 5: the backend and why (``balance``, ``prefix``), or ``(None, "ring")`` /
+    ``(None, "bound")`` when the caller places the anchor on the ring. ``walk``: the anchor's
+    ring walk (backend ids), for ties; ``fits``: whether one more request keeps a backend
+    within the pool's bound (the looser one for a conversation going on)."""
     order = {bid: i for i, bid in enumerate(walk)}
 
     def rank(b: Backend) -> tuple[float, int, str]:
@@ -340,5 +350,8 @@ def choose(
     m = table.match(prompt, (b.id for b in ready))
     if m.covered and m.covered >= rules.threshold * prompt.size:
         by_id = {b.id: b for b in ready}
-        return min((by_id[x] for x in m.holders), key=rank), "prefix"
+        within = [b for x in m.holders if fits(b := by_id[x], m.answered)]
+        if not within:
+            return None, "bound"
+        return min(within, key=rank), "prefix"
     return None, "ring"

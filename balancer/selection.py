@@ -173,6 +173,16 @@ def move_pays(
     return stay > move_cost * move
 
 
+def within_bound(ready: Sequence[Backend], factor: float) -> Callable[[Backend], bool]:
+    """Whether one more request or session keeps a backend within ``factor`` times its share
+    of the load after it (the bounded-load rule of ``consistent``, for other placements)."""
+    total_after = sum(b.counted for b in ready) + 1
+    weight_sum = sum(b.effective_weight for b in ready)
+    return lambda b: b.counted + 1 <= load_bound(
+        total_after, factor, b.effective_weight, weight_sum
+    )
+
+
 def consistent(
     ready: Sequence[Backend],
     walk: Iterable[str],

@@ -97,7 +97,11 @@ async def test_a_late_bound_session_lands_where_its_system_prompt_is_cached(
         backends = [
             {"id": f"w{i}", "url": f"ws://127.0.0.1:{w.port}"} for i, w in enumerate(workers)
         ]
-        lb = Wslb(late_config(backends, websocket=on), tmp_path, name=f"wslb-{on}")
+        cfg = late_config(backends, websocket=on)
+        # Each closed session keeps its key's place (held), which counts as load: at the
+        # default factor the holder would be at its bound after four (tests/test_prefix.py).
+        cfg["pools"][0]["hash_balance_factor"] = 4.0
+        lb = Wslb(cfg, tmp_path, name=f"wslb-{on}")
         with running(*workers, lb):
             await asyncio.to_thread(lb.start)
             seen[on] = [await chat(lb, f"late-{n}", f"question {n}?") for n in range(6)]
@@ -138,7 +142,9 @@ async def test_the_openai_sdks_realtime_sessions_meet_their_instructions_cached(
     same instructions share a worker, and the later ones find the instructions cached."""
     workers = [Worker(f"lr{i}", PROMPT_ARGS).start() for i in range(3)]
     backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers]
-    lb = Wslb(late_config(backends), tmp_path)
+    cfg = late_config(backends)
+    cfg["pools"][0]["hash_balance_factor"] = 4.0  # held places: as in the test above
+    lb = Wslb(cfg, tmp_path)
     sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{lb.port}/v1", api_key="not-needed")
     cached = []
     with running(*workers, lb):

@@ -196,9 +196,31 @@ def test_load_imbalance_overrides_the_prefix() -> None:
     assert b is not None and b.id != home
     assert pool.prefix_placed["balance"] == 1
     pool.cancel("x")
-    hot.sessions = 4  # abs 4 is not more than 4: the prefix wins again
+    for other in pool.backends.values():  # 4 against 3 and 3: not imbalanced, within bound
+        other.sessions = 3
+    hot.sessions = 4
     b = pool.select("y", prompt=p)
     assert b is not None and b.id == home
+
+
+def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() -> None:
+    """A prompt that shares a prefix with earlier ones (a system prompt) goes to its holder
+    only within hash_balance_factor (1.25) of its share; a conversation going on (its earlier
+    answer written there) within affinity_ceiling (2.0), as a returning key."""
+    pool = make_pool(balance_abs=100)  # the imbalance rule out of the way
+    home = place(pool, chat("q"))
+    for b in pool.backends.values():  # 3 there, 1 on each other: 6 after one more
+        b.sessions = 3 if b.id == home else 1
+    # strict bound ceil(1.25 x 6/3) = 3 < 4; loose ceil(2.0 x 6/3) = 4
+    shared = prompt_of(chat("another question"), pool.prefix_rules)
+    assert shared is not None
+    b, how = pool.place_prompt("x", shared)
+    assert b is not None and b.id != home and how == "bound"
+    pool.cancel("x")
+    going_on = prompt_of(chat("q", "an answer", "and then?"), pool.prefix_rules)
+    assert going_on is not None  # its first turn went home: the answer was written there
+    b, how = pool.place_prompt("y", going_on)
+    assert b is not None and b.id == home and how == "prefix"
 
 
 def test_a_match_below_the_threshold_goes_to_the_ring() -> None:
@@ -231,4 +253,4 @@ def test_on_by_default_and_a_pool_that_turns_it_off_ignores_prompts() -> None:
     assert pool.prefix is None
     p = prompt_of(chat("q"), pool.prefix_rules)
     assert pool.select("k", prompt=p) is pool.backends["w0"]
-    assert pool.prefix_placed == {"prefix": 0, "balance": 0, "ring": 0}
+    assert pool.prefix_placed == {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}

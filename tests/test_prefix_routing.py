@@ -137,7 +137,12 @@ async def test_a_keyed_conversation_is_placed_by_its_prompt_then_stays_by_its_ke
     workers = [Worker(f"k{i}").start() for i in range(3)]
     with running(*workers):
         for enabled in (True, False):
-            lb = Wslb(config(workers, enabled=enabled), tmp_path, name=f"wslb-{enabled}")
+            cfg = config(workers, enabled=enabled)
+            # Each finished conversation keeps its key's place (held), which counts as load:
+            # at the default factor the holder would be at its bound after four
+            # (tests/test_prefix.py has that rule).
+            cfg["pools"][0]["hash_balance_factor"] = 4.0
+            lb = Wslb(cfg, tmp_path, name=f"wslb-{enabled}")
             with running(lb):
                 await asyncio.to_thread(start, workers, lb)
                 where = [
@@ -177,7 +182,11 @@ async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
     pool is imbalanced (3 against 0, and 3 > 1.5 x 0), so the next request with that prompt goes
     to a least loaded worker; once they end it goes back."""
     workers = [Worker(f"r{i}", ["--tokens-per-s", "20"]).start() for i in range(3)]
-    lb = Wslb(config(workers, balance_abs=2, balance_rel=1.5), tmp_path)
+    cfg = config(workers, balance_abs=2, balance_rel=1.5)
+    # The bounded-load bound out of the way (it would pass the holder over at 2 of 3 running;
+    # tests/test_prefix.py has that rule): this is the imbalance rule alone.
+    cfg["pools"][0]["hash_balance_factor"] = 4.0
+    lb = Wslb(cfg, tmp_path)
     with running(*workers, lb):
         await asyncio.to_thread(start, workers, lb)
         prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
@@ -205,6 +214,47 @@ async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
             await asyncio.sleep(0.05)
         back, _ = await turn(lb, prompt)
         assert back == home
+
+
+async def test_a_popular_prefix_is_spread_within_the_bound(tmp_path: Path) -> None:
+    """Six long answers to new conversations sharing one system prompt, each placed while the
+    others run: the holder takes no more than its bound (``hash_balance_factor`` 1.25 x its
+    share: 3 of 6), the rest go on the ring's bound and become holders too."""
+    workers = [Worker(f"s{i}", ["--tokens-per-s", "20"]).start() for i in range(3)]
+    lb = Wslb(config(workers), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        url = f"http://127.0.0.1:{lb.port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            streams = []
+            try:
+                for n in range(6):
+                    prompt = [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"question {n}"},
+                    ]
+                    body = {"model": "wslb-reference", "messages": prompt, "max_tokens": 400}
+                    r = await http.post(
+                        url, json={**body, "stream": True}, timeout=aiohttp.ClientTimeout(TIMEOUT)
+                    )
+                    assert r.status == 200
+                    await r.content.readline()
+                    streams.append(r)
+                listing = await asyncio.to_thread(lb.admin, "/backends")
+                running_on = sorted(x["sessions"] for x in listing)
+                assert max(running_on) <= 3 and sum(running_on) == 6, listing
+                assert sum(1 for n in running_on if n) >= 2, listing
+            finally:
+                for r in streams:
+                    r.close()
+        text = await asyncio.to_thread(lb.admin, "/metrics")
+        placed = {
+            s.labels["how"]: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "wslb_http_prefix_placements_total"
+        }
+        assert placed.get("bound", 0) >= 1 and placed.get("ring", 0) == 1, placed
 
 
 async def raw(port: int, data: bytes, until: bytes | None = None) -> bytes:
