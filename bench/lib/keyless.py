@@ -129,7 +129,7 @@ class Params:
     system_words: int = 690
     user_words: tuple[int, int] = (25, 45)
     max_tokens: int = 48
-    arrival_s: float = 20.0
+    arrival_s: float = 90.0
     think_s: float = 2.0
     seed: int = 1
     timeout_s: float = 300.0
@@ -262,20 +262,21 @@ def start_taps(
 
 
 def read_taps(log: Path) -> tuple[dict[tuple[int, int], str], Counter[str]]:
-    """(conversation, turn) -> the engine that answered it (200, the last if several); and
-    the other forwards by engine and status (a router's retries)."""
+    """(conversation, turn) -> the engine whose ``/chat/completions`` answered it (200; the
+    last if several); and every other forward by ``engine:status:path`` (a router's retries,
+    vLLM's router's ``/tokenize`` calls, a router that left before the end: ``gone``)."""
     where: dict[tuple[int, int], str] = {}
     other: Counter[str] = Counter()
     if log.exists():
         for line in log.read_text().splitlines():
-            name, c, t, status, _path = line.split()
+            name, c, t, status, path = line.split()
             key = (int(c), int(t))
-            if status == "200":
+            if status == "200" and path.endswith("/chat/completions"):
                 if key in where:
-                    other[f"{where[key]}:200"] += 1
+                    other[f"{where[key]}:200:{path}"] += 1
                 where[key] = name
             else:
-                other[f"{name}:{status}"] += 1
+                other[f"{name}:{status}:{path}"] += 1
     return where, other
 
 
@@ -454,7 +455,7 @@ def _spread(values: Sequence[float], fmt: Callable[[float], str]) -> str:
 
 
 def _n(x: float) -> str:
-    return f"{x:,.0f}"
+    return f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"  # a median of two may end in .5
 
 
 def _ms(x: float) -> str:
@@ -509,7 +510,7 @@ def detail(results: Sequence[RunResult]) -> str:
         how = " ".join(f"{k}={v}" for k, v in sorted(r.placements.items()))
         extra = f"; placed: {how}" if how else ""
         sent = " ".join(f"{k}={v}" for k, v in sorted(r.sent_again.items()))
-        again = f"; other forwards (engine:status) {sent}" if sent else ""
+        again = f"; other forwards (engine:status:path) {sent}" if sent else ""
         err = f"; errors: {r.errors}" if r.errors else ""
         lines.append(
             f"- run {r.run}, {r.router}: requests per engine {engines}{extra}{again}; "
