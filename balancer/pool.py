@@ -233,6 +233,7 @@ class Pool:
         pp = cfg.prefix_placement
         self.prefix_rules = pp
         self.prefix = prefix.Table(pp.table_size) if pp.enabled else None
+        self.recent = prefix.Recent()  # what was placed where lately (prefix rule 5)
         self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
         # key -> its conversation (module docstring); forgotten with its placement.
         self._convs: dict[str, Conversation] = {}
@@ -298,6 +299,7 @@ class Pool:
         self._rr.forget(backend_id)
         if self.prefix is not None:
             self.prefix.forget(backend_id)
+        self.recent.forget(backend_id)
         self._rebuild()
         return b
 
@@ -525,14 +527,16 @@ class Pool:
         rules = self.rules
         strict = selection.within_bound(ready, rules.factor)
         loose = selection.within_bound(ready, max(rules.factor, rules.ceiling))
+        lately = self.recent.fits(ready, rules.factor, now)
 
         def fits(b: Backend, going_on: bool) -> bool:
-            return loose(b) if going_on else strict(b)
+            return loose(b) if going_on else strict(b) and lately(b)
 
         chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules, fits)
         self.prefix_placed[why] += 1
-        if chosen is None:
-            chosen = selection.consistent(ready, walk, self.rules, size=self._new_size()).backend
+        if chosen is None:  # the ring, past the workers over their share of late traffic
+            calm = [b for b in ready if lately(b)] or ready
+            chosen = selection.consistent(calm, walk, rules, size=self._new_size()).backend
         self._pending[key] = (chosen, now + PENDING_S)
         chosen.pending += 1
         return chosen, why
@@ -556,7 +560,7 @@ class Pool:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
         held (wherever) is taken back, as is its placement under way. Its first ``prompt``, if
         placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend)
+        self.learn(prompt, backend, now)
         self._unreserve(key)
         self._release(key)
         backend.sessions += 1
@@ -595,17 +599,21 @@ class Pool:
         was = self.backends.get(prev[1])
         return prev[1] if was is None or not was.ready else first
 
-    def attach_request(self, backend: Backend, prompt: prefix.Prompt | None = None) -> None:
+    def attach_request(
+        self, backend: Backend, prompt: prefix.Prompt | None = None, now: float = 0.0
+    ) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
         load for the bounds and drains, but no conversation and no held place (nothing says
         the key will come back). Its ``prompt``, if placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend)
+        self.learn(prompt, backend, now)
         backend.sessions += 1
         backend.consecutive_failures = 0
         self._publish(backend)
 
-    def learn(self, prompt: prefix.Prompt | None, backend: Backend) -> None:
-        """``prompt`` was sent to ``backend`` (placed by prefix): its blocks are there now."""
+    def learn(self, prompt: prefix.Prompt | None, backend: Backend, now: float) -> None:
+        """A request or session was placed on ``backend`` at ``now`` (counted in ``recent``);
+        its ``prompt``, if placed by prefix, is there now."""
+        self.recent.add(backend.id, now)
         if prompt is not None and self.prefix is not None:
             self.prefix.learn(prompt, backend.id)
 

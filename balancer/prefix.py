@@ -49,10 +49,15 @@ Rules:
    ``hash_balance_factor`` times its share for a prompt that shares a prefix with others (a
    system prompt), so a worker holding a popular prefix takes no more than its share and the
    margin; ``affinity_ceiling`` times it for a conversation going on (its match ends with an
-   answer the holder wrote), as for a returning key. A match whose holders are all
-   over the bound is ``bound``; no match that counts is ``ring``: either way (``None`` here)
+   answer the holder wrote), as for a returning key. The bound of a new conversation holds for
+   the traffic too, not only for the load of the moment: a holder must also be within
+   ``hash_balance_factor`` of its share of the requests and sessions placed lately
+   (``Recent``: decayed with a time constant of ``RECENT_S``), since short requests leave no
+   load to count and a popular prefix would otherwise take all of them. A match whose holders
+   are all over the bound is ``bound``; no match that counts is ``ring``: either way (``None`` here)
    the caller places the prompt's *anchor* on the pool's ring with the bounded-load rule, as a
-   key, which passes over the workers above their bound: the chain hash of the first block
+   key, which passes over the workers above their bound (both bounds for a new conversation):
+   the chain hash of the first block
    boundary at or past ``anchor`` bytes (the whole prompt if shorter). So every instance, with
    no state shared, sends a long shared system prompt to the same worker, and a
    conversation's later turns, which start with the same bytes, follow its first.
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -254,6 +260,47 @@ def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:
     if anchor is None:
         anchor = hashes[-1]
     return Prompt(tuple(hashes), tuple(ends), tuple(answers), f"prefix:{anchor:016x}")
+
+
+RECENT_S = 30.0
+"""Seconds: the time constant of ``Recent``'s decay (about the last minute of traffic)."""
+
+
+class Recent:
+    """Requests and sessions placed per backend lately, each counting 1 and decaying with time
+    constant ``RECENT_S``: the share of the traffic each backend takes (rule 5)."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self) -> None:
+        self._v: dict[str, tuple[float, float]] = {}
+
+    def value(self, backend_id: str, now: float) -> float:
+        v, at = self._v.get(backend_id, (0.0, now))
+        return v * math.exp((at - now) / RECENT_S) if now > at else v
+
+    def add(self, backend_id: str, now: float) -> None:
+        self._v[backend_id] = (self.value(backend_id, now) + 1.0, now)
+
+    def forget(self, backend_id: str) -> None:
+        self._v.pop(backend_id, None)
+
+    def fits(
+        self, ready: Sequence[Backend], factor: float, now: float
+    ) -> Callable[[Backend], bool]:
+        """Whether one more placement keeps a backend within ``factor`` times its share of
+        what was placed lately, and never below that share plus one, both rounded up
+        (``selection.within_bound``)."""
+        v = {b.id: self.value(b.id, now) for b in ready}
+        total = sum(v.values()) + 1.0
+        weights = sum(b.effective_weight for b in ready)
+
+        def fits(b: Backend) -> bool:
+            share = total * b.effective_weight / weights if weights > 0 else 0.0
+            bound = max(math.ceil(factor * share - 1e-9), math.ceil(share - 1e-9) + 1)
+            return v[b.id] + 1.0 <= bound
+
+        return fits
 
 
 class Table:

@@ -175,12 +175,21 @@ def move_pays(
 
 def within_bound(ready: Sequence[Backend], factor: float) -> Callable[[Backend], bool]:
     """Whether one more request or session keeps a backend within ``factor`` times its share
-    of the load after it (the bounded-load rule of ``consistent``, for other placements)."""
+    of the load after it (the bounded-load rule of ``consistent``, for other placements),
+    and never below its share plus one: with few running, ``factor`` times a share of one or
+    two would move a prompt off its cache for less than one request of balance."""
     total_after = sum(b.counted for b in ready) + 1
     weight_sum = sum(b.effective_weight for b in ready)
-    return lambda b: b.counted + 1 <= load_bound(
-        total_after, factor, b.effective_weight, weight_sum
-    )
+
+    def fits(b: Backend) -> bool:
+        w = b.effective_weight
+        bound = max(
+            load_bound(total_after, factor, w, weight_sum),
+            load_bound(total_after, 1.0, w, weight_sum) + 1,
+        )
+        return b.counted + 1 <= bound
+
+    return fits
 
 
 def consistent(
