@@ -36,8 +36,8 @@
  * - The answer: its 1xx heads are skipped (101 is a failure); the head the client gets has the
  *   worker's status and reason, its headers but hop-by-hop ones and those its Connection names,
  *   the lane's ``resp_add`` lines, and the framing: by length as the worker sent it, chunked as
- *   it sent it (sizes of 1-16 hex digits and at most CHUNK_MAX rewritten without extensions,
- *   trailers dropped), or chunked by wslb for a
+ *   it sent it (read by llhttp; sizes of at most CHUNK_MAX rewritten without extensions,
+ *   trailers dropped: ``reframe``), or chunked by wslb for a
  *   body delimited by the worker's close. HEAD, 204 and 304 answers have no body. No answer byte
  *   is buffered beyond one read: a client that does not read stops the reads of the worker; one
  *   that takes nothing for ``t_stall`` (``timeouts.backpressure``) is cut (FAILED: the worker's
@@ -59,9 +59,10 @@
  *   (IDLE: the event loop's keep-alive wait goes on, ``idle_for`` seconds of it spent).
  *
  * Sizes from the wire. Either peer may be hostile, so every size read from the wire is bounded
- * before any arithmetic: a Content-Length has at most 18 digits; a chunk size at most 16 hex
- * digits (an unsigned 64-bit value, never wrapped) and at most CHUNK_MAX; a chunk-size line at
- * most CHUNK_LINE_LIMIT bytes, a response head and trailers RESP_HEAD_LIMIT. Every buffer's
+ * before any arithmetic: a Content-Length has at most 18 digits; a chunk size is llhttp's
+ * unsigned 64-bit value (past 2^64 refused, never wrapped) and at most CHUNK_MAX; a chunk's
+ * extensions at most CHUNK_LINE_LIMIT bytes, a response head and a trailer field
+ * RESP_HEAD_LIMIT. Every buffer's
  * growth is checked before the sum and capped at BUF_MAX; the access lines waiting for the event
  * loop at LOG_MAX (more are dropped, the counts go on). What the thread cannot take is a failure
  * like any other (502 before the answer's head, a cut after), never a spin: a worker's
@@ -100,6 +101,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "llhttp.h"
+
 #define READ_SIZE (64 * 1024)
 #define RESP_HEAD_LIMIT (64 * 1024)
 #define BUF_MAX ((size_t)64 << 20)        /* no buffer of a lane ever holds more */
@@ -126,7 +129,7 @@ enum {
     R_FAILED,
     R_CLOSED,
 };
-enum { RS_HEAD, RS_CL, RS_SIZE, RS_DATA, RS_DATA_END, RS_TRAILER, RS_CLOSE, RS_DONE };
+enum { RS_HEAD, RS_CL, RS_CHUNKED, RS_CLOSE, RS_DONE };
 enum { LOG_OFF = 0, LOG_TEXT = 1, LOG_JSON = 2, LOG_FIELDS = 3 };
 enum { CTL_RELEASE = 1, CTL_ABORT = 2 };
 
@@ -174,7 +177,13 @@ struct lane {
     long long req_left;     /* request body bytes still to come */
     int bodyless_idem, head_only;
     int rs, worker_keep, answered, resp_chunked, kind_sse;
-    long long resp_left, chunk_left;
+    long long resp_left;
+    /* A chunked answer's body, read by llhttp (RS_CHUNKED; reframe()). */
+    llhttp_t body;
+    unsigned long long chunk_size;
+    size_t ext_len, trailer_len;
+    int in_trailer;
+    const char *body_err;
     int status;
     long long bytes_in, bytes_out;
     double t0, t_head, last, idle_since;
@@ -1192,6 +1201,159 @@ move_body(lane_t *l)
 }
 
 /* The worker's response head at win: 1 parsed (or a 1xx skipped), 0 more needed, -1 failed. */
+/* -- a chunked answer re-framed (llhttp reads it) ------------------------------------------ */
+
+/* The client gets each chunk of 1 to CHUNK_MAX bytes as "%llx\r\n", its data and CRLF (no
+ * extension), then "0\r\n\r\n" for the last chunk (its trailers dropped). llhttp reads the
+ * worker's framing: hex sizes (past 2^64 refused, whitespace before the line's end allowed as
+ * httpmsg's _CHUNK_SIZE allows it), extensions, CRLF after each chunk's data, trailer fields;
+ * a copy of a parser that has read a chunked answer's head (``chunked_answer``) starts each
+ * body. Bounded here: a chunk past CHUNK_MAX, extensions past CHUNK_LINE_LIMIT bytes, trailers
+ * fields past RESP_HEAD_LIMIT. Anything llhttp refuses is a cut, as anything these bounds
+ * refuse: a malformed trailer field too (the event loop's reader refuses it as well). */
+static llhttp_t chunked_answer;
+static llhttp_settings_t reframe_settings;
+
+static int
+rf_fail(lane_t *l, const char *why)
+{
+    l->body_err = why;
+    return -1;
+}
+
+static int
+rf_chunk_header(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    unsigned long long size = h->content_length;
+    l->chunk_size = size;
+    l->ext_len = 0;
+    if (size > CHUNK_MAX) {
+        return rf_fail(l, "malformed response: chunk too large");
+    }
+    if (size == 0) {
+        l->in_trailer = 1;
+        return 0;
+    }
+    char line[24];
+    int n = snprintf(line, sizeof line, "%llx\r\n", size);
+    return buf_add(&l->cout, line, (size_t)n) < 0 ? rf_fail(l, "no memory") : 0;
+}
+
+static int
+rf_extension(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    (void)at;
+    l->ext_len += n; /* the name and value bytes: less than CHUNK_LINE_LIMIT each time */
+    return l->ext_len > CHUNK_LINE_LIMIT ? rf_fail(l, "malformed response: bad chunk size") : 0;
+}
+
+/* A trailer field's bytes (dropped): at most RESP_HEAD_LIMIT each, as httpmsg bounds a line. */
+static int
+rf_trailer(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    (void)at;
+    l->trailer_len += n;
+    return l->trailer_len > RESP_HEAD_LIMIT
+               ? rf_fail(l, "malformed response: trailers too large")
+               : 0;
+}
+
+static int
+rf_trailer_done(llhttp_t *h)
+{
+    ((lane_t *)h->data)->trailer_len = 0;
+    return 0;
+}
+
+static int
+rf_body(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    if (buf_add(&l->cout, at, n) < 0) {
+        return rf_fail(l, "no memory");
+    }
+    l->bytes_out += (long long)n;
+    return 0;
+}
+
+static int
+rf_chunk_complete(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    if (l->in_trailer) {
+        return 0;
+    }
+    return buf_add(&l->cout, "\r\n", 2) < 0 ? rf_fail(l, "no memory") : 0;
+}
+
+static int
+rf_message_complete(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    if (buf_add(&l->cout, "0\r\n\r\n", 5) < 0) {
+        return rf_fail(l, "no memory");
+    }
+    return HPE_PAUSED; /* the bytes after it are not the answer's */
+}
+
+static int
+init_reframe(void)
+{
+    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    llhttp_settings_init(&reframe_settings);
+    reframe_settings.on_chunk_header = rf_chunk_header;
+    reframe_settings.on_chunk_extension_name = rf_extension;
+    reframe_settings.on_chunk_extension_value = rf_extension;
+    reframe_settings.on_header_field = rf_trailer;
+    reframe_settings.on_header_value = rf_trailer;
+    reframe_settings.on_header_value_complete = rf_trailer_done;
+    reframe_settings.on_body = rf_body;
+    reframe_settings.on_chunk_complete = rf_chunk_complete;
+    reframe_settings.on_message_complete = rf_message_complete;
+    static llhttp_settings_t none; /* the head is read without the body's callbacks */
+    llhttp_settings_init(&none);
+    llhttp_init(&chunked_answer, HTTP_RESPONSE, &none);
+    llhttp_set_lenient_spaces_after_chunk_size(&chunked_answer, 1);
+    if (llhttp_execute(&chunked_answer, head, sizeof head - 1) != HPE_OK) {
+        return -1;
+    }
+    chunked_answer.settings = &reframe_settings;
+    return 0;
+}
+
+static void
+start_reframe(lane_t *l)
+{
+    l->body = chunked_answer;
+    l->body.data = l;
+    l->chunk_size = 0;
+    l->ext_len = l->trailer_len = 0;
+    l->in_trailer = 0;
+    l->body_err = NULL;
+}
+
+/* The worker's bytes p[0:n] of a chunked body through llhttp: 0, or -1 when the lane failed. */
+static int
+reframe(Lanes *r, lane_t *l, const unsigned char *p, size_t n)
+{
+    const char *data = (const char *)p;
+    llhttp_errno_t e = llhttp_execute(&l->body, data, n);
+    if (e == HPE_OK) {
+        l->win.off += n;
+        return 0;
+    }
+    if (e == HPE_PAUSED && l->body_err == NULL) { /* the last chunk and its trailers read */
+        l->win.off += (size_t)(llhttp_get_error_pos(&l->body) - data);
+        l->rs = RS_DONE;
+        return 0;
+    }
+    fail(r, l, 0, "", l->body_err != NULL ? l->body_err : "malformed response: bad chunk framing");
+    return -1;
+}
+
 static int
 response_head(Lanes *r, lane_t *l)
 {
@@ -1340,7 +1502,8 @@ response_head(Lanes *r, lane_t *l)
         l->rs = RS_DONE;
     }
     else if (chunked) {
-        l->rs = RS_SIZE;
+        start_reframe(l);
+        l->rs = RS_CHUNKED;
     }
     else if (length >= 0) {
         l->resp_left = length;
@@ -1388,123 +1551,14 @@ response_bytes(Lanes *r, lane_t *l)
             }
             break;
         }
-        case RS_SIZE: {
-            /* httpmsg's _CHUNK_SIZE: 1-16 hex digits, [ \t]*, an extension, CRLF. 16 hex
-             * digits fit an unsigned 64-bit size; it is checked against CHUNK_MAX before it
-             * is used (a worker's ffffffffffffffff once wrapped a buffer's size). */
-            size_t i = 0;
-            unsigned long long size = 0;
-            while (i < avail && i <= 16) {
-                unsigned char c = p[i];
-                int v = (c >= '0' && c <= '9')   ? c - '0'
-                        : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-                        : (c >= 'A' && c <= 'F') ? c - 'A' + 10
-                                                 : -1;
-                if (v < 0) {
-                    break;
-                }
-                if (i < 16) {
-                    size = (size << 4) | (unsigned long long)v;
-                }
-                i++;
-            }
-            if (i > 16) {
-                fail(r, l, 0, "", "malformed response: chunk size of more than 16 digits");
-                return -1;
-            }
-            size_t le = i;
-            while (le < avail && le < CHUNK_LINE_LIMIT && (p[le] == ' ' || p[le] == '\t')) {
-                le++;
-            }
-            if (le < avail && p[le] == ';') {
-                while (le < avail && le < CHUNK_LINE_LIMIT && is_value_char(p[le])) {
-                    le++;
-                }
-            }
-            if (le < avail && (i == 0 || p[le] != '\r')) { /* a bad byte, or too long */
-                fail(r, l, 0, "", "malformed response: bad chunk size");
-                return -1;
-            }
-            if (le + 1 >= avail) {
-                return 0; /* the line is not whole yet (at most CHUNK_LINE_LIMIT bytes) */
-            }
-            if (p[le + 1] != '\n') {
-                fail(r, l, 0, "", "malformed response: bad chunk size");
-                return -1;
-            }
-            if (size > CHUNK_MAX) {
-                fail(r, l, 0, "", "malformed response: chunk too large");
-                return -1;
-            }
-            l->win.off += le + 2;
-            if (size == 0) {
-                l->rs = RS_TRAILER;
-                break;
-            }
-            char line[24];
-            int n = snprintf(line, sizeof line, "%llx\r\n", size);
-            if (buf_add(&l->cout, line, (size_t)n) < 0) {
-                fail(r, l, 0, "", "no memory");
-                return -1;
-            }
-            l->chunk_left = (long long)size; /* at most CHUNK_MAX */
-            l->rs = RS_DATA;
-            break;
-        }
-        case RS_DATA: {
+        case RS_CHUNKED:
             if (avail == 0) {
                 return 0;
             }
-            size_t n = (long long)avail < l->chunk_left ? avail : (size_t)l->chunk_left;
-            if (buf_add(&l->cout, p, n) < 0) {
-                fail(r, l, 0, "", "no memory");
+            if (reframe(r, l, p, avail) < 0) {
                 return -1;
             }
-            l->win.off += n;
-            l->chunk_left -= (long long)n;
-            l->bytes_out += (long long)n;
-            if (l->chunk_left == 0) {
-                l->rs = RS_DATA_END;
-            }
             break;
-        }
-        case RS_DATA_END:
-            if (avail < 2) {
-                return 0;
-            }
-            if (p[0] != '\r' || p[1] != '\n') {
-                fail(r, l, 0, "", "malformed response: bad chunk end");
-                return -1;
-            }
-            l->win.off += 2;
-            if (buf_add(&l->cout, "\r\n", 2) < 0) {
-                fail(r, l, 0, "", "no memory");
-                return -1;
-            }
-            l->rs = RS_SIZE;
-            break;
-        case RS_TRAILER: {
-            size_t le = 0;
-            while (le + 1 < avail && !(p[le] == '\r' && p[le + 1] == '\n')) {
-                le++;
-            }
-            if (le + 1 >= avail) {
-                if (avail > RESP_HEAD_LIMIT) {
-                    fail(r, l, 0, "", "malformed response: trailers too large");
-                    return -1;
-                }
-                return 0;
-            }
-            l->win.off += le + 2;
-            if (le == 0) {
-                if (buf_add(&l->cout, "0\r\n\r\n", 5) < 0) {
-                    fail(r, l, 0, "", "no memory");
-                    return -1;
-                }
-                l->rs = RS_DONE;
-            }
-            break;
-        }
         case RS_CLOSE: {
             if (avail == 0) {
                 return 0;
@@ -2581,6 +2635,10 @@ static struct PyModuleDef lanes_module = {
 PyMODINIT_FUNC
 PyInit__lanes(void)
 {
+    if (init_reframe() < 0) {
+        PyErr_SetString(PyExc_ImportError, "llhttp did not read a chunked answer's head");
+        return NULL;
+    }
     if (PyType_Ready(&LanesType) < 0) {
         return NULL;
     }
