@@ -366,15 +366,6 @@ buf_free(buf_t *b)
 }
 
 static int
-is_tchar(unsigned char c)
-{
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) {
-        return 1;
-    }
-    return c != 0 && strchr("!#$%&'*+-.^_`|~", c) != NULL;
-}
-
-static int
 is_value_char(unsigned char c)
 {
     return c == '\t' || (c >= 0x20 && c != 0x7f);
@@ -427,67 +418,6 @@ in_set(const unsigned char *a, size_t an, const str_t *set, int n)
         }
     }
     return 0;
-}
-
-static const unsigned char *
-find_crlfcrlf(const unsigned char *p, size_t n)
-{
-    for (size_t i = 0; i + 3 < n; i++) {
-        if (p[i] == '\r' && p[i + 1] == '\n' && p[i + 2] == '\r' && p[i + 3] == '\n') {
-            return p + i;
-        }
-        if (p[i + 3] != '\r' && p[i + 3] != '\n') {
-            i += 3; /* no CRLFCRLF can start at i+1..i+3 */
-        }
-    }
-    return NULL;
-}
-
-/* Header lines p[0:n] (each ending CRLF, the blank line excluded) into fields; -1: malformed
- * (obs-fold, bare CR or LF, a bad name or value byte, space before the colon), -2: too many. */
-static int
-parse_fields(const unsigned char *base, size_t start, size_t end, field_t *f, int max)
-{
-    int nf = 0;
-    size_t i = start;
-    while (i < end) {
-        size_t ls = i;
-        while (i < end && is_tchar(base[i])) {
-            i++;
-        }
-        if (i == ls || i >= end || base[i] != ':') {
-            return -1;
-        }
-        size_t name_end = i;
-        i++;
-        while (i < end && (base[i] == ' ' || base[i] == '\t')) {
-            i++;
-        }
-        size_t vs = i;
-        while (i < end && base[i] != '\r') {
-            if (!is_value_char(base[i])) {
-                return -1;
-            }
-            i++;
-        }
-        if (i >= end || i + 1 >= end || base[i + 1] != '\n') {
-            return -1;
-        }
-        size_t ve = i;
-        while (ve > vs && (base[ve - 1] == ' ' || base[ve - 1] == '\t')) {
-            ve--;
-        }
-        if (nf >= max) {
-            return -2;
-        }
-        f[nf].name = ls;
-        f[nf].name_len = name_end - ls;
-        f[nf].value = vs;
-        f[nf].value_len = ve - vs;
-        nf++;
-        i += 2;
-    }
-    return nf;
 }
 
 static int
@@ -545,6 +475,153 @@ conn_names(const unsigned char *v, size_t n, const unsigned char *name, size_t n
         }
     }
     return 0;
+}
+
+/* -- heads read by llhttp ------------------------------------------------------------------ */
+
+/* A request's or an answer's head, read by llhttp from one buffer (so each part is one span,
+ * kept as offsets into it): the method's length, the target (a request's) or reason (an
+ * answer's), the fields (values without their trailing whitespace: llhttp leaves out the
+ * leading). llhttp is strict here: CRLF only, no obs-fold, no space before a colon, no control
+ * byte in a name, target or value (obs-text allowed in values), a known method, one
+ * Content-Length, digits only. An answer's equal Content-Lengths are merged by the caller, as
+ * h11 and the event loop do: llhttp, which refuses a second one, reads each as if alone. */
+typedef struct {
+    const char *base;
+    field_t *f;
+    int nf, max, too_many, done, answer;
+    size_t method_len, first, first_len;
+    int major, minor, status;
+} head_t;
+
+static int
+hd_span(const head_t *hd, size_t *off, size_t *len, const char *at, size_t n)
+{
+    if (*len == 0) {
+        *off = (size_t)(at - hd->base);
+    }
+    else if (at != hd->base + *off + *len) {
+        return -1; /* never: the head is in one buffer */
+    }
+    *len += n;
+    return 0;
+}
+
+static int
+hd_method(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    size_t off = 0;
+    return hd_span(hd, &off, &hd->method_len, at, n);
+}
+
+static int
+hd_first(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    return hd_span(hd, &hd->first, &hd->first_len, at, n);
+}
+
+static int
+hd_name(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    if (hd->nf >= hd->max) {
+        hd->too_many = 1;
+        return -1;
+    }
+    return hd_span(hd, &hd->f[hd->nf].name, &hd->f[hd->nf].name_len, at, n);
+}
+
+static int
+hd_name_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    field_t *f = &hd->f[hd->nf];
+    f->value = f->name + f->name_len;
+    f->value_len = 0;
+    if (hd->answer && ieq((const unsigned char *)hd->base + f->name, f->name_len, "content-length")) {
+        h->flags &= ~F_CONTENT_LENGTH; /* see head_t */
+        h->content_length = 0;
+    }
+    return 0;
+}
+
+static int
+hd_value(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    return hd_span(hd, &hd->f[hd->nf].value, &hd->f[hd->nf].value_len, at, n);
+}
+
+static int
+hd_value_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    field_t *f = &hd->f[hd->nf];
+    while (f->value_len > 0 &&
+           (hd->base[f->value + f->value_len - 1] == ' ' ||
+            hd->base[f->value + f->value_len - 1] == '\t')) {
+        f->value_len--;
+    }
+    hd->nf++;
+    if (hd->nf < hd->max) {
+        hd->f[hd->nf].name_len = 0;
+    }
+    return 0;
+}
+
+static int
+hd_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    hd->done = 1;
+    hd->major = h->http_major;
+    hd->minor = h->http_minor;
+    hd->status = h->status_code;
+    return HPE_PAUSED; /* the head's end: the body is the caller's */
+}
+
+static llhttp_settings_t head_settings;
+
+static void
+init_heads(void)
+{
+    llhttp_settings_init(&head_settings);
+    head_settings.on_method = hd_method;
+    head_settings.on_url = hd_first;
+    head_settings.on_status = hd_first;
+    head_settings.on_header_field = hd_name;
+    head_settings.on_header_field_complete = hd_name_done;
+    head_settings.on_header_value = hd_value;
+    head_settings.on_header_value_complete = hd_value_done;
+    head_settings.on_headers_complete = hd_done;
+}
+
+/* The head at p[0:n] read afresh: 1 whole (*len: its bytes), 0 not yet, -1 malformed, -2 more
+ * than ``max`` fields. */
+static int
+read_head(head_t *hd, int answer, const unsigned char *p, size_t n, field_t *f, int max,
+          size_t *len)
+{
+    llhttp_t h;
+    llhttp_init(&h, answer ? HTTP_RESPONSE : HTTP_REQUEST, &head_settings);
+    memset(hd, 0, sizeof *hd);
+    hd->base = (const char *)p;
+    hd->f = f;
+    hd->max = max;
+    hd->answer = answer;
+    f[0].name_len = 0;
+    h.data = hd;
+    llhttp_errno_t e = llhttp_execute(&h, (const char *)p, n);
+    if (e == HPE_PAUSED && hd->done) {
+        *len = (size_t)(llhttp_get_error_pos(&h) - hd->base);
+        return 1;
+    }
+    if (e == HPE_OK) {
+        return 0;
+    }
+    return hd->too_many ? -2 : -1;
 }
 
 /* -- the queues (mu held) ------------------------------------------------------------------ */
@@ -985,44 +1062,29 @@ start_request(Lanes *r, lane_t *l)
     if (avail == 0) {
         return;
     }
-    const unsigned char *e = find_crlfcrlf(base, avail);
-    if (e == NULL) {
+    field_t f[MAX_FIELDS];
+    int max = l->max_headers < MAX_FIELDS ? (int)l->max_headers : MAX_FIELDS;
+    head_t hd;
+    size_t head_len = 0;
+    int got = read_head(&hd, 0, base, avail, f, max, &head_len);
+    if (got == 0) {
         if ((long)avail > l->max_head) {
             give_back(r, l, R_HANDBACK);
         }
         return;
     }
-    size_t head_len = (size_t)(e - base) + 4;
     l->req_start = l->cin.off;
-    if ((long)head_len > l->max_head + 2048) {
+    if (got < 0 || (long)head_len > l->max_head + 2048) {
         give_back(r, l, R_HANDBACK);
         return;
     }
-    /* The request line. */
-    size_t i = 0;
-    while (i < head_len && is_tchar(base[i])) {
-        i++;
-    }
-    size_t method_len = i;
-    if (method_len == 0 || method_len > sizeof l->method || base[i] != ' ') {
-        give_back(r, l, R_HANDBACK);
-        return;
-    }
-    size_t ts = ++i;
-    while (i < head_len && base[i] > 0x20 && base[i] < 0x7f) {
-        i++;
-    }
-    size_t target_len = i - ts;
-    if (target_len == 0 || base[i] != ' ' || i + 11 > head_len ||
-        memcmp(base + i + 1, "HTTP/1.1\r\n", 10) != 0) {
-        give_back(r, l, R_HANDBACK);
-        return;
-    }
-    size_t fields_start = i + 11;
-    field_t f[MAX_FIELDS];
-    int max = l->max_headers < MAX_FIELDS ? (int)l->max_headers : MAX_FIELDS;
-    int nf = parse_fields(base, fields_start, head_len - 2, f, max);
-    if (nf < 0) {
+    /* The request line as h11 reads it (llhttp takes more spaces): the method, one space, the
+     * target, one space, HTTP/1.1, CRLF, the fields from there. */
+    int nf = hd.nf;
+    size_t method_len = hd.method_len, ts = hd.first, target_len = hd.first_len;
+    size_t line_end = nf > 0 ? f[0].name : head_len - 2;
+    if (method_len > sizeof l->method || ts != method_len + 1 || hd.major != 1 || hd.minor != 1 ||
+        line_end != ts + target_len + 11) {
         give_back(r, l, R_HANDBACK);
         return;
     }
@@ -1359,45 +1421,32 @@ response_head(Lanes *r, lane_t *l)
 {
     const unsigned char *base = l->win.p + l->win.off;
     size_t avail = buf_avail(&l->win);
-    const unsigned char *e = find_crlfcrlf(base, avail);
-    if (e == NULL) {
+    field_t f[MAX_FIELDS];
+    head_t hd;
+    size_t head_len = 0;
+    int got = read_head(&hd, 1, base, avail, f, MAX_FIELDS, &head_len);
+    if (got == 0) {
         if (avail > RESP_HEAD_LIMIT) {
             worker_failed(r, l, "malformed response: head too large");
             return -1;
         }
         return 0;
     }
-    size_t head_len = (size_t)(e - base) + 4;
-    int v11;
-    if (head_len < 16 || memcmp(base, "HTTP/1.", 7) != 0 || (base[7] != '1' && base[7] != '0') ||
-        base[8] != ' ' || base[9] < '1' || base[9] > '5' || base[10] < '0' || base[10] > '9' ||
-        base[11] < '0' || base[11] > '9' || (base[12] != ' ' && base[12] != '\r')) {
-        worker_failed(r, l, "malformed response: bad status line");
+    if (got < 0) {
+        worker_failed(r, l, got == -2 ? "malformed response: too many headers"
+                                      : "malformed response: bad head");
         return -1;
     }
-    v11 = base[7] == '1';
-    int status = (base[9] - '0') * 100 + (base[10] - '0') * 10 + (base[11] - '0');
-    size_t i = 12, rs = 12;
-    if (base[12] == ' ') {
-        rs = ++i;
-        while (i < head_len && base[i] != '\r') {
-            if (!is_value_char(base[i])) {
-                worker_failed(r, l, "malformed response: bad status line");
-                return -1;
-            }
-            i++;
-        }
+    /* What llhttp takes and the lane does not: a version other than 1.0 and 1.1, a status
+     * outside 100-599, a control byte in the reason. */
+    int status = hd.status, nf = hd.nf, v11 = hd.minor == 1;
+    size_t rs = hd.first, reason_len = hd.first_len;
+    int odd = hd.major != 1 || hd.minor > 1 || status < 100 || status > 599;
+    for (size_t k = 0; k < reason_len && !odd; k++) {
+        odd = !is_value_char(base[rs + k]);
     }
-    size_t reason_len = i - rs;
-    if (base[i] != '\r' || base[i + 1] != '\n') {
+    if (odd) {
         worker_failed(r, l, "malformed response: bad status line");
-        return -1;
-    }
-    field_t f[MAX_FIELDS];
-    int nf = parse_fields(base, i + 2, head_len - 2, f, MAX_FIELDS);
-    if (nf < 0) {
-        worker_failed(r, l, nf == -2 ? "malformed response: too many headers"
-                                     : "malformed response: bad header line");
         return -1;
     }
     if (status < 200) {
@@ -2635,6 +2684,7 @@ static struct PyModuleDef lanes_module = {
 PyMODINIT_FUNC
 PyInit__lanes(void)
 {
+    init_heads();
     if (init_reframe() < 0) {
         PyErr_SetString(PyExc_ImportError, "llhttp did not read a chunked answer's head");
         return NULL;
