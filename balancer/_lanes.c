@@ -19,16 +19,16 @@
  *   or in an EXCHANGE (one request and its answer; HTTP/1.1 serves one at a time).
  * - Taking a request (IDLE -> EXCHANGE), only when its head is whole and all of these hold; else
  *   the lane is RETURNED with reason HANDBACK, the request's bytes (from its first byte) as the
- *   carry, for the event loop to parse, route and answer as it always has (its errors included):
- *   a request line of token, target (visible ASCII) and ``HTTP/1.1``; header lines of a token
- *   name, a colon and a value of visible, obs-text, space or tab bytes (no obs-fold, no bare LF,
- *   no space before the colon); at most ``max_headers`` of them, and at most ``max_head`` bytes
- *   by the event loop's measure (the target, then each field's name and value and 4); one Host;
- *   no Transfer-Encoding, Upgrade or Expect; no Sec-WebSocket-Key or -Version (the event loop
- *   takes such a request for a WebSocket handshake, perhaps a broken one: its 400 or 426);
- *   Connection absent or ``keep-alive``; at most one Content-Length, all digits, at most
- *   ``max_body``; and the *signature* (the target, then the values of each routing header in
- *   order) equal to the lane's.
+ *   carry, for the event loop to parse, route and answer as it always has (its errors included): a
+ *   head llhttp reads (``read_head``: a method it knows) whose request line is h11's: a method, one
+ *   space, a target (visible ASCII), one space and ``HTTP/1.1``; header lines of a token name, a
+ *   colon and a value of visible, obs-text, space or tab bytes (no obs-fold, no bare LF, no space
+ *   before the colon); at most ``max_headers`` of them, and at most ``max_head`` bytes by the event
+ *   loop's measure (the target, then each field's name and value and 4); one Host; no
+ *   Transfer-Encoding, Upgrade or Expect; no Sec-WebSocket-Key or -Version (the event loop takes
+ *   such a request for a WebSocket handshake, perhaps a broken one: its 400 or 426); Connection
+ *   absent or ``keep-alive``; at most one Content-Length, all digits, at most ``max_body``; and the
+ *   *signature* (the target, then the values of each routing header in order) equal to the lane's.
  * - The request the worker gets: the method, the lane's target, the lane's ``pre`` lines, the
  *   client's headers but those in ``drop`` (lowercased names, values without their outer
  *   whitespace: what h11 gives the event loop), the lane's ``post`` lines and the Content-Length.
@@ -540,7 +540,8 @@ hd_name_done(llhttp_t *h)
     field_t *f = &hd->f[hd->nf];
     f->value = f->name + f->name_len;
     f->value_len = 0;
-    if (hd->answer && ieq((const unsigned char *)hd->base + f->name, f->name_len, "content-length")) {
+    const unsigned char *name = (const unsigned char *)hd->base + f->name;
+    if (hd->answer && ieq(name, f->name_len, "content-length")) {
         h->flags &= ~F_CONTENT_LENGTH; /* see head_t */
         h->content_length = 0;
     }

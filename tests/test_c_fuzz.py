@@ -1,6 +1,7 @@
-"""Property-based fuzzing of the hand-written C HTTP code against parsers nobody here wrote.
+"""Property-based fuzzing of the C threads' HTTP code against parsers nobody here wrote.
 
-The lane thread (``_lanes.c``: its request parser and validator, its response-head rewriter and
+The C threads read HTTP with llhttp (fetched at build time, tools/llhttp_src.py) and apply their
+own rules on top. The lane thread (``_lanes.c``: its request rules, its response-head rewriter and
 chunk re-framer) and the relay thread's chunk walk (``_relay.c``'s ``walk_chunks``) run for real,
 on socket pairs, while hypothesis writes what a client and a worker might: sizes at every
 boundary (2^31, 2^32, 2^63, 2^64; 15 to 17 hex digits), chunk extensions, trailers, obs-fold,
