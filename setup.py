@@ -32,11 +32,12 @@ class BuildExt(build_ext):
                 import llhttp_src
 
                 src = str(llhttp_src.sources())
+                sources = [os.path.join(src, name) for name in llhttp_src.SOURCES]
                 objects = self.compiler.compile(
-                    [os.path.join(src, name) for name in llhttp_src.SOURCES],
+                    sources,
                     output_dir=os.path.join(self.build_temp, "llhttp"),
                     include_dirs=[src],
-                    extra_postargs=["-O2"],
+                    extra_postargs=["-O2", "-fvisibility=hidden"],  # its own, not exported
                 )
             except Exception as e:  # ImportError, llhttp_src.Unavailable, CompileError
                 print(f"warning: building without {', '.join(LLHTTP_USERS)}: {e}", file=sys.stderr)
@@ -45,6 +46,7 @@ class BuildExt(build_ext):
                 for ext in users:
                     ext.include_dirs.append(src)
                     ext.extra_objects.extend(objects)
+                    ext.depends.extend([*sources, os.path.join(src, "llhttp.h")])  # a newer one relinks
         super().build_extensions()
 
 
