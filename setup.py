@@ -43,10 +43,10 @@ class BuildExt(build_ext):
                 print(f"warning: building without {', '.join(LLHTTP_USERS)}: {e}", file=sys.stderr)
                 self.extensions = [x for x in self.extensions if x not in users]
             else:
-                for ext in users:
+                for ext in users:  # a newer llhttp (its sources: depends) relinks them
                     ext.include_dirs.append(src)
                     ext.extra_objects.extend(objects)
-                    ext.depends.extend([*sources, os.path.join(src, "llhttp.h")])  # a newer one relinks
+                    ext.depends.extend([*sources, os.path.join(src, "llhttp.h")])
         super().build_extensions()
 
 
