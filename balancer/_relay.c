@@ -20,9 +20,9 @@
  *   only move the scanner's counters (the same walk as balancer/_scan.c). Bytes of a frame not yet
  *   whole are carried to the next read. Every forwarded frame counts one frame and one message.
  *   A session added with ``chunked`` is the body of a plain-HTTP response instead (SSE: an LLM's
- *   streamed answer): the thread forwards its whole chunks (``walk_chunks``), each counted as a
- *   frame and its data (not its framing) as bytes, and returns it at the last chunk or anything
- *   else; the rules are the same.
+ *   streamed answer): the thread forwards its whole chunks (``walk_chunks``, llhttp reading the
+ *   framing), each counted as a frame and its data (not its framing) as bytes, and returns it at
+ *   the last chunk or anything else; the rules are the same.
  * - Backpressure: a send that takes less than it was given keeps the rest (at most one read's
  *   worth), stops reading the worker and waits for the client socket to be writable. Nothing else
  *   is ever buffered. A chunked body is RETURNED there instead, its rest as the backlog: the event
@@ -80,11 +80,12 @@
  * joins the thread before it lets go of the sessions, so no descriptor is closed under a recv.
  *
  * Sizes from the wire are bounded before arithmetic: a frame's 7- or 16-bit length and a chunk's
- * size (at most 8 hex digits) are compared with ``limit`` (at most 65535) before they are added
- * to a position, so a carry is always less than one read buffer; the record stops at REC_MAX
- * (NOMEM: its bytes kept, as any allocation failure). ``close`` waits JOIN_DEADLINE_S for the
- * thread; past that it raises TimeoutError and leaves the thread and every session it holds
- * as they are, never freed, for the process's exit to end.
+ * size (llhttp's reading, which refuses one past 2^64; at most 8 hex digits) are compared with
+ * ``limit`` (at most 65535) before they are added to a position, so a carry is always less than
+ * one read buffer; the record stops at REC_MAX (NOMEM: its bytes kept, as any allocation
+ * failure). ``close`` waits JOIN_DEADLINE_S for the thread; past that it raises TimeoutError and
+ * leaves the thread and every session it holds as they are, never freed, for the process's exit
+ * to end.
  *
  * Python objects are touched only by the calling thread, with the GIL; the relay thread never
  * takes the GIL.
@@ -424,7 +425,8 @@ walk(const unsigned char *p, size_t n, long limit, unsigned long long *count, in
  * refused): a copy of a parser that has read a chunked response's head (``chunked_body``) is
  * run over p[0:n], paused after each chunk's size line (its size and digits checked here) and
  * after each chunk's CRLF (a whole chunk: counted). An extension or any error of llhttp's stops
- * the walk at the chunk it is in; bytes it consumed without a pause are a chunk cut short. */
+ * the walk at the chunk it is in; bytes it consumed without a pause are a chunk cut short (a size
+ * line of 9 or more digits stops the walk once its CRLF is in). */
 typedef struct {
     int at_header;   /* the pause was after a size line, not after a chunk */
     uint64_t size;   /* the current chunk's */
