@@ -174,6 +174,7 @@ struct lane {
     int c_rd, c_wr, w_rd, w_wr, c_eof, w_eof, c_hup, w_hup;
     int phase, release_asked;
     size_t req_start;       /* cin offset of the current request's first byte */
+    size_t req_seen, resp_seen; /* bytes of the head being read that llhttp saw (head_may_end) */
     long long req_left;     /* request body bytes still to come */
     int bodyless_idem, head_only;
     int rs, worker_keep, answered, resp_chunked, kind_sse;
@@ -597,6 +598,16 @@ init_heads(void)
     head_settings.on_header_value = hd_value;
     head_settings.on_header_value_complete = hd_value_done;
     head_settings.on_headers_complete = hd_done;
+}
+
+/* Whether the head at p[0:n], whose first *seen bytes were read before, may be whole now: only
+ * bytes with a LF can end it (so a head that comes a byte at a time is not read again for each). */
+static int
+head_may_end(const unsigned char *p, size_t n, size_t *seen)
+{
+    int lf = n > *seen && memchr(p + *seen, '\n', n - *seen) != NULL;
+    *seen = n;
+    return lf;
 }
 
 /* The head at p[0:n] read afresh: 1 whole (*len: its bytes), 0 not yet, -1 malformed, -2 more
@@ -1067,7 +1078,9 @@ start_request(Lanes *r, lane_t *l)
     int max = l->max_headers < MAX_FIELDS ? (int)l->max_headers : MAX_FIELDS;
     head_t hd;
     size_t head_len = 0;
-    int got = read_head(&hd, 0, base, avail, f, max, &head_len);
+    int got = head_may_end(base, avail, &l->req_seen)
+                  ? read_head(&hd, 0, base, avail, f, max, &head_len)
+                  : 0;
     if (got == 0) {
         if ((long)avail > l->max_head) {
             give_back(r, l, R_HANDBACK);
@@ -1075,6 +1088,7 @@ start_request(Lanes *r, lane_t *l)
         return;
     }
     l->req_start = l->cin.off;
+    l->req_seen = 0;
     if (got < 0 || (long)head_len > l->max_head + 2048) {
         give_back(r, l, R_HANDBACK);
         return;
@@ -1236,6 +1250,7 @@ start_request(Lanes *r, lane_t *l)
     l->bodyless_idem = l->req_left == 0 && idem;
     l->head_only = method_len == 4 && memcmp(base, "HEAD", 4) == 0;
     l->rs = RS_HEAD;
+    l->resp_seen = 0;
     l->worker_keep = 1;
     l->answered = 0;
     l->kind_sse = 0;
@@ -1425,7 +1440,9 @@ response_head(Lanes *r, lane_t *l)
     field_t f[MAX_FIELDS];
     head_t hd;
     size_t head_len = 0;
-    int got = read_head(&hd, 1, base, avail, f, MAX_FIELDS, &head_len);
+    int got = head_may_end(base, avail, &l->resp_seen)
+                  ? read_head(&hd, 1, base, avail, f, MAX_FIELDS, &head_len)
+                  : 0;
     if (got == 0) {
         if (avail > RESP_HEAD_LIMIT) {
             worker_failed(r, l, "malformed response: head too large");
@@ -1433,6 +1450,7 @@ response_head(Lanes *r, lane_t *l)
         }
         return 0;
     }
+    l->resp_seen = 0;
     if (got < 0) {
         worker_failed(r, l, got == -2 ? "malformed response: too many headers"
                                       : "malformed response: bad head");
