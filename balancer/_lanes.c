@@ -19,16 +19,16 @@
  *   or in an EXCHANGE (one request and its answer; HTTP/1.1 serves one at a time).
  * - Taking a request (IDLE -> EXCHANGE), only when its head is whole and all of these hold; else
  *   the lane is RETURNED with reason HANDBACK, the request's bytes (from its first byte) as the
- *   carry, for the event loop to parse, route and answer as it always has (its errors included):
- *   a request line of token, target (visible ASCII) and ``HTTP/1.1``; header lines of a token
- *   name, a colon and a value of visible, obs-text, space or tab bytes (no obs-fold, no bare LF,
- *   no space before the colon); at most ``max_headers`` of them, and at most ``max_head`` bytes
- *   by the event loop's measure (the target, then each field's name and value and 4); one Host;
- *   no Transfer-Encoding, Upgrade or Expect; no Sec-WebSocket-Key or -Version (the event loop
- *   takes such a request for a WebSocket handshake, perhaps a broken one: its 400 or 426);
- *   Connection absent or ``keep-alive``; at most one Content-Length, all digits, at most
- *   ``max_body``; and the *signature* (the target, then the values of each routing header in
- *   order) equal to the lane's.
+ *   carry, for the event loop to parse, route and answer as it always has (its errors included): a
+ *   head llhttp reads (``read_head``: a method it knows) whose request line is h11's: a method, one
+ *   space, a target (visible ASCII), one space and ``HTTP/1.1``; header lines of a token name, a
+ *   colon and a value of visible, obs-text, space or tab bytes (no obs-fold, no bare LF, no space
+ *   before the colon); at most ``max_headers`` of them, and at most ``max_head`` bytes by the event
+ *   loop's measure (the target, then each field's name and value and 4); one Host; no
+ *   Transfer-Encoding, Upgrade or Expect; no Sec-WebSocket-Key or -Version (the event loop takes
+ *   such a request for a WebSocket handshake, perhaps a broken one: its 400 or 426); Connection
+ *   absent or ``keep-alive``; at most one Content-Length, all digits, at most ``max_body``; and the
+ *   *signature* (the target, then the values of each routing header in order) equal to the lane's.
  * - The request the worker gets: the method, the lane's target, the lane's ``pre`` lines, the
  *   client's headers but those in ``drop`` (lowercased names, values without their outer
  *   whitespace: what h11 gives the event loop), the lane's ``post`` lines and the Content-Length.
@@ -36,8 +36,8 @@
  * - The answer: its 1xx heads are skipped (101 is a failure); the head the client gets has the
  *   worker's status and reason, its headers but hop-by-hop ones and those its Connection names,
  *   the lane's ``resp_add`` lines, and the framing: by length as the worker sent it, chunked as
- *   it sent it (sizes of 1-16 hex digits and at most CHUNK_MAX rewritten without extensions,
- *   trailers dropped), or chunked by wslb for a
+ *   it sent it (read by llhttp; sizes of at most CHUNK_MAX rewritten without extensions,
+ *   trailers dropped: ``reframe``), or chunked by wslb for a
  *   body delimited by the worker's close. HEAD, 204 and 304 answers have no body. No answer byte
  *   is buffered beyond one read: a client that does not read stops the reads of the worker; one
  *   that takes nothing for ``t_stall`` (``timeouts.backpressure``) is cut (FAILED: the worker's
@@ -59,9 +59,10 @@
  *   (IDLE: the event loop's keep-alive wait goes on, ``idle_for`` seconds of it spent).
  *
  * Sizes from the wire. Either peer may be hostile, so every size read from the wire is bounded
- * before any arithmetic: a Content-Length has at most 18 digits; a chunk size at most 16 hex
- * digits (an unsigned 64-bit value, never wrapped) and at most CHUNK_MAX; a chunk-size line at
- * most CHUNK_LINE_LIMIT bytes, a response head and trailers RESP_HEAD_LIMIT. Every buffer's
+ * before any arithmetic: a Content-Length has at most 18 digits; a chunk size is llhttp's
+ * unsigned 64-bit value (past 2^64 refused, never wrapped) and at most CHUNK_MAX; a chunk's
+ * extensions at most CHUNK_LINE_LIMIT bytes, a response head and a trailer field
+ * RESP_HEAD_LIMIT. Every buffer's
  * growth is checked before the sum and capped at BUF_MAX; the access lines waiting for the event
  * loop at LOG_MAX (more are dropped, the counts go on). What the thread cannot take is a failure
  * like any other (502 before the answer's head, a cut after), never a spin: a worker's
@@ -100,6 +101,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "llhttp.h"
+
 #define READ_SIZE (64 * 1024)
 #define RESP_HEAD_LIMIT (64 * 1024)
 #define BUF_MAX ((size_t)64 << 20)        /* no buffer of a lane ever holds more */
@@ -126,7 +129,7 @@ enum {
     R_FAILED,
     R_CLOSED,
 };
-enum { RS_HEAD, RS_CL, RS_SIZE, RS_DATA, RS_DATA_END, RS_TRAILER, RS_CLOSE, RS_DONE };
+enum { RS_HEAD, RS_CL, RS_CHUNKED, RS_CLOSE, RS_DONE };
 enum { LOG_OFF = 0, LOG_TEXT = 1, LOG_JSON = 2, LOG_FIELDS = 3 };
 enum { CTL_RELEASE = 1, CTL_ABORT = 2 };
 
@@ -171,10 +174,17 @@ struct lane {
     int c_rd, c_wr, w_rd, w_wr, c_eof, w_eof, c_hup, w_hup;
     int phase, release_asked;
     size_t req_start;       /* cin offset of the current request's first byte */
+    size_t req_seen, resp_seen; /* bytes of the head being read that llhttp saw (head_may_end) */
     long long req_left;     /* request body bytes still to come */
     int bodyless_idem, head_only;
     int rs, worker_keep, answered, resp_chunked, kind_sse;
-    long long resp_left, chunk_left;
+    long long resp_left;
+    /* A chunked answer's body, read by llhttp (RS_CHUNKED; reframe()). */
+    llhttp_t body;
+    unsigned long long chunk_size;
+    size_t ext_len, trailer_len;
+    int in_trailer;
+    const char *body_err;
     int status;
     long long bytes_in, bytes_out;
     double t0, t_head, last, idle_since;
@@ -357,15 +367,6 @@ buf_free(buf_t *b)
 }
 
 static int
-is_tchar(unsigned char c)
-{
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) {
-        return 1;
-    }
-    return c != 0 && strchr("!#$%&'*+-.^_`|~", c) != NULL;
-}
-
-static int
 is_value_char(unsigned char c)
 {
     return c == '\t' || (c >= 0x20 && c != 0x7f);
@@ -418,67 +419,6 @@ in_set(const unsigned char *a, size_t an, const str_t *set, int n)
         }
     }
     return 0;
-}
-
-static const unsigned char *
-find_crlfcrlf(const unsigned char *p, size_t n)
-{
-    for (size_t i = 0; i + 3 < n; i++) {
-        if (p[i] == '\r' && p[i + 1] == '\n' && p[i + 2] == '\r' && p[i + 3] == '\n') {
-            return p + i;
-        }
-        if (p[i + 3] != '\r' && p[i + 3] != '\n') {
-            i += 3; /* no CRLFCRLF can start at i+1..i+3 */
-        }
-    }
-    return NULL;
-}
-
-/* Header lines p[0:n] (each ending CRLF, the blank line excluded) into fields; -1: malformed
- * (obs-fold, bare CR or LF, a bad name or value byte, space before the colon), -2: too many. */
-static int
-parse_fields(const unsigned char *base, size_t start, size_t end, field_t *f, int max)
-{
-    int nf = 0;
-    size_t i = start;
-    while (i < end) {
-        size_t ls = i;
-        while (i < end && is_tchar(base[i])) {
-            i++;
-        }
-        if (i == ls || i >= end || base[i] != ':') {
-            return -1;
-        }
-        size_t name_end = i;
-        i++;
-        while (i < end && (base[i] == ' ' || base[i] == '\t')) {
-            i++;
-        }
-        size_t vs = i;
-        while (i < end && base[i] != '\r') {
-            if (!is_value_char(base[i])) {
-                return -1;
-            }
-            i++;
-        }
-        if (i >= end || i + 1 >= end || base[i + 1] != '\n') {
-            return -1;
-        }
-        size_t ve = i;
-        while (ve > vs && (base[ve - 1] == ' ' || base[ve - 1] == '\t')) {
-            ve--;
-        }
-        if (nf >= max) {
-            return -2;
-        }
-        f[nf].name = ls;
-        f[nf].name_len = name_end - ls;
-        f[nf].value = vs;
-        f[nf].value_len = ve - vs;
-        nf++;
-        i += 2;
-    }
-    return nf;
 }
 
 static int
@@ -536,6 +476,164 @@ conn_names(const unsigned char *v, size_t n, const unsigned char *name, size_t n
         }
     }
     return 0;
+}
+
+/* -- heads read by llhttp ------------------------------------------------------------------ */
+
+/* A request's or an answer's head, read by llhttp from one buffer (so each part is one span,
+ * kept as offsets into it): the method's length, the target (a request's) or reason (an
+ * answer's), the fields (values without their trailing whitespace: llhttp leaves out the
+ * leading). llhttp is strict here: CRLF only, no obs-fold, no space before a colon, no control
+ * byte in a name, target or value (obs-text allowed in values), a known method, one
+ * Content-Length, digits only. An answer's equal Content-Lengths are merged by the caller, as
+ * h11 and the event loop do: llhttp, which refuses a second one, reads each as if alone. */
+typedef struct {
+    const char *base;
+    field_t *f;
+    int nf, max, too_many, done, answer;
+    size_t method_len, first, first_len;
+    int major, minor, status;
+} head_t;
+
+static int
+hd_span(const head_t *hd, size_t *off, size_t *len, const char *at, size_t n)
+{
+    if (*len == 0) {
+        *off = (size_t)(at - hd->base);
+    }
+    else if (at != hd->base + *off + *len) {
+        return -1; /* never: the head is in one buffer */
+    }
+    *len += n;
+    return 0;
+}
+
+static int
+hd_method(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    size_t off = 0;
+    return hd_span(hd, &off, &hd->method_len, at, n);
+}
+
+static int
+hd_first(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    return hd_span(hd, &hd->first, &hd->first_len, at, n);
+}
+
+static int
+hd_name(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    if (hd->nf >= hd->max) {
+        hd->too_many = 1;
+        return -1;
+    }
+    return hd_span(hd, &hd->f[hd->nf].name, &hd->f[hd->nf].name_len, at, n);
+}
+
+static int
+hd_name_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    field_t *f = &hd->f[hd->nf];
+    f->value = f->name + f->name_len;
+    f->value_len = 0;
+    const unsigned char *name = (const unsigned char *)hd->base + f->name;
+    if (hd->answer && ieq(name, f->name_len, "content-length")) {
+        h->flags &= ~F_CONTENT_LENGTH; /* see head_t */
+        h->content_length = 0;
+    }
+    return 0;
+}
+
+static int
+hd_value(llhttp_t *h, const char *at, size_t n)
+{
+    head_t *hd = h->data;
+    return hd_span(hd, &hd->f[hd->nf].value, &hd->f[hd->nf].value_len, at, n);
+}
+
+static int
+hd_value_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    field_t *f = &hd->f[hd->nf];
+    while (f->value_len > 0 &&
+           (hd->base[f->value + f->value_len - 1] == ' ' ||
+            hd->base[f->value + f->value_len - 1] == '\t')) {
+        f->value_len--;
+    }
+    hd->nf++;
+    if (hd->nf < hd->max) {
+        hd->f[hd->nf].name_len = 0;
+    }
+    return 0;
+}
+
+static int
+hd_done(llhttp_t *h)
+{
+    head_t *hd = h->data;
+    hd->done = 1;
+    hd->major = h->http_major;
+    hd->minor = h->http_minor;
+    hd->status = h->status_code;
+    return HPE_PAUSED; /* the head's end: the body is the caller's */
+}
+
+static llhttp_settings_t head_settings;
+
+static void
+init_heads(void)
+{
+    llhttp_settings_init(&head_settings);
+    head_settings.on_method = hd_method;
+    head_settings.on_url = hd_first;
+    head_settings.on_status = hd_first;
+    head_settings.on_header_field = hd_name;
+    head_settings.on_header_field_complete = hd_name_done;
+    head_settings.on_header_value = hd_value;
+    head_settings.on_header_value_complete = hd_value_done;
+    head_settings.on_headers_complete = hd_done;
+}
+
+/* Whether the head at p[0:n], whose first *seen bytes were read before, may be whole now: only
+ * bytes with a LF can end it (so a head that comes a byte at a time is not read again for each). */
+static int
+head_may_end(const unsigned char *p, size_t n, size_t *seen)
+{
+    int lf = n > *seen && memchr(p + *seen, '\n', n - *seen) != NULL;
+    *seen = n;
+    return lf;
+}
+
+/* The head at p[0:n] read afresh: 1 whole (*len: its bytes), 0 not yet, -1 malformed, -2 more
+ * than ``max`` fields. */
+static int
+read_head(head_t *hd, int answer, const unsigned char *p, size_t n, field_t *f, int max,
+          size_t *len)
+{
+    llhttp_t h;
+    llhttp_init(&h, answer ? HTTP_RESPONSE : HTTP_REQUEST, &head_settings);
+    memset(hd, 0, sizeof *hd);
+    hd->base = (const char *)p;
+    hd->f = f;
+    hd->max = max;
+    hd->answer = answer;
+    f[0].name_len = 0;
+    h.data = hd;
+    llhttp_errno_t e = llhttp_execute(&h, (const char *)p, n);
+    if (e == HPE_PAUSED && hd->done) {
+        *len = (size_t)(llhttp_get_error_pos(&h) - hd->base);
+        return 1;
+    }
+    if (e == HPE_OK) {
+        return 0;
+    }
+    return hd->too_many ? -2 : -1;
 }
 
 /* -- the queues (mu held) ------------------------------------------------------------------ */
@@ -976,44 +1074,32 @@ start_request(Lanes *r, lane_t *l)
     if (avail == 0) {
         return;
     }
-    const unsigned char *e = find_crlfcrlf(base, avail);
-    if (e == NULL) {
+    field_t f[MAX_FIELDS];
+    int max = l->max_headers < MAX_FIELDS ? (int)l->max_headers : MAX_FIELDS;
+    head_t hd;
+    size_t head_len = 0;
+    int got = head_may_end(base, avail, &l->req_seen)
+                  ? read_head(&hd, 0, base, avail, f, max, &head_len)
+                  : 0;
+    if (got == 0) {
         if ((long)avail > l->max_head) {
             give_back(r, l, R_HANDBACK);
         }
         return;
     }
-    size_t head_len = (size_t)(e - base) + 4;
     l->req_start = l->cin.off;
-    if ((long)head_len > l->max_head + 2048) {
+    l->req_seen = 0;
+    if (got < 0 || (long)head_len > l->max_head + 2048) {
         give_back(r, l, R_HANDBACK);
         return;
     }
-    /* The request line. */
-    size_t i = 0;
-    while (i < head_len && is_tchar(base[i])) {
-        i++;
-    }
-    size_t method_len = i;
-    if (method_len == 0 || method_len > sizeof l->method || base[i] != ' ') {
-        give_back(r, l, R_HANDBACK);
-        return;
-    }
-    size_t ts = ++i;
-    while (i < head_len && base[i] > 0x20 && base[i] < 0x7f) {
-        i++;
-    }
-    size_t target_len = i - ts;
-    if (target_len == 0 || base[i] != ' ' || i + 11 > head_len ||
-        memcmp(base + i + 1, "HTTP/1.1\r\n", 10) != 0) {
-        give_back(r, l, R_HANDBACK);
-        return;
-    }
-    size_t fields_start = i + 11;
-    field_t f[MAX_FIELDS];
-    int max = l->max_headers < MAX_FIELDS ? (int)l->max_headers : MAX_FIELDS;
-    int nf = parse_fields(base, fields_start, head_len - 2, f, max);
-    if (nf < 0) {
+    /* The request line as h11 reads it (llhttp takes more spaces): the method, one space, the
+     * target, one space, HTTP/1.1, CRLF, the fields from there. */
+    int nf = hd.nf;
+    size_t method_len = hd.method_len, ts = hd.first, target_len = hd.first_len;
+    size_t line_end = nf > 0 ? f[0].name : head_len - 2;
+    if (method_len > sizeof l->method || ts != method_len + 1 || hd.major != 1 || hd.minor != 1 ||
+        line_end != ts + target_len + 11) {
         give_back(r, l, R_HANDBACK);
         return;
     }
@@ -1164,6 +1250,7 @@ start_request(Lanes *r, lane_t *l)
     l->bodyless_idem = l->req_left == 0 && idem;
     l->head_only = method_len == 4 && memcmp(base, "HEAD", 4) == 0;
     l->rs = RS_HEAD;
+    l->resp_seen = 0;
     l->worker_keep = 1;
     l->answered = 0;
     l->kind_sse = 0;
@@ -1192,50 +1279,193 @@ move_body(lane_t *l)
 }
 
 /* The worker's response head at win: 1 parsed (or a 1xx skipped), 0 more needed, -1 failed. */
+/* -- a chunked answer re-framed (llhttp reads it) ------------------------------------------ */
+
+/* The client gets each chunk of 1 to CHUNK_MAX bytes as "%llx\r\n", its data and CRLF (no
+ * extension), then "0\r\n\r\n" for the last chunk (its trailers dropped). llhttp reads the
+ * worker's framing: hex sizes (past 2^64 refused, whitespace before the line's end allowed as
+ * httpmsg's _CHUNK_SIZE allows it), extensions, CRLF after each chunk's data, trailer fields;
+ * a copy of a parser that has read a chunked answer's head (``chunked_answer``) starts each
+ * body. Bounded here: a chunk past CHUNK_MAX, extensions past CHUNK_LINE_LIMIT bytes, trailers
+ * fields past RESP_HEAD_LIMIT. Anything llhttp refuses is a cut, as anything these bounds
+ * refuse: a malformed trailer field too (the event loop's reader refuses it as well). */
+static llhttp_t chunked_answer;
+static llhttp_settings_t reframe_settings;
+
+static int
+rf_fail(lane_t *l, const char *why)
+{
+    l->body_err = why;
+    return -1;
+}
+
+static int
+rf_chunk_header(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    unsigned long long size = h->content_length;
+    l->chunk_size = size;
+    l->ext_len = 0;
+    if (size > CHUNK_MAX) {
+        return rf_fail(l, "malformed response: chunk too large");
+    }
+    if (size == 0) {
+        l->in_trailer = 1;
+        return 0;
+    }
+    char line[24];
+    int n = snprintf(line, sizeof line, "%llx\r\n", size);
+    return buf_add(&l->cout, line, (size_t)n) < 0 ? rf_fail(l, "no memory") : 0;
+}
+
+static int
+rf_extension(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    (void)at;
+    l->ext_len += n; /* the name and value bytes: less than CHUNK_LINE_LIMIT each time */
+    return l->ext_len > CHUNK_LINE_LIMIT ? rf_fail(l, "malformed response: bad chunk size") : 0;
+}
+
+/* A trailer field's bytes (dropped): at most RESP_HEAD_LIMIT each, as httpmsg bounds a line. */
+static int
+rf_trailer(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    (void)at;
+    l->trailer_len += n;
+    return l->trailer_len > RESP_HEAD_LIMIT
+               ? rf_fail(l, "malformed response: trailers too large")
+               : 0;
+}
+
+static int
+rf_trailer_done(llhttp_t *h)
+{
+    ((lane_t *)h->data)->trailer_len = 0;
+    return 0;
+}
+
+static int
+rf_body(llhttp_t *h, const char *at, size_t n)
+{
+    lane_t *l = h->data;
+    if (buf_add(&l->cout, at, n) < 0) {
+        return rf_fail(l, "no memory");
+    }
+    l->bytes_out += (long long)n;
+    return 0;
+}
+
+static int
+rf_chunk_complete(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    if (l->in_trailer) {
+        return 0;
+    }
+    return buf_add(&l->cout, "\r\n", 2) < 0 ? rf_fail(l, "no memory") : 0;
+}
+
+static int
+rf_message_complete(llhttp_t *h)
+{
+    lane_t *l = h->data;
+    if (buf_add(&l->cout, "0\r\n\r\n", 5) < 0) {
+        return rf_fail(l, "no memory");
+    }
+    return HPE_PAUSED; /* the bytes after it are not the answer's */
+}
+
+static int
+init_reframe(void)
+{
+    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    llhttp_settings_init(&reframe_settings);
+    reframe_settings.on_chunk_header = rf_chunk_header;
+    reframe_settings.on_chunk_extension_name = rf_extension;
+    reframe_settings.on_chunk_extension_value = rf_extension;
+    reframe_settings.on_header_field = rf_trailer;
+    reframe_settings.on_header_value = rf_trailer;
+    reframe_settings.on_header_value_complete = rf_trailer_done;
+    reframe_settings.on_body = rf_body;
+    reframe_settings.on_chunk_complete = rf_chunk_complete;
+    reframe_settings.on_message_complete = rf_message_complete;
+    static llhttp_settings_t none; /* the head is read without the body's callbacks */
+    llhttp_settings_init(&none);
+    llhttp_init(&chunked_answer, HTTP_RESPONSE, &none);
+    llhttp_set_lenient_spaces_after_chunk_size(&chunked_answer, 1);
+    if (llhttp_execute(&chunked_answer, head, sizeof head - 1) != HPE_OK) {
+        return -1;
+    }
+    chunked_answer.settings = &reframe_settings;
+    return 0;
+}
+
+static void
+start_reframe(lane_t *l)
+{
+    l->body = chunked_answer;
+    l->body.data = l;
+    l->chunk_size = 0;
+    l->ext_len = l->trailer_len = 0;
+    l->in_trailer = 0;
+    l->body_err = NULL;
+}
+
+/* The worker's bytes p[0:n] of a chunked body through llhttp: 0, or -1 when the lane failed. */
+static int
+reframe(Lanes *r, lane_t *l, const unsigned char *p, size_t n)
+{
+    const char *data = (const char *)p;
+    llhttp_errno_t e = llhttp_execute(&l->body, data, n);
+    if (e == HPE_OK) {
+        l->win.off += n;
+        return 0;
+    }
+    if (e == HPE_PAUSED && l->body_err == NULL) { /* the last chunk and its trailers read */
+        l->win.off += (size_t)(llhttp_get_error_pos(&l->body) - data);
+        l->rs = RS_DONE;
+        return 0;
+    }
+    fail(r, l, 0, "", l->body_err != NULL ? l->body_err : "malformed response: bad chunk framing");
+    return -1;
+}
+
 static int
 response_head(Lanes *r, lane_t *l)
 {
     const unsigned char *base = l->win.p + l->win.off;
     size_t avail = buf_avail(&l->win);
-    const unsigned char *e = find_crlfcrlf(base, avail);
-    if (e == NULL) {
+    field_t f[MAX_FIELDS];
+    head_t hd;
+    size_t head_len = 0;
+    int got = head_may_end(base, avail, &l->resp_seen)
+                  ? read_head(&hd, 1, base, avail, f, MAX_FIELDS, &head_len)
+                  : 0;
+    if (got == 0) {
         if (avail > RESP_HEAD_LIMIT) {
             worker_failed(r, l, "malformed response: head too large");
             return -1;
         }
         return 0;
     }
-    size_t head_len = (size_t)(e - base) + 4;
-    int v11;
-    if (head_len < 16 || memcmp(base, "HTTP/1.", 7) != 0 || (base[7] != '1' && base[7] != '0') ||
-        base[8] != ' ' || base[9] < '1' || base[9] > '5' || base[10] < '0' || base[10] > '9' ||
-        base[11] < '0' || base[11] > '9' || (base[12] != ' ' && base[12] != '\r')) {
-        worker_failed(r, l, "malformed response: bad status line");
+    l->resp_seen = 0;
+    if (got < 0) {
+        worker_failed(r, l, got == -2 ? "malformed response: too many headers"
+                                      : "malformed response: bad head");
         return -1;
     }
-    v11 = base[7] == '1';
-    int status = (base[9] - '0') * 100 + (base[10] - '0') * 10 + (base[11] - '0');
-    size_t i = 12, rs = 12;
-    if (base[12] == ' ') {
-        rs = ++i;
-        while (i < head_len && base[i] != '\r') {
-            if (!is_value_char(base[i])) {
-                worker_failed(r, l, "malformed response: bad status line");
-                return -1;
-            }
-            i++;
-        }
+    /* What llhttp takes and the lane does not: a version other than 1.0 and 1.1, a status
+     * outside 100-599, a control byte in the reason. */
+    int status = hd.status, nf = hd.nf, v11 = hd.minor == 1;
+    size_t rs = hd.first, reason_len = hd.first_len;
+    int odd = hd.major != 1 || hd.minor > 1 || status < 100 || status > 599;
+    for (size_t k = 0; k < reason_len && !odd; k++) {
+        odd = !is_value_char(base[rs + k]);
     }
-    size_t reason_len = i - rs;
-    if (base[i] != '\r' || base[i + 1] != '\n') {
+    if (odd) {
         worker_failed(r, l, "malformed response: bad status line");
-        return -1;
-    }
-    field_t f[MAX_FIELDS];
-    int nf = parse_fields(base, i + 2, head_len - 2, f, MAX_FIELDS);
-    if (nf < 0) {
-        worker_failed(r, l, nf == -2 ? "malformed response: too many headers"
-                                     : "malformed response: bad header line");
         return -1;
     }
     if (status < 200) {
@@ -1340,7 +1570,8 @@ response_head(Lanes *r, lane_t *l)
         l->rs = RS_DONE;
     }
     else if (chunked) {
-        l->rs = RS_SIZE;
+        start_reframe(l);
+        l->rs = RS_CHUNKED;
     }
     else if (length >= 0) {
         l->resp_left = length;
@@ -1388,123 +1619,14 @@ response_bytes(Lanes *r, lane_t *l)
             }
             break;
         }
-        case RS_SIZE: {
-            /* httpmsg's _CHUNK_SIZE: 1-16 hex digits, [ \t]*, an extension, CRLF. 16 hex
-             * digits fit an unsigned 64-bit size; it is checked against CHUNK_MAX before it
-             * is used (a worker's ffffffffffffffff once wrapped a buffer's size). */
-            size_t i = 0;
-            unsigned long long size = 0;
-            while (i < avail && i <= 16) {
-                unsigned char c = p[i];
-                int v = (c >= '0' && c <= '9')   ? c - '0'
-                        : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-                        : (c >= 'A' && c <= 'F') ? c - 'A' + 10
-                                                 : -1;
-                if (v < 0) {
-                    break;
-                }
-                if (i < 16) {
-                    size = (size << 4) | (unsigned long long)v;
-                }
-                i++;
-            }
-            if (i > 16) {
-                fail(r, l, 0, "", "malformed response: chunk size of more than 16 digits");
-                return -1;
-            }
-            size_t le = i;
-            while (le < avail && le < CHUNK_LINE_LIMIT && (p[le] == ' ' || p[le] == '\t')) {
-                le++;
-            }
-            if (le < avail && p[le] == ';') {
-                while (le < avail && le < CHUNK_LINE_LIMIT && is_value_char(p[le])) {
-                    le++;
-                }
-            }
-            if (le < avail && (i == 0 || p[le] != '\r')) { /* a bad byte, or too long */
-                fail(r, l, 0, "", "malformed response: bad chunk size");
-                return -1;
-            }
-            if (le + 1 >= avail) {
-                return 0; /* the line is not whole yet (at most CHUNK_LINE_LIMIT bytes) */
-            }
-            if (p[le + 1] != '\n') {
-                fail(r, l, 0, "", "malformed response: bad chunk size");
-                return -1;
-            }
-            if (size > CHUNK_MAX) {
-                fail(r, l, 0, "", "malformed response: chunk too large");
-                return -1;
-            }
-            l->win.off += le + 2;
-            if (size == 0) {
-                l->rs = RS_TRAILER;
-                break;
-            }
-            char line[24];
-            int n = snprintf(line, sizeof line, "%llx\r\n", size);
-            if (buf_add(&l->cout, line, (size_t)n) < 0) {
-                fail(r, l, 0, "", "no memory");
-                return -1;
-            }
-            l->chunk_left = (long long)size; /* at most CHUNK_MAX */
-            l->rs = RS_DATA;
-            break;
-        }
-        case RS_DATA: {
+        case RS_CHUNKED:
             if (avail == 0) {
                 return 0;
             }
-            size_t n = (long long)avail < l->chunk_left ? avail : (size_t)l->chunk_left;
-            if (buf_add(&l->cout, p, n) < 0) {
-                fail(r, l, 0, "", "no memory");
+            if (reframe(r, l, p, avail) < 0) {
                 return -1;
             }
-            l->win.off += n;
-            l->chunk_left -= (long long)n;
-            l->bytes_out += (long long)n;
-            if (l->chunk_left == 0) {
-                l->rs = RS_DATA_END;
-            }
             break;
-        }
-        case RS_DATA_END:
-            if (avail < 2) {
-                return 0;
-            }
-            if (p[0] != '\r' || p[1] != '\n') {
-                fail(r, l, 0, "", "malformed response: bad chunk end");
-                return -1;
-            }
-            l->win.off += 2;
-            if (buf_add(&l->cout, "\r\n", 2) < 0) {
-                fail(r, l, 0, "", "no memory");
-                return -1;
-            }
-            l->rs = RS_SIZE;
-            break;
-        case RS_TRAILER: {
-            size_t le = 0;
-            while (le + 1 < avail && !(p[le] == '\r' && p[le + 1] == '\n')) {
-                le++;
-            }
-            if (le + 1 >= avail) {
-                if (avail > RESP_HEAD_LIMIT) {
-                    fail(r, l, 0, "", "malformed response: trailers too large");
-                    return -1;
-                }
-                return 0;
-            }
-            l->win.off += le + 2;
-            if (le == 0) {
-                if (buf_add(&l->cout, "0\r\n\r\n", 5) < 0) {
-                    fail(r, l, 0, "", "no memory");
-                    return -1;
-                }
-                l->rs = RS_DONE;
-            }
-            break;
-        }
         case RS_CLOSE: {
             if (avail == 0) {
                 return 0;
@@ -2581,6 +2703,11 @@ static struct PyModuleDef lanes_module = {
 PyMODINIT_FUNC
 PyInit__lanes(void)
 {
+    init_heads();
+    if (init_reframe() < 0) {
+        PyErr_SetString(PyExc_ImportError, "llhttp did not read a chunked answer's head");
+        return NULL;
+    }
     if (PyType_Ready(&LanesType) < 0) {
         return NULL;
     }

@@ -20,9 +20,9 @@
  *   only move the scanner's counters (the same walk as balancer/_scan.c). Bytes of a frame not yet
  *   whole are carried to the next read. Every forwarded frame counts one frame and one message.
  *   A session added with ``chunked`` is the body of a plain-HTTP response instead (SSE: an LLM's
- *   streamed answer): the thread forwards its whole chunks (``walk_chunks``), each counted as a
- *   frame and its data (not its framing) as bytes, and returns it at the last chunk or anything
- *   else; the rules are the same.
+ *   streamed answer): the thread forwards its whole chunks (``walk_chunks``, llhttp reading the
+ *   framing), each counted as a frame and its data (not its framing) as bytes, and returns it at
+ *   the last chunk or anything else; the rules are the same.
  * - Backpressure: a send that takes less than it was given keeps the rest (at most one read's
  *   worth), stops reading the worker and waits for the client socket to be writable. Nothing else
  *   is ever buffered. A chunked body is RETURNED there instead, its rest as the backlog: the event
@@ -80,11 +80,12 @@
  * joins the thread before it lets go of the sessions, so no descriptor is closed under a recv.
  *
  * Sizes from the wire are bounded before arithmetic: a frame's 7- or 16-bit length and a chunk's
- * size (at most 8 hex digits) are compared with ``limit`` (at most 65535) before they are added
- * to a position, so a carry is always less than one read buffer; the record stops at REC_MAX
- * (NOMEM: its bytes kept, as any allocation failure). ``close`` waits JOIN_DEADLINE_S for the
- * thread; past that it raises TimeoutError and leaves the thread and every session it holds
- * as they are, never freed, for the process's exit to end.
+ * size (llhttp's reading, which refuses one past 2^64; at most 8 hex digits) are compared with
+ * ``limit`` (at most 65535) before they are added to a position, so a carry is always less than
+ * one read buffer; the record stops at REC_MAX (NOMEM: its bytes kept, as any allocation
+ * failure). ``close`` waits JOIN_DEADLINE_S for the thread; past that it raises TimeoutError and
+ * leaves the thread and every session it holds as they are, never freed, for the process's exit
+ * to end.
  *
  * Python objects are touched only by the calling thread, with the GIL; the relay thread never
  * takes the GIL.
@@ -106,6 +107,8 @@
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "llhttp.h"
 
 #define BUF_SIZE (256 * 1024)
 #define REC_NOTIFY 8192
@@ -416,57 +419,89 @@ walk(const unsigned char *p, size_t n, long limit, unsigned long long *count, in
  * how far the whole chunks of p[0:n] reach, each a size line of 1-8 hex digits and CRLF (no
  * extension), at most ``limit`` bytes of data, then CRLF. *stop is set at anything else: the last
  * chunk (size 0, with its trailers), an extension, a malformed line - all of them Python's, whose
- * reader (httpmsg.ResponseReader) accepts every chunk forwarded here and refuses what it must. */
+ * reader (httpmsg.ResponseReader) accepts every chunk forwarded here and refuses what it must.
+ *
+ * llhttp reads the framing (strict: no whitespace after a size, CRLF only, sizes past 2^64
+ * refused): a copy of a parser that has read a chunked response's head (``chunked_body``) is
+ * run over p[0:n], paused after each chunk's size line (its size and digits checked here) and
+ * after each chunk's CRLF (a whole chunk: counted). An extension or any error of llhttp's stops
+ * the walk at the chunk it is in; bytes it consumed without a pause are a chunk cut short (a size
+ * line of 9 or more digits stops the walk once its CRLF is in). */
+typedef struct {
+    int at_header;   /* the pause was after a size line, not after a chunk */
+    uint64_t size;   /* the current chunk's */
+} chunk_walk_t;
+
+static llhttp_t chunked_body; /* read "HTTP/1.1 200 OK", "Transfer-Encoding: chunked" (init) */
+static llhttp_settings_t chunk_settings;
+
+static int
+on_chunk_header(llhttp_t *h)
+{
+    chunk_walk_t *w = h->data;
+    w->at_header = 1;
+    w->size = h->content_length;
+    return HPE_PAUSED;
+}
+
+static int
+on_chunk_complete(llhttp_t *h)
+{
+    ((chunk_walk_t *)h->data)->at_header = 0;
+    return HPE_PAUSED;
+}
+
+static int
+on_chunk_extension(llhttp_t *h, const char *at, size_t len)
+{
+    (void)h, (void)at, (void)len;
+    return -1; /* not the thread's: the walk stops at this chunk */
+}
+
+static int
+init_chunked_body(void)
+{
+    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    llhttp_settings_init(&chunk_settings);
+    chunk_settings.on_chunk_header = on_chunk_header;
+    chunk_settings.on_chunk_complete = on_chunk_complete;
+    chunk_settings.on_chunk_extension_name = on_chunk_extension;
+    llhttp_init(&chunked_body, HTTP_RESPONSE, &chunk_settings);
+    return llhttp_execute(&chunked_body, head, sizeof head - 1) == HPE_OK ? 0 : -1;
+}
+
 static size_t
 walk_chunks(const unsigned char *p, size_t n, long limit, unsigned long long *count,
             unsigned long long *payload, int *stop)
 {
-    size_t pos = 0;
+    llhttp_t h = chunked_body;
+    chunk_walk_t w = {0, 0};
+    const char *data = (const char *)p;
+    size_t pos = 0, at = 0;
+    h.data = &w;
     *stop = 0;
-    while (pos < n) {
-        size_t i = pos, size = 0;
-        int digits = 0;
-        while (i < n && digits <= 8) {
-            unsigned char c = p[i];
-            size_t v;
-            if (c >= '0' && c <= '9') {
-                v = (size_t)(c - '0');
-            }
-            else if (c >= 'a' && c <= 'f') {
-                v = (size_t)(c - 'a' + 10);
-            }
-            else if (c >= 'A' && c <= 'F') {
-                v = (size_t)(c - 'A' + 10);
-            }
-            else {
+    while (at < n) {
+        llhttp_errno_t e = llhttp_execute(&h, data + at, n - at);
+        if (e == HPE_OK) {
+            break; /* all of it read: the rest is a chunk cut short */
+        }
+        if (e != HPE_PAUSED) {
+            *stop = 1;
+            break;
+        }
+        at = (size_t)(llhttp_get_error_pos(&h) - data);
+        if (w.at_header) {
+            if (at - pos - 2 > 8 || w.size == 0 || w.size > (uint64_t)limit) { /* limit <= 65535 */
+                *stop = 1;
                 break;
             }
-            size = size * 16 + v;
-            digits++;
-            i++;
         }
-        if (digits > 8 || (i < n && (digits == 0 || p[i] != '\r'))) {
-            *stop = 1;
-            break;
+        else {
+            (*count)++;
+            *payload += w.size;
+            pos = at;
         }
-        if (i + 2 > n) {
-            break; /* the size line is cut short */
-        }
-        if (p[i + 1] != '\n' || size == 0 || size > (size_t)limit) { /* limit: 0..65535 */
-            *stop = 1;
-            break;
-        }
-        size_t end = i + 2 + size + 2;
-        if (end > n) {
-            break;
-        }
-        if (p[end - 2] != '\r' || p[end - 1] != '\n') {
-            *stop = 1;
-            break;
-        }
-        (*count)++;
-        *payload += size;
-        pos = end;
+        llhttp_resume(&h);
     }
     return pos;
 }
@@ -1231,6 +1266,10 @@ static struct PyModuleDef relay_module = {
 PyMODINIT_FUNC
 PyInit__relay(void)
 {
+    if (init_chunked_body() < 0) {
+        PyErr_SetString(PyExc_ImportError, "llhttp did not read a chunked response's head");
+        return NULL;
+    }
     if (PyType_Ready(&RelayType) < 0) {
         return NULL;
     }

@@ -1,6 +1,7 @@
-"""Property-based fuzzing of the hand-written C HTTP code against parsers nobody here wrote.
+"""Property-based fuzzing of the C threads' HTTP code against parsers nobody here wrote.
 
-The lane thread (``_lanes.c``: its request parser and validator, its response-head rewriter and
+The C threads read HTTP with llhttp (fetched at build time, tools/llhttp_src.py) and apply their
+own rules on top. The lane thread (``_lanes.c``: its request rules, its response-head rewriter and
 chunk re-framer) and the relay thread's chunk walk (``_relay.c``'s ``walk_chunks``) run for real,
 on socket pairs, while hypothesis writes what a client and a worker might: sizes at every
 boundary (2^31, 2^32, 2^63, 2^64; 15 to 17 hex digits), chunk extensions, trailers, obs-fold,
@@ -449,8 +450,9 @@ def refused_by_rule(answer: bytes) -> bool:
     """What the lane refuses (502) by its documented rules where the referees are lenient: a
     control byte in the head (RFC 9112 forbids them), a version other than HTTP/1.0 and 1.1, a
     status past 599 (RFC 9110 defines 100-599), a Content-Length of more than 18 digits (even
-    where no body follows: a 204's, a 304's), a chunk size of more than 16 hex digits, even
-    zeros (the event loop's reader has the same rule: httpmsg._CHUNK_SIZE)."""
+    where no body follows: a 204's, a 304's); and a chunk size of more than 16 hex digits, even
+    zeros, which the event loop's reader refuses (httpmsg._CHUNK_SIZE) and the lane, reading
+    sizes with llhttp, takes."""
     parts = answer.split(b"\r\n\r\n")
     head = b""
     for part in parts:  # the 1xx heads, then the final one

@@ -9,6 +9,9 @@
 #   tools/sanitize.sh -k chunk         # extra arguments go to pytest
 #   WSLB_SANITIZE_DIR=/tmp/asan tools/sanitize.sh
 #
+# _relay.c and _lanes.c are built with llhttp's C sources, fetched and proven by
+# tools/llhttp_src.py (cached outside the checkout), as setup.py builds them.
+#
 # Needs gcc with its libasan and libubsan (Debian's gcc has both) and the test extras installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +33,15 @@ for lib in "$asan" "$ubsan"; do
 done
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+llhttp=$(CC=gcc "$py" tools/llhttp_src.py)
 rm -rf "$out/balancer"
 mkdir -p "$out/balancer"
 flags=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
        -g -O1 -fPIC -shared -pthread -Wall -Werror=implicit-function-declaration)
-for mod in _scan _relay _lanes; do
-    gcc "${flags[@]}" -I"$include" "balancer/$mod.c" -o "$out/balancer/$mod$suffix"
+gcc "${flags[@]}" -I"$include" balancer/_scan.c -o "$out/balancer/_scan$suffix"
+for mod in _relay _lanes; do
+    gcc "${flags[@]}" -I"$include" -I"$llhttp" "balancer/$mod.c" "$llhttp"/{llhttp,api,http}.c \
+        -o "$out/balancer/$mod$suffix"
 done
 echo "sanitize: built $out/balancer in $(($(date +%s) - start)) s"
 # The interpreter is not instrumented: the runtimes are preloaded, and its own allocations that
