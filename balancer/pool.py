@@ -537,6 +537,7 @@ class Pool:
         if chosen is None:  # the ring, past the workers over their share of late traffic
             calm = [b for b in ready if lately(b)] or ready
             chosen = selection.consistent(calm, walk, rules, size=self._new_size()).backend
+        self.recent.add(chosen.id, now)
         self._pending[key] = (chosen, now + PENDING_S)
         chosen.pending += 1
         return chosen, why
@@ -560,7 +561,7 @@ class Pool:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
         held (wherever) is taken back, as is its placement under way. Its first ``prompt``, if
         placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend, now)
+        self.learn(prompt, backend)
         self._unreserve(key)
         self._release(key)
         backend.sessions += 1
@@ -599,21 +600,17 @@ class Pool:
         was = self.backends.get(prev[1])
         return prev[1] if was is None or not was.ready else first
 
-    def attach_request(
-        self, backend: Backend, prompt: prefix.Prompt | None = None, now: float = 0.0
-    ) -> None:
+    def attach_request(self, backend: Backend, prompt: prefix.Prompt | None = None) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
         load for the bounds and drains, but no conversation and no held place (nothing says
         the key will come back). Its ``prompt``, if placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend, now)
+        self.learn(prompt, backend)
         backend.sessions += 1
         backend.consecutive_failures = 0
         self._publish(backend)
 
-    def learn(self, prompt: prefix.Prompt | None, backend: Backend, now: float) -> None:
-        """A request or session was placed on ``backend`` at ``now`` (counted in ``recent``);
-        its ``prompt``, if placed by prefix, is there now."""
-        self.recent.add(backend.id, now)
+    def learn(self, prompt: prefix.Prompt | None, backend: Backend) -> None:
+        """``prompt`` was sent to ``backend`` (placed by prefix): its blocks are there now."""
         if prompt is not None and self.prefix is not None:
             self.prefix.learn(prompt, backend.id)
 

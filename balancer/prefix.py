@@ -51,9 +51,10 @@ Rules:
    margin; ``affinity_ceiling`` times it for a conversation going on (its match ends with an
    answer the holder wrote), as for a returning key. The bound of a new conversation holds for
    the traffic too, not only for the load of the moment: a holder must also be within
-   ``hash_balance_factor`` of its share of the requests and sessions placed lately
-   (``Recent``: decayed with a time constant of ``RECENT_S``), since short requests leave no
-   load to count and a popular prefix would otherwise take all of them. A match whose holders
+   ``hash_balance_factor`` of its share of what was placed by prompt lately (``Recent``:
+   decayed with a time constant of ``RECENT_S``; keyless requests each, a named key's first),
+   since short requests leave no load to count and a popular prefix would otherwise take all
+   of them. A match whose holders
    are all over the bound is ``bound``; no match that counts is ``ring``: either way (``None`` here)
    the caller places the prompt's *anchor* on the pool's ring with the bounded-load rule, as a
    key, which passes over the workers above their bound (both bounds for a new conversation):
@@ -267,8 +268,8 @@ RECENT_S = 30.0
 
 
 class Recent:
-    """Requests and sessions placed per backend lately, each counting 1 and decaying with time
-    constant ``RECENT_S``: the share of the traffic each backend takes (rule 5)."""
+    """Placements by prompt per backend lately, each counting 1 and decaying with time
+    constant ``RECENT_S``: the share of that traffic each backend takes (rule 5)."""
 
     __slots__ = ("_v",)
 

@@ -876,7 +876,7 @@ class Exchange:
             self.pool.attach(self.sid, self.backend, now, prompt=self.prompt)
         else:
             self.pool.cancel(self.sid)
-            self.pool.attach_request(self.backend, self.prompt, now)
+            self.pool.attach_request(self.backend, self.prompt)
         self.host.stats.http_active[self.pool.name] += 1
 
     def _begin(self, conn: WorkerConn) -> None:

@@ -457,8 +457,8 @@ class ClientConnection(asyncio.Protocol):
             key,
             client_bytes=client_bytes,
         )
-        if prompt is not None and pool.prefix is not None:
-            pool.prefix.learn(prompt, backend.id)  # counted in ``recent`` by its attach
+        if prompt is not None:
+            pool.learn(prompt, backend)
 
     def _binds_late(self, pool: Pool, sid: str) -> bool:
         """Late binding (``balancer/late.py``): a new session of a pool that asks for it, whose
