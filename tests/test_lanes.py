@@ -380,7 +380,10 @@ async def test_slow_reader_on_a_lane_holds_the_worker_back(stack: Stack) -> None
 
         await until(progress, 10, "the flood under way")
         sent = await settled(progress, quiet=1.0, timeout=20, what="the worker's bytes sent")
-        assert sent < 30 * 1024 * 1024, sent  # 100 MiB were asked for
+        # 100 MiB were asked for; what is written before the pause takes hold is the kernel's
+        # buffers both ways and the lane's write buffer: 20-34 MiB seen, more on a busy machine
+        # (the event loop's test allows 40 MiB too).
+        assert sent < 40 * 1024 * 1024, sent
     finally:
         c.close()
 
