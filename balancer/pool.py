@@ -532,12 +532,14 @@ class Pool:
         def fits(b: Backend, going_on: bool) -> bool:
             return loose(b) if going_on else strict(b) and lately(b)
 
-        chosen, why = prefix.choose(prompt, self.prefix, ready, walk, self.prefix_rules, fits)
+        m = self.prefix.match(prompt, (b.id for b in ready))
+        chosen, why = prefix.choose(prompt, m, ready, walk, self.prefix_rules, fits)
         self.prefix_placed[why] += 1
         if chosen is None:  # the ring, past the workers over their share of late traffic
             calm = [b for b in ready if lately(b)] or ready
             chosen = selection.consistent(calm, walk, rules, size=self._new_size()).backend
-        self.recent.add(chosen.id, now)
+        if not (m.answered and why == "prefix"):  # a new conversation (prefix rule 5)
+            self.recent.add(chosen.id, now)
         self._pending[key] = (chosen, now + PENDING_S)
         chosen.pending += 1
         return chosen, why

@@ -52,9 +52,9 @@ Rules:
    answer the holder wrote), as for a returning key. The bound of a new conversation holds for
    the traffic too, not only for the load of the moment: a holder must also be within
    ``hash_balance_factor`` of its share of what was placed by prompt lately (``Recent``:
-   decayed with a time constant of ``RECENT_S``; keyless requests each, a named key's first),
-   since short requests leave no load to count and a popular prefix would otherwise take all
-   of them. A match whose holders
+   decayed with a time constant of ``RECENT_S``: the new conversations, not the turns of those
+   going on), since short requests leave no load to count and a popular prefix would
+   otherwise take all of them. A match whose holders
    are all over the bound is ``bound``; no match that counts is ``ring``: either way (``None`` here)
    the caller places the prompt's *anchor* on the pool's ring with the bounded-load rule, as a
    key, which passes over the workers above their bound (both bounds for a new conversation):
@@ -378,14 +378,15 @@ def imbalanced(loads: Sequence[float], balance_abs: float, balance_rel: float) -
 
 def choose(
     prompt: Prompt,
-    table: Table,
+    m: Match,
     ready: Sequence[Backend],
     walk: Iterable[str],
     rules: Rules,
     fits: Callable[[Backend, bool], bool] = lambda b, going_on: True,
 ) -> tuple[Backend | None, str]:
-    """Rule 5: the backend and why (``balance``, ``prefix``), or ``(None, "ring")`` /
-    ``(None, "bound")`` when the caller places the anchor on the ring. ``walk``: the anchor's
+    """Rule 5 for the table's match ``m`` of ``prompt`` among ``ready``: the backend and why
+    (``balance``, ``prefix``), or ``(None, "ring")`` / ``(None, "bound")`` when the caller
+    places the anchor on the ring. ``walk``: the anchor's
     ring walk (backend ids), for ties; ``fits``: whether one more request keeps a backend
     within the pool's bound (the looser one for a conversation going on)."""
     order = {bid: i for i, bid in enumerate(walk)}
@@ -395,7 +396,6 @@ def choose(
 
     if imbalanced([_load(b) for b in ready], rules.balance_abs, rules.balance_rel):
         return min(ready, key=rank), "balance"
-    m = table.match(prompt, (b.id for b in ready))
     if m.covered and m.covered >= rules.threshold * prompt.size:
         by_id = {b.id: b for b in ready}
         within = [b for x in m.holders if fits(b := by_id[x], m.answered)]

@@ -244,7 +244,8 @@ def test_choose_ties_follow_the_ring_walk() -> None:
     for b in ready:
         pool.prefix.learn(p, b.id)
     walk = list(pool.ring.walk(p.anchor))
-    got, why = choose(p, pool.prefix, ready, walk, pool.prefix_rules)
+    m = pool.prefix.match(p, (b.id for b in ready))
+    got, why = choose(p, m, ready, walk, pool.prefix_rules)
     assert why == "prefix" and got is not None and got.id == walk[0]
 
 
