@@ -101,6 +101,9 @@ def route(host: Host, req: ClientRequest, client: Client) -> Routed | None:
     """
     if reserved_target(req.target):
         raise HandshakeReject(404, f"{RESERVED_PREFIX} is internal to wslb and its workers")
+    # X-Forwarded-For gets the address wslb took the connection from (a PROXY header's client:
+    # that proxy is transparent), once, whatever worker legs the session opens. Forwarded and
+    # X-Real-IP are wslb's too: a client's own are its claims (handshake.py).
     hop = client.peer
     xff = req.header(b"x-forwarded-for")
     if client.trusted and not client.proxied and xff is not None:
@@ -119,6 +122,8 @@ def route(host: Host, req: ClientRequest, client: Client) -> Routed | None:
     owner, claimed = host.authorize(req)
     given = claimed or session_key(pool.cfg.session_key, req)
     key = given or new_session_id()
+    # With JWT, a key the client names (or one made for it) is scoped to its owner: the worker
+    # sees the scoped one, the client its own (auth.py).
     sid = key if owner is None or claimed else scoped_key(owner, key)
     req = host.auth.strip(req)  # the token in ?access_token= is not the worker's business
     req = without_wslb_params(req)  # wslb_resume, wslb_from: wslb's, not the worker's
