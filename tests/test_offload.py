@@ -219,7 +219,9 @@ def run_until_returned(
     writer.start()
     got = bytearray()
     returned = False
-    deadline = time.monotonic() + 10
+    # Bounded generously: the loop ends as soon as the thread returns the session (or has
+    # forwarded everything); 10 s was not always enough on a machine busy with other work.
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not returned:
         got += read_available(p.cpeer)
         returned = any(h == p.handle for h, _ in relay.events())
