@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -48,22 +49,42 @@ Backends = list[dict[str, Any]]  # GET /backends
 
 
 _RECENT: collections.deque[int] = collections.deque(maxlen=2048)
+_PICK = random.Random()  # its own: a test that seeds the module's generator must not share ports
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free port on ``host``, never one this process was handed recently.
+    """A free port on ``host`` below the kernel's ephemeral range, never one handed out recently.
 
-    The kernel may give the same port to two ``bind(0)`` calls in a row once the first socket is
-    closed (2 triples in 20,000 here): a test that asks for three ports would then write a config
-    with two listeners on one port, which wslb rejects (exit 2).
+    A port from ``bind(0)`` comes from the ephemeral range, which every outgoing connection and
+    every ``bind(0)`` listener on the machine draws from too: between this call and the child's
+    own bind, another connection could take it (seen in CI: "address already in use"). Ports
+    below the range are only ever taken by a bind that names them, so a random free one there
+    stays free until the test's process binds it. The kernel may also give the same port to two
+    ``bind(0)`` calls in a row, and a config with two listeners on one port is rejected: no port
+    is handed out twice per process.
     """
-    while True:
+    low, high = _free_range()
+    for _ in range(10_000):
+        port = _PICK.randrange(low, high)
+        if port in _RECENT:
+            continue
         with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _RECENT:
-            _RECENT.append(port)
-            return port
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _RECENT.append(port)
+        return port
+    raise RuntimeError(f"no free port on {host} in [{low}, {high})")
+
+
+def _free_range() -> tuple[int, int]:
+    """The ports below the ephemeral range (``ip_local_port_range``), above the well-known ones."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    return (10_000, first) if first > 20_000 else (first + 28_000, 65_000)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
