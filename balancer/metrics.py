@@ -200,6 +200,8 @@ class Stats:
     # WebSocket sessions bound late (balancer/late.py), by (pool, how): placed by prefix,
     # balance or ring, or why not by a prompt (timeout, too large, not a prompt), or ended.
     late_bound: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # What engines said of their cache in answers to requests placed by prompt, by (pool, result).
+    prefix_reports: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def session_done(self, s: LiveSession, now: float) -> None:
         """Fold a finished session's counts into the totals; ``now``: the loop's time."""
@@ -620,6 +622,14 @@ def _http_families(st: Stats) -> Iterator[Metric]:
         "prompt's first bytes on the ring), bound (so, every holder being at its bound)",
         ["pool", "how"],
         st.http_placed,
+    )
+    yield labelled(
+        "wslb_prefix_reports",
+        "Answers to requests placed by their prompt whose engine said what it had cached, by "
+        "result: agreed (with the prefix table), evicted (the engine had lost a block the table "
+        "placed it for: what it was sent before that block is taken as gone)",
+        ["pool", "result"],
+        st.prefix_reports,
     )
     yield labelled(
         "wslb_late_bindings",

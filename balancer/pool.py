@@ -232,7 +232,7 @@ class Pool:
         # Keyless plain requests placed by their prompt's prefix (``balancer.prefix``).
         pp = cfg.prefix_placement
         self.prefix_rules = pp
-        self.prefix = prefix.Table(pp.table_size) if pp.enabled else None
+        self.prefix = prefix.Table(pp.table_size, pp.block) if pp.enabled else None
         self.recent = prefix.Recent()  # what was placed where lately (prefix rule 5)
         self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
         # key -> its conversation (module docstring); forgotten with its placement.
@@ -557,13 +557,9 @@ class Pool:
         if entry is not None:
             entry[0].pending -= 1
 
-    def attach(
-        self, key: str, backend: Backend, now: float = 0.0, prompt: prefix.Prompt | None = None
-    ) -> None:
+    def attach(self, key: str, backend: Backend, now: float = 0.0) -> None:
         """Count a session placed on ``backend`` and remember the key's worker; a place the key
-        held (wherever) is taken back, as is its placement under way. Its first ``prompt``, if
-        placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend)
+        held (wherever) is taken back, as is its placement under way."""
         self._unreserve(key)
         self._release(key)
         backend.sessions += 1
@@ -602,19 +598,28 @@ class Pool:
         was = self.backends.get(prev[1])
         return prev[1] if was is None or not was.ready else first
 
-    def attach_request(self, backend: Backend, prompt: prefix.Prompt | None = None) -> None:
+    def attach_request(self, backend: Backend) -> None:
         """Count a plain HTTP request whose key wslb made for it on ``backend`` while it runs:
         load for the bounds and drains, but no conversation and no held place (nothing says
-        the key will come back). Its ``prompt``, if placed by prefix, is learnt as sent there."""
-        self.learn(prompt, backend)
+        the key will come back)."""
         backend.sessions += 1
         backend.consecutive_failures = 0
         self._publish(backend)
 
-    def learn(self, prompt: prefix.Prompt | None, backend: Backend) -> None:
-        """``prompt`` was sent to ``backend`` (placed by prefix): its blocks are there now."""
-        if prompt is not None and self.prefix is not None:
-            self.prefix.learn(prompt, backend.id)
+    def learn(
+        self, prompt: prefix.Prompt | None, backend: Backend, answer: bool = False
+    ) -> prefix.Sent | None:
+        """``prompt`` was sent to ``backend`` (placed by prefix): its blocks are there now.
+        ``answer``: the caller will ``settle`` it with what the answer reports."""
+        if prompt is None or self.prefix is None:
+            return None
+        return self.prefix.learn(prompt, backend.id, answer)
+
+    def settle(
+        self, sent: prefix.Sent, prompt: prefix.Prompt, reported: tuple[int, int] | None
+    ) -> str | None:
+        """The answer to a prompt ``learn`` sent has ended (``prefix.Table.settle``)."""
+        return None if self.prefix is None else self.prefix.settle(sent, prompt, reported)
 
     def detach_request(self, backend: Backend) -> None:
         """The request ``attach_request`` counted is over."""

@@ -30,11 +30,11 @@ Rules:
    bytes before it (BLAKE2b, 64 bits, keyed by nothing: the same on every instance), so equal
    hashes mean equal prefixes.
 3. *The table* maps a block hash to the workers a prompt containing it was sent to, the most
-   recent first (at most ``HOLDERS``). A placement records every block of its prompt, the
-   deepest first, so the least recently used entry, evicted first once the table holds
-   ``table_size`` blocks, is never the start of a live chain. Learning is from what wslb sent
-   where: an engine keeps what it was sent until its own cache evicts it, which wslb does not
-   see; the table's bound stands for that.
+   recent first (at most ``HOLDERS``), each with the number of the send that put it there. A
+   placement records every block of its prompt, the deepest first, so the least recently used
+   entry, evicted first once the table holds ``table_size`` blocks, is never the start of a
+   live chain. Learning is from what wslb sent where: an engine keeps what it was sent until
+   its own cache evicts it, which it tells only in its answers (rule 6).
 4. *The match* is the longest run of the prompt's blocks, from the first, found in the table
    with a ready holder; its holders are the ready workers recorded for its deepest block. When
    the run ends where a message ends and an assistant message comes next, the match covers that
@@ -63,18 +63,32 @@ Rules:
    no state shared, sends a long shared system prompt to the same worker, and a
    conversation's later turns, which start with the same bytes, follow its first.
 
+6. *Reports.* An answer to a request placed by its prompt says how much of the prompt the
+   engine found cached (``usage...cached_tokens`` over the prompt tokens, llama.cpp's
+   ``timings.cache_n`` over ``cache_n + prompt_n``); as a share of the prompt's bytes, it
+   agrees with the table unless a block the table had on that worker lies more than two
+   blocks past it. Then the engine had evicted that block, and, its cache being least
+   recently used first as the table's is, everything it was sent no later than that block's
+   last send: the table takes it all as gone from that worker (a number per worker, no walk
+   over the table) until sent again. A report proves an eviction only against a send whose
+   answer had ended when the request went (``Sent.settled``): a prompt still being read by
+   the engine is not cached yet, whatever it says. So the table follows a worker's cache when
+   it is smaller than the table, or wiped by a restart.
+
 Ties go to the backend first on the anchor's ring walk, so equal instances choose alike.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import hashlib
 import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from balancer.backend import Backend
 from balancer.config import PrefixCfg
@@ -83,13 +97,16 @@ __all__ = [
     "HOLDERS",
     "Match",
     "Prompt",
+    "Report",
     "Rules",
+    "Sent",
     "Table",
     "choose",
     "imbalanced",
     "message_body",
     "message_prompt",
     "prompt_of",
+    "reported",
     "segments",
 ]
 
@@ -304,48 +321,126 @@ class Recent:
         return fits
 
 
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One prompt's send to a backend as the table recorded it: what a report is read against
+    (rule 6). ``prev``: per block, the send after which the table last had it on that backend
+    (0: not there); ``settled``: the last send on that backend whose answer had ended when
+    this one went (an engine caches a prompt once it has read it)."""
+
+    backend: str
+    seq: int
+    settled: int
+    prev: tuple[int, ...]
+
+
 class Table:
-    """Block hash -> the workers it was sent to, most recent first; least recently used out
-    past ``size`` blocks (rule 3)."""
+    """Block hash -> the workers it was sent to, most recent first, each with the send that
+    put it there; least recently used out past ``size`` blocks (rule 3); per worker, the send
+    at or before which what it held is known gone (rule 6)."""
 
-    __slots__ = ("_t", "size")
+    __slots__ = ("_flying", "_gone", "_seq", "_t", "block", "size")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, block: int = 256) -> None:
         self.size = size
-        self._t: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        self.block = block
+        # Per block, flat: [backend, send, backend, send, ...], the most recent first.
+        self._t: OrderedDict[int, list[str | int]] = OrderedDict()
+        self._seq = 0
+        self._gone: dict[str, int] = {}
+        self._flying: dict[str, dict[int, None]] = {}  # per backend, its unanswered sends
 
     def __len__(self) -> int:
         return len(self._t)
 
-    def learn(self, prompt: Prompt, backend_id: str) -> None:
-        """``prompt`` was sent to ``backend_id``: record its blocks there, the deepest first."""
+    def learn(self, prompt: Prompt, backend_id: str, answer: bool = False) -> Sent:
+        """``prompt`` was sent to ``backend_id``: record its blocks there, the deepest first.
+        ``answer``: the caller reads the answer's report and ends the send with ``settle``."""
+        self._seq += 1
+        seq = self._seq
         t = self._t
+        prev: list[int] = []
         for h in reversed(prompt.hashes):
-            old = t.get(h)
-            if old is None:
-                t[h] = (backend_id,)
+            held = t.get(h)
+            if held is None:
+                t[h] = [backend_id, seq]
+                prev.append(0)
+                continue
+            if held[0] == backend_id:  # the usual: its holder again, updated in place
+                prev.append(cast(int, held[1]))
+                held[1] = seq
             else:
-                if old[0] != backend_id:
-                    t[h] = (backend_id, *(x for x in old if x != backend_id))[:HOLDERS]
-                t.move_to_end(h)
+                try:
+                    i = held.index(backend_id, 2)
+                except ValueError:
+                    prev.append(0)
+                    if len(held) >= 2 * HOLDERS:
+                        del held[-2:]
+                else:
+                    prev.append(cast(int, held[i + 1]))
+                    del held[i : i + 2]
+                held[0:0] = (backend_id, seq)
+            t.move_to_end(h)
         while len(t) > self.size:
             t.popitem(last=False)
+        prev.reverse()
+        flying = self._flying.setdefault(backend_id, {})
+        settled = next(iter(flying), seq) - 1  # the oldest send still unanswered, or none
+        if answer:
+            flying[seq] = None
+        return Sent(backend_id, seq, settled, tuple(prev))
+
+    def settle(self, sent: Sent, prompt: Prompt, reported: tuple[int, int] | None) -> str | None:
+        """The answer to ``sent`` ended, with the engine's ``(cached, prompt)`` tokens if it
+        said them: whether the report ``agreed`` with the table or showed a block ``evicted``
+        (rule 6); None without a report that can say."""
+        flying = self._flying.get(sent.backend)
+        if flying is not None:
+            flying.pop(sent.seq, None)
+        if reported is None:
+            return None
+        cached, total = reported
+        if total <= 0 or not 0 <= cached <= total:
+            return None
+        # The first block surely past what the engine had: one block of slack for the
+        # tokens-to-bytes estimate and the template's own tokens.
+        held = prompt.size * cached / total
+        i = bisect.bisect_right(prompt.ends, held + 2 * self.block)
+        if i >= len(prompt.hashes):
+            result = "agreed"
+        else:
+            was = sent.prev[i]
+            if 0 < was <= sent.settled and was > self._gone.get(sent.backend, 0):
+                self._gone[sent.backend] = was
+                result = "evicted"
+            else:
+                result = "agreed"
+        return result
 
     def match(self, prompt: Prompt, ready: Iterable[str]) -> Match:
         """The longest run of ``prompt``'s blocks from the first with a holder in ``ready``
-        (rule 4)."""
+        not known to have lost it (rules 4 and 6)."""
         ok = set(ready)
+        gone = self._gone
         t = self._t
-        holders: tuple[str, ...] = ()
         last = -1
+        held: list[str | int] = []
         for i, h in enumerate(prompt.hashes):
-            held = t.get(h)
-            if held is None:
+            here = t.get(h)
+            if here is None:
                 break
-            live = tuple(x for x in held if x in ok)
-            if not live:
+            for j in range(0, len(here), 2):
+                who = cast(str, here[j])
+                if who in ok and cast(int, here[j + 1]) > gone.get(who, 0):
+                    break
+            else:
                 break
-            last, holders = i, live
+            last, held = i, here
+        holders = tuple(
+            x
+            for j in range(0, len(held), 2)
+            if (x := cast(str, held[j])) in ok and cast(int, held[j + 1]) > gone.get(x, 0)
+        )
         if last < 0:
             return Match(0, ())
         # The holder wrote the answer that follows what it was sent: it holds that too.
@@ -356,12 +451,83 @@ class Table:
         """A backend left the pool: its entries go (its id may come back as another worker)."""
         t = self._t
         for h, held in list(t.items()):
-            if backend_id in held:
-                rest = tuple(x for x in held if x != backend_id)
-                if rest:
-                    t[h] = rest
-                else:
-                    del t[h]
+            try:
+                i = held.index(backend_id)
+            except ValueError:
+                continue
+            del held[i : i + 2]
+            if not held:
+                del t[h]
+        self._gone.pop(backend_id, None)
+        self._flying.pop(backend_id, None)
+
+
+class Report:
+    """The end of an answer, kept to read what the engine says of its cache (rule 6): the
+    last ``TAIL`` bytes, parsed once the answer has ended."""
+
+    TAIL = 16384
+
+    __slots__ = ("_buf", "_cut")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._cut = False
+
+    def feed(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        if len(buf) > 2 * self.TAIL:
+            del buf[: len(buf) - self.TAIL]
+            self._cut = True
+
+    def result(self) -> tuple[int, int] | None:
+        """``(cached, prompt)`` tokens the answer reports, or None: a JSON body's, or the last
+        server-sent event's that has them."""
+        buf = bytes(self._buf)
+        if not self._cut:
+            with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+                return reported(json.loads(buf))
+        for line in reversed(buf.split(b"\n")[-64:]):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                got = reported(json.loads(line[5:]))
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                continue
+            if got is not None:
+                return got
+        return None
+
+
+def reported(body: Any) -> tuple[int, int] | None:
+    """``(cached, prompt)`` tokens from an answer or event: llama.cpp's ``timings``
+    (``cache_n``, ``prompt_n``), else the OpenAI ``usage`` (chat ``prompt_tokens`` with
+    ``prompt_tokens_details.cached_tokens``, Responses ``input_tokens`` with
+    ``input_tokens_details``, at the top or in its ``response``)."""
+    if not isinstance(body, dict):
+        return None
+    timings = body.get("timings")
+    if isinstance(timings, dict):
+        cached, fresh = timings.get("cache_n"), timings.get("prompt_n")
+        if type(cached) is int and type(fresh) is int:
+            return cached, cached + fresh
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        inner = body.get("response")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    for total_key, details_key in (
+        ("prompt_tokens", "prompt_tokens_details"),
+        ("input_tokens", "input_tokens_details"),
+    ):
+        total, details = usage.get(total_key), usage.get(details_key)
+        if type(total) is int and isinstance(details, dict):
+            cached = details.get("cached_tokens")
+            if type(cached) is int:
+                return cached, total
+    return None
 
 
 def _load(b: Backend) -> float:

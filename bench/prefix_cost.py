@@ -5,9 +5,9 @@ Sans-I/O, one process: a pool of ``--workers`` reference-like backends, ``--conv
 keyless chats of ``--turns`` turns over ``--systems`` shared system prompts of
 ``--system-bytes``; each turn sends the whole history (user messages of ``--user-bytes``,
 answers of ``--answer-bytes``) as a chat-completions JSON body, placed with ``Pool.select``
-and learnt with ``attach_request`` as the proxy does. Memory is the table's (tracemalloc,
+and learnt (``learn``, ``settle``) as the proxy does. Memory is the table's (tracemalloc,
 after the run, the bodies gone); CPU is ``time.process_time`` per request for
-``prompt_of`` (JSON parse, cut, hash) and for ``select`` + ``attach_request`` apart, from a
+``prompt_of`` (JSON parse, cut, hash) and for ``select`` + ``learn`` apart, from a
 second run of the same plan without tracemalloc.
 
     python bench/prefix_cost.py --conversations 1000 --turns 6
@@ -103,8 +103,11 @@ def run(
             b = pool.select(f"k{c}.{t}", prompt=prompt)
             assert b is not None
             pool.cancel(f"k{c}.{t}")
-            pool.attach_request(b, prompt)
+            pool.attach_request(b)
+            sent = pool.learn(prompt, b, answer=True)
             pool.detach_request(b)
+            if sent is not None and prompt is not None:
+                pool.settle(sent, prompt, None)
             t2 = time.process_time()
             parse_s += t1 - t0
             choose_s += t2 - t1

@@ -26,6 +26,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter
 
 from tests.procs import WORKER_AUTH, free_port
@@ -177,6 +178,23 @@ async def test_the_sdk_through_wslb_in_front_of_two_bridges(stack: Stack) -> Non
     chat1, chat2, resp1, resp2 = await conversation(f"http://127.0.0.1:{stack.lb.port}")
     cached_follow_up(chat1.prompt_tokens, chat2.prompt_tokens_details.cached_tokens)
     cached_follow_up(resp1.input_tokens, resp2.input_tokens_details.cached_tokens)
+    # Each key's first request was placed by its prompt, and wslb read what the engine said of
+    # its cache at the answer's end (a new prompt: nothing cached, as its table had it).
+    deadline = time.monotonic() + TIMEOUT
+    while (said := prefix_reports(await asyncio.to_thread(stack.lb.admin, "/metrics"))) != {
+        "agreed": 2.0
+    }:
+        assert time.monotonic() < deadline, said
+        await asyncio.sleep(0.05)
+
+
+def prefix_reports(text: str) -> dict[str, float]:
+    return {
+        s.labels["result"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "wslb_prefix_reports_total"
+    }
 
 
 # -- a fake engine --------------------------------------------------------------------------

@@ -36,8 +36,11 @@ def place(pool: Pool, body: bytes, key: str = "k") -> str:
     b = pool.select(key, prompt=p)
     assert b is not None
     pool.cancel(key)
-    pool.attach_request(b, p)
+    pool.attach_request(b)
+    sent = pool.learn(p, b, answer=True)
     pool.detach_request(b)
+    if sent is not None and p is not None:
+        pool.settle(sent, p, None)
     return b.id
 
 
@@ -151,6 +154,108 @@ def test_forget_drops_a_removed_backend() -> None:
     assert t.match(p, {"w1", "w2"}).holders == ("w1",)
     t.forget("w1")
     assert len(t) == 0
+
+
+# -- reports (rule 6) -------------------------------------------------------------------------
+
+
+def _long(tag: str) -> prefix.Prompt:
+    p = prompt_of(chat(f"{tag} " * 400, system=None), R)
+    assert p is not None and len(p.hashes) > 4
+    return p
+
+
+def test_a_report_of_an_eviction_takes_what_was_sent_before_it_as_gone() -> None:
+    t = Table(1000)
+    a, b, c = _long("alpha"), _long("beta"), _long("gamma")
+    for p in (a, b, c):
+        t.settle(t.learn(p, "w1", answer=True), p, (0, 100))  # first sends: nothing cached
+    assert t.match(a, {"w1"}).covered == a.size
+    # b again: the engine had only a tenth of it, so b (and a, sent before it) are gone.
+    sent = t.learn(b, "w1", answer=True)
+    assert t.settle(sent, b, (10, 100)) == "evicted"
+    assert t.match(a, {"w1"}).covered == 0
+    assert t.match(b, {"w1"}).covered == b.size  # sent again just now: there again
+    assert t.match(c, {"w1"}).covered == c.size  # sent after: kept
+    # Another worker's entries are its own.
+    t.learn(a, "w2")
+    assert t.match(a, {"w1", "w2"}).holders == ("w2",)
+
+
+def test_a_report_that_agrees_changes_nothing() -> None:
+    t = Table(1000)
+    a = _long("alpha")
+    t.settle(t.learn(a, "w1", answer=True), a, (0, 100))
+    sent = t.learn(a, "w1", answer=True)
+    assert t.settle(sent, a, (99, 100)) == "agreed"
+    # within the slack of two blocks short of the prompt: still agreement
+    short = -(-100 * (2 * a.size - 3 * R.block) // (2 * a.size))  # 1.5 blocks short
+    assert t.settle(t.learn(a, "w1", answer=True), a, (short, 100)) == "agreed"
+    assert t.match(a, {"w1"}).covered == a.size
+    assert t.settle(t.learn(a, "w1", answer=True), a, None) is None  # nothing said
+    assert t.settle(t.learn(a, "w1", answer=True), a, (5, 0)) is None  # nonsense
+
+
+def test_a_send_still_unanswered_proves_nothing() -> None:
+    """Two requests with one prompt in flight at once: the second finds nothing cached, as
+    the engine is still reading the first; that is no eviction."""
+    t = Table(1000)
+    a = _long("alpha")
+    first = t.learn(a, "w1", answer=True)
+    second = t.learn(a, "w1", answer=True)
+    assert second.settled < first.seq
+    assert t.settle(second, a, (0, 100)) == "agreed"
+    t.settle(first, a, (0, 100))
+    assert t.match(a, {"w1"}).covered == a.size
+    # Once the first has ended, the same report proves the eviction.
+    third = t.learn(a, "w1", answer=True)
+    assert t.settle(third, a, (0, 100)) == "evicted"
+
+
+def test_forget_clears_what_was_known_gone() -> None:
+    t = Table(1000)
+    a = _long("alpha")
+    t.settle(t.learn(a, "w1", answer=True), a, (0, 100))
+    t.settle(t.learn(a, "w1", answer=True), a, (0, 100))
+    t.forget("w1")
+    t.learn(a, "w1")
+    assert t.match(a, {"w1"}).covered == a.size
+
+
+def test_what_engines_report_of_their_cache() -> None:
+    def read(*parts: bytes) -> tuple[int, int] | None:
+        r = prefix.Report()
+        for part in parts:
+            r.feed(part)
+        return r.result()
+
+    chat_json = {"usage": {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}}
+    assert read(json.dumps(chat_json).encode()) == (64, 90)
+    # llama-server: timings win over its usage
+    llama = chat_json | {"timings": {"cache_n": 80, "prompt_n": 10}}
+    assert read(json.dumps(llama).encode()) == (80, 90)
+    # SSE: the last event that says it, whatever follows ([DONE]), across reads
+    sse = (
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+        + b"data: "
+        + json.dumps(llama).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    assert read(sse[:30], sse[30:]) == (80, 90)
+    responses = {
+        "type": "response.completed",
+        "response": {"usage": {"input_tokens": 50, "input_tokens_details": {"cached_tokens": 7}}},
+    }
+    event = b"event: response.completed\ndata: " + json.dumps(responses).encode() + b"\n\n"
+    assert read(event) == (7, 50)
+    # a long stream: only its tail is kept, and read
+    filler = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n' * 2000
+    assert read(filler, sse) == (80, 90)
+    # no usage details (vLLM without include_usage), not JSON, hostile shapes: nothing
+    assert read(b'{"usage": {"prompt_tokens": 9}}') is None
+    assert read(b"\xff\xfe not json") is None
+    assert read(b'data: {"timings": {"cache_n": "80", "prompt_n": 1}}\n\n') is None
+    assert read(b"[" * 100_000) is None
 
 
 # -- the choice -------------------------------------------------------------------------------

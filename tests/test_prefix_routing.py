@@ -381,6 +381,9 @@ async def test_balancer_yaml_keyless_sdk_chat_finds_its_earlier_turns_cached(
                         {"role": "assistant", "content": r.choices[0].message.content},
                         {"role": "user", "content": f"and after step {t}?"},
                     ]
+        # wslb read each answer's report, and each agreed with where it had sent the turns.
+        text = await settled_metrics(lb, 12)
+        assert reports(text) == {"agreed": 12.0}, reports(text)
 
 
 async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None:
@@ -422,3 +425,177 @@ async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None
                 assert time.monotonic() < deadline, lb.log_tail()
                 await asyncio.sleep(0.05)
             assert len(set(found)) == 1, found
+
+
+def reports(text: str) -> dict[str, float]:
+    return {
+        s.labels["result"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "wslb_prefix_reports_total" and s.labels["pool"] == "chat"
+    }
+
+
+def placements(text: str) -> dict[str, float]:
+    return {
+        s.labels["how"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "wslb_http_prefix_placements_total" and s.labels["pool"] == "chat"
+    }
+
+
+async def settled_metrics(lb: Wslb, done: int) -> str:
+    """wslb's metrics once ``done`` reports are counted (a request's report is counted when its
+    exchange ends, just after the client has the answer)."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        text = await asyncio.to_thread(lb.admin, "/metrics")
+        if sum(reports(text).values()) >= done:
+            return text
+        assert time.monotonic() < deadline, reports(text)
+        await asyncio.sleep(0.05)
+
+
+async def test_what_a_worker_reports_of_its_cache_corrects_the_table(tmp_path: Path) -> None:
+    """A reference worker whose prefix cache holds about one conversation (400 tokens): the
+    answers it sends through wslb say what it had cached (the SDK's keyless chat, whole and
+    streamed with usage). A report that it had lost most of a conversation wslb placed there
+    before takes that one, and every one sent before it, as gone: a conversation older still is
+    then placed afresh on the ring, not by a prefix the worker no longer has."""
+    worker = Worker("r1", ["--kv-block-tokens", "1", "--kv-capacity-tokens", "400"]).start()
+    lb = Wslb(config([worker]), tmp_path)
+    words = {c: " ".join(f"{c}{i}" for i in range(300)) for c in ("a", "b", "c")}
+    history: dict[str, list[Any]] = {c: [{"role": "user", "content": w}] for c, w in words.items()}
+    with running(worker, lb):
+        await asyncio.to_thread(start, [worker], lb)
+        client = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{lb.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=TIMEOUT,
+        )
+
+        async def ask(c: str, stream: bool) -> int:
+            """One turn of conversation ``c``: the tokens the worker said it had cached."""
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="wslb-reference",
+                    messages=history[c],
+                    max_tokens=12,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                text, cached = "", -1
+                async with asyncio.timeout(TIMEOUT):
+                    async for chunk in chunks:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            text += chunk.choices[0].delta.content
+                        if chunk.usage is not None and chunk.usage.prompt_tokens_details:
+                            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+            else:
+                r = await client.chat.completions.create(
+                    model="wslb-reference", messages=history[c], max_tokens=12
+                )
+                text = r.choices[0].message.content or ""
+                assert r.usage is not None and r.usage.prompt_tokens_details is not None
+                cached = r.usage.prompt_tokens_details.cached_tokens or 0
+            history[c] += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": "go on"},
+            ]
+            return cached
+
+        async with client:
+            # Three first turns: the worker keeps c whole, a tail of b, nothing of a.
+            for n, c in enumerate("abc"):
+                await ask(c, stream=n % 2 == 1)
+            text = await settled_metrics(lb, 3)
+            assert reports(text) == {"agreed": 3.0}
+            # c's next turn: found whole, as the table has it (streamed: read at its end).
+            assert await ask("c", stream=True) >= 300
+            text = await settled_metrics(lb, 4)
+            assert reports(text).get("evicted", 0) == 0
+            # b's next turn: the table placed it for its history, the worker had lost most
+            # of it: b's first send, and a's before it, are taken as gone.
+            assert await ask("b", stream=False) < 200
+            text = await settled_metrics(lb, 5)
+            assert reports(text).get("evicted") == 1.0, reports(text)
+            before = placements(text)
+            assert before.get("prefix", 0) == 2 and before.get("ring", 0) == 3, before
+            # a's next turn: no longer placed by a prefix the worker does not have.
+            assert await ask("a", stream=False) == 0
+            text = await settled_metrics(lb, 6)
+            after = placements(text)
+            assert after.get("ring", 0) == 4 and after.get("prefix", 0) == 2, after
+            assert reports(text) == {"agreed": 5.0, "evicted": 1.0}
+
+
+async def test_a_hostile_workers_reports_cost_it_only_its_own_entries(tmp_path: Path) -> None:
+    """A worker (a stock aiohttp app) whose answers to keyless chats are a nested-JSON bomb, a
+    2 MiB stream of junk events, usage with nonsense numbers, and lies (nothing cached, ever):
+    each reaches the client byte for byte, wslb reads at most the answer's tail, logs no
+    traceback, and the lies only cost that worker entries of its own (``prefix.Table.settle``)."""
+    from aiohttp import web
+
+    bomb = b"[" * 200_000
+    junk = b"".join(b'data: {"x": %d, "junk": "' % i + b"z" * 1000 + b'"}\n\n' for i in range(2048))
+    lie = json.dumps(
+        {"usage": {"prompt_tokens": 10**6, "prompt_tokens_details": {"cached_tokens": 0}}}
+    ).encode()
+    nonsense = json.dumps(
+        {"usage": {"prompt_tokens": -5, "prompt_tokens_details": {"cached_tokens": 10**30}}}
+    ).encode()
+    answers = [bomb, junk + b"data: " + lie + b"\n\n", nonsense, lie, lie]
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        n = int(request.headers["X-N"])
+        await request.read()
+        body = answers[n]
+        if n != 1:
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(0, len(body), 65536):
+            await resp.write(body[i : i + 65536])
+        await resp.write_eof()
+        return resp
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=10 * 2**20)
+    app.add_routes([web.post("/v1/chat/completions", chat), web.get("/healthz", healthz)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    worker = Worker("h1")  # its id and a port for the config; never started
+    cfg = config([worker])
+    cfg["pools"][0]["backends"][0]["url"] = f"http://127.0.0.1:{port}"
+    lb = Wslb(cfg, tmp_path)
+    try:
+        with running(lb):
+            await asyncio.to_thread(start, [worker], lb)
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "the same long question " * 80}],
+            }
+            async with aiohttp.ClientSession() as http:
+                for n, want in enumerate(answers):
+                    async with http.post(
+                        f"http://127.0.0.1:{lb.port}/v1/chat/completions",
+                        json=body,
+                        headers={"X-N": str(n)},
+                    ) as resp:
+                        assert resp.status == 200
+                        assert await asyncio.wait_for(resp.read(), TIMEOUT) == want, n
+            # The bomb and the nonsense say nothing; each lie (the junk stream's last event
+            # among them) says the prompt sent just before was lost: the table takes it so,
+            # for this worker's entries alone.
+            text = await settled_metrics(lb, 3)
+            assert reports(text) == {"evicted": 3.0}, reports(text)
+            assert "Traceback" not in lb.output()
+    finally:
+        await runner.cleanup()

@@ -57,6 +57,9 @@ Rules:
    streamed from there; one that is not a prompt (not JSON, no messages) is placed as any
    keyless request. ``Expect: 100-continue`` is answered before the read;
    ``timeout_request`` runs during it.
+10. The answer to a request placed by its prompt is read here to its end, never by the relay
+    thread: what the engine says it had cached (``usage``, llama.cpp's ``timings``) is told
+    to the pool's table (``prefix`` rule 6) when the exchange ends.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ from balancer.httpmsg import (
     upstream_target,
 )
 from balancer.logs import log_http_access
-from balancer.prefix import Prompt, prompt_of
+from balancer.prefix import Prompt, Report, Sent, prompt_of
 from balancer.router import Client, Host, Routed, Walk, route
 
 if TYPE_CHECKING:
@@ -749,6 +752,9 @@ class Exchange:
         self.held_size = 0
         self.placed = False
         self.prompt: Prompt | None = None
+        # Rule 10: what the table recorded of the send, and the answer's end, for its report.
+        self.sent: Sent | None = None
+        self.report: Report | None = None
 
     def routed(self, r: Routed) -> None:
         self.pool, self.req, self.key, self.sid, self.named = r
@@ -873,10 +879,13 @@ class Exchange:
         self.counted = True
         now = self.host.loop.time()
         if self.named:
-            self.pool.attach(self.sid, self.backend, now, prompt=self.prompt)
+            self.pool.attach(self.sid, self.backend, now)
         else:
             self.pool.cancel(self.sid)
-            self.pool.attach_request(self.backend, self.prompt)
+            self.pool.attach_request(self.backend)
+        self.sent = self.pool.learn(self.prompt, self.backend, answer=True)
+        if self.sent is not None:
+            self.report = Report()
         self.host.stats.http_active[self.pool.name] += 1
 
     def _begin(self, conn: WorkerConn) -> None:
@@ -983,7 +992,12 @@ class Exchange:
             self._worker_events(worker, worker.reader)
         finally:
             self._flush()
-        if self.chunked_out and self.data_events >= OFFLOAD_AFTER and self.relay is None:
+        if (
+            self.chunked_out
+            and self.data_events >= OFFLOAD_AFTER
+            and self.relay is None
+            and self.report is None
+        ):
             self._offload()
 
     def _flush(self) -> None:
@@ -1046,6 +1060,8 @@ class Exchange:
             self.out.append(data)
 
     def response_data(self, data: bytes) -> None:
+        if self.report is not None:
+            self.report.feed(data)
         self.data_events += 1
         self.bytes_out += len(data)
         out = self.client.conn.send(h11.Data(data=data))
@@ -1293,6 +1309,12 @@ class Exchange:
             else:
                 self.pool.detach_request(self.backend)
             host.stats.http_active[self.pool.name] -= 1
+            if self.sent is not None and self.prompt is not None:
+                ended = self.report is not None and self.response_done and self.status == 200
+                said = self.report.result() if ended and self.report is not None else None
+                result = self.pool.settle(self.sent, self.prompt, said)
+                if result is not None:
+                    host.stats.prefix_reports[(self.pool.name, result)] += 1
         host.request_finished(self)
         self.logged()
         self.client.finished(self, keep, spare)
