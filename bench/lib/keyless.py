@@ -14,7 +14,10 @@ same one.
 
 The routers (``ROUTERS``), each in front of fresh engines (a new process per engine per run, so
 no run inherits a cache): wslb with its defaults, keyless (prefix placement) and keyed
-(``X-Session-Id: conv-I`` per conversation); wslb with ``balance: round_robin`` and no prefix
+(``X-Session-Id: conv-I`` per conversation); keyless through two wslb instances with the same
+config and nothing shared, each request sent to the other one (``wslb-keyless-2``: what a TCP
+load balancer's round robin in front of two instances does at worst); wslb with
+``balance: round_robin`` and no prefix
 placement (the baseline that needs nothing installed); SGLang's gateway (``smg launch --policy
 cache_aware``) and vLLM's router (``vllm-router``, ``cache_aware`` and ``round_robin``) when
 installed (``bench/lib/routers.py``).
@@ -100,7 +103,7 @@ SLACK = 4
 """Tokens a follow-up's cached prefix may fall short of the previous prompt and still count as
 kept (a chat template may re-tokenise the boundary)."""
 TAG = re.compile(rb"\[c(\d+) t(\d+)\]")
-WSLB_ROUTERS = ("wslb-keyless", "wslb-keyed", "wslb-round_robin")
+WSLB_ROUTERS = ("wslb-keyless", "wslb-keyless-2", "wslb-keyed", "wslb-round_robin")
 ROUTERS = (*WSLB_ROUTERS, *peers.PEERS)
 FACTOR = PoolCfg("").hash_balance_factor
 WORDS = tuple(
@@ -335,10 +338,13 @@ async def _one(
 
 
 async def drive(
-    url: str, plan: Sequence[Conversation], p: Params, model: str, keyed: bool
+    urls: Sequence[str], plan: Sequence[Conversation], p: Params, model: str, keyed: bool
 ) -> list[Turn]:
-    """Every conversation of ``plan`` against ``url``; a record per turn sent."""
+    """Every conversation of ``plan`` against ``urls``, each request to the next of them in
+    turn (one: all to it; two: as a TCP load balancer's round robin over two instances); a
+    record per turn sent."""
     out: list[Turn] = []
+    sent = itertools.count()
     timeout = aiohttp.ClientTimeout(total=p.timeout_s)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -362,6 +368,7 @@ async def drive(
                     "stream_options": {"include_usage": True},
                 }
                 try:
+                    url = urls[next(sent) % len(urls)]
                     answer = await _one(http, url, body, headers, rec)
                 except (aiohttp.ClientError, RuntimeError, TimeoutError, ValueError) as e:
                     rec.error = f"{type(e).__name__}: {e}"[:200]
@@ -494,6 +501,7 @@ def table(results: Sequence[RunResult], routers: Sequence[str]) -> str:
 
 LABELS = {
     "wslb-keyless": "wslb, no key (prefix placement)",
+    "wslb-keyless-2": "wslb, no key, two instances (each request to the other)",
     "wslb-keyed": "wslb, `X-Session-Id` per conversation",
     "wslb-round_robin": "wslb, `round_robin`, no prefix placement",
     "smg": "SGLang's gateway (`smg`, `cache_aware`)",
@@ -542,7 +550,7 @@ def targets(results: Sequence[RunResult]) -> list[str]:
             f"gateway (median {_n(keyed)} vs {_n(smg)} tokens"
             + (f", {100 * (keyed / smg - 1):+.0f}%)" if smg else ")")
         )
-    for router in ("wslb-keyless", "wslb-keyed"):
+    for router in ("wslb-keyless", "wslb-keyless-2", "wslb-keyed"):
         rs = [r for r in results if r.router == router]
         if not rs:
             continue
@@ -625,32 +633,37 @@ def run_one(
         model = _model(urls[0])
         log = d / "taps.jsonl"
         taps = start_taps(procs, list(zip(names, urls, strict=True)), not llama, log)
-        lb: Wslb | None = None
+        lbs: list[Wslb] = []
         if router in WSLB_ROUTERS:
             cfg = _wslb_config(router, taps, names, llama)
-            lb = Wslb(cfg, d, procs=procs, token=secrets.token_urlsafe(32), src=code)
-            lb.start(wait_ready=False)
-            lb.wait_ready(timeout=60.0)
-            url = f"http://127.0.0.1:{lb.port}"
+            token = secrets.token_urlsafe(32)
+            for i in range(2 if router == "wslb-keyless-2" else 1):
+                lb = Wslb(cfg, d, procs=procs, token=token, src=code, name=f"wslb-{i + 1}")
+                lb.start(wait_ready=False)
+                lbs.append(lb)
+            for lb in lbs:
+                lb.wait_ready(timeout=60.0)
+            urls = [f"http://127.0.0.1:{lb.port}" for lb in lbs]
         else:
             try:
-                url = peers.start(peers.PEERS[router], procs, taps, router)
+                urls = [peers.start(peers.PEERS[router], procs, taps, router)]
             except FileNotFoundError as e:
                 return str(e)
         t0 = time.monotonic()
-        turns = asyncio.run(drive(url, plan, p, model, keyed=router == "wslb-keyed"))
+        turns = asyncio.run(drive(urls, plan, p, model, keyed=router == "wslb-keyed"))
         duration = time.monotonic() - t0
         where, again = read_taps(log)
         for t in turns:
             t.engine = where.get((t.conv, t.turn), "?")
         result = analyse(router, run, turns, names, duration)
         result.sent_again = dict(again)
-        if lb is not None:
+        placed: Counter[str] = Counter()
+        for lb in lbs:
             with contextlib.suppress(OSError, ValueError):
                 metrics = lb.admin("/metrics")
-                result.placements = dict(
-                    prom_by_label(metrics, "wslb_http_prefix_placements_total", "how")
-                )
+                placed.update(prom_by_label(metrics, "wslb_http_prefix_placements_total", "how"))
+        if lbs:
+            result.placements = dict(placed)
         (d / "turns.json").write_text(json.dumps([asdict(t) for t in turns]))
     return result
 
