@@ -533,6 +533,12 @@ class Pool:
             return loose(b) if going_on else strict(b) and lately(b)
 
         m = self.prefix.match(prompt, (b.id for b in ready))
+        shared, conv = self.placements, prompt.conversation
+        if shared is not None and conv is not None and not m.answered:
+            # A conversation another instance placed (prefix rule 7): where the tier says.
+            at = shared.recall(conv, AFFINITY_TTL)
+            if at is not None and any(b.id == at[0] for b in ready):
+                m = prefix.Match(prompt.size, (at[0],), answered=True)
         chosen, why = prefix.choose(prompt, m, ready, walk, self.prefix_rules, fits)
         self.prefix_placed[why] += 1
         if chosen is None:  # the ring, past the workers over their share of late traffic
@@ -540,6 +546,8 @@ class Pool:
             chosen = selection.consistent(calm, walk, rules, size=self._new_size()).backend
         if not (m.answered and why == "prefix"):  # a new conversation (prefix rule 5)
             self.recent.add(chosen.id, now)
+        if shared is not None and conv is not None:
+            shared.remember(conv, chosen.id, None)
         self._pending[key] = (chosen, now + PENDING_S)
         chosen.pending += 1
         return chosen, why

@@ -75,6 +75,15 @@ Rules:
    the engine is not cached yet, whatever it says. So the table follows a worker's cache when
    it is smaller than the table, or wiped by a restart.
 
+7. *Conversations across instances.* A prompt's *conversation* is the chain hash where its
+   first message after the system prompt and tools ends: the same for every turn of one
+   conversation, different between conversations sharing a system prompt. In cluster mode
+   (``Pool.placements``, the tier's table in etcd) each placement by prompt is remembered
+   there under that key, and a prompt this instance's table does not know as a conversation
+   going on is placed where the tier says its conversation went, as one going on (rule 5):
+   so turns that alternate between instances stay on one worker, each instance's own table
+   and bounds notwithstanding. Without a cluster, only the anchor is shared (rule 5).
+
 Ties go to the backend first on the anchor's ring walk, so equal instances choose alike.
 """
 
@@ -115,6 +124,14 @@ HOLDERS = 4
 
 _SEP = b"\x1e"  # ends a segment inside the hash, so boundaries are part of what is hashed
 _ASSISTANT = "assistant\x1f"
+_PREAMBLE = ("system", "developer", "tools")  # what comes before a conversation's first message
+
+
+def _opens(seg: str) -> bool:
+    """Whether ``seg`` is a message that can open a conversation (rule 7): a role's, not the
+    preamble's; a completions prompt (no role) is none."""
+    role, sep, _ = seg.partition("\x1f")
+    return bool(sep) and role.isalpha() and role not in _PREAMBLE
 
 
 Rules = PrefixCfg
@@ -132,6 +149,9 @@ class Prompt:
     one follows, else 0 (rule 4)."""
     anchor: str
     """The ring key of the first block boundary at or past ``Rules.anchor`` bytes (rule 5)."""
+    conversation: str | None = None
+    """The key of the conversation it belongs to (rule 7): the chain hash where its first
+    message after the system prompt and tools ends; None without one (a completions prompt)."""
 
     @property
     def size(self) -> int:
@@ -260,6 +280,7 @@ def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:
     block = rules.block
     anchor: int | None = None
     answers: list[int] = []
+    conversation: int | None = None
     for seg in segs:
         data = seg.encode("utf-8", "surrogatepass") + _SEP
         if seg.startswith(_ASSISTANT) and answers:
@@ -273,11 +294,14 @@ def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:
             ends.append(size)
             if anchor is None and size >= rules.anchor:
                 anchor = hashes[-1]
+        if conversation is None and hashes and _opens(seg):
+            conversation = hashes[-1]
     if not hashes:
         return None
     if anchor is None:
         anchor = hashes[-1]
-    return Prompt(tuple(hashes), tuple(ends), tuple(answers), f"prefix:{anchor:016x}")
+    conv = None if conversation is None else f"prefix\nconversation:{conversation:016x}"
+    return Prompt(tuple(hashes), tuple(ends), tuple(answers), f"prefix:{anchor:016x}", conv)
 
 
 RECENT_S = 30.0

@@ -363,3 +363,44 @@ def test_on_by_default_and_a_pool_that_turns_it_off_ignores_prompts() -> None:
     p = prompt_of(chat("q"), pool.prefix_rules)
     assert pool.select("k", prompt=p) is pool.backends["w0"]
     assert pool.prefix_placed == {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
+
+
+# -- conversations across instances (rule 7) ---------------------------------------------------
+
+
+def test_a_conversation_has_one_key_for_all_its_turns() -> None:
+    one = prompt_of(chat("first question"), R)
+    two = prompt_of(chat("first question", "an answer", "second question"), R)
+    other = prompt_of(chat("another first question"), R)
+    bare = prompt_of(chat("first question", system=None), R)
+    completion = prompt_of(json.dumps({"prompt": "once upon a time"}).encode(), R)
+    assert one is not None and two is not None and other is not None and bare is not None
+    assert one.conversation is not None and one.conversation == two.conversation
+    assert other.conversation != one.conversation  # the same system prompt, another talk
+    assert bare.conversation not in (None, one.conversation)
+    assert completion is not None and completion.conversation is None
+
+
+def test_instances_sharing_the_tier_table_keep_a_conversation_together() -> None:
+    """Two instances' pools, each with its own prefix table and bounds, one tier table (as
+    cluster mode shares it through etcd): each turn of a conversation goes through the other
+    instance, and every turn reaches the worker the first went to."""
+    from balancer.cluster import Placements
+
+    tier = Placements()
+    a, b = make_pool(3), make_pool(3)
+    a.placements, b.placements = tier.view("p"), tier.view("p")
+    for pool in (a, b):
+        for backend in pool.backends.values():
+            backend.ready = True
+    # Instance b already sent the shared system prompt somewhere of its own choosing.
+    for n in range(4):
+        place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
+    for n in range(6):
+        turns = [f"question {n}"]
+        where = []
+        for t in range(4):
+            pool = (a, b)[t % 2]
+            where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
+            turns += [f"answer {t}", f"next question {t}"]
+        assert len(set(where)) == 1, (n, where)

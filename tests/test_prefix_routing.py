@@ -599,3 +599,33 @@ async def test_a_hostile_workers_reports_cost_it_only_its_own_entries(tmp_path: 
             assert "Traceback" not in lb.output()
     finally:
         await runner.cleanup()
+
+
+async def test_a_cluster_keeps_each_keyless_conversation_on_one_worker(tmp_path: Path) -> None:
+    """Two instances in cluster mode over a real etcd, default bounds: keyless conversations
+    sharing a system prompt, each turn through the other instance (as round robin in front of
+    the tier does it). Each instance's own table and bounds spread the shared prompt its own
+    way; the tier's table keeps every conversation on the worker its first turn went to."""
+    from tests.etcd import Etcd
+    from tests.test_cluster_etcd import PREFIX
+
+    etcd = Etcd(tmp_path / "etcd").start()
+    workers = [Worker(f"k{i}").start() for i in range(3)]
+    cfg = config(workers)
+    cfg["cluster"] = {"etcd": etcd.url, "prefix": PREFIX}
+    a, b = Wslb(cfg, tmp_path, name="wslb-a"), Wslb(cfg, tmp_path, name="wslb-b")
+    try:
+        with running(*workers, a, b):
+            await asyncio.to_thread(start, workers, a)
+            await asyncio.to_thread(start, workers, b)
+            # b alone first: first turns it spreads over the workers by its own share of them.
+            alone = [await conversation([b], f"b's {n}", turns=1, system=SYSTEM) for n in range(6)]
+            assert len({w for where in alone for w in where}) > 1, alone
+            spread: set[str] = set()
+            for n in range(8):
+                where = await conversation([a, b], f"question {n}", turns=4, system=SYSTEM)
+                assert len(set(where)) == 1, (n, where)
+                spread.add(where[0])
+            assert len(spread) > 1  # the bounds spread the shared prompt's conversations
+    finally:
+        etcd.stop()

@@ -15,8 +15,9 @@ same one.
 The routers (``ROUTERS``), each in front of fresh engines (a new process per engine per run, so
 no run inherits a cache): wslb with its defaults, keyless (prefix placement) and keyed
 (``X-Session-Id: conv-I`` per conversation); keyless through two wslb instances with the same
-config and nothing shared, each request sent to the other one (``wslb-keyless-2``: what a TCP
-load balancer's round robin in front of two instances does at worst); wslb with
+config, each request sent to the other one (what a TCP load balancer's round robin in front of
+two instances does at worst), sharing nothing (``wslb-keyless-2``) or in cluster mode over a
+real etcd (``wslb-keyless-cluster``); wslb with
 ``balance: round_robin`` and no prefix
 placement (the baseline that needs nothing installed); SGLang's gateway (``smg launch --policy
 cache_aware``) and vLLM's router (``vllm-router``, ``cache_aware`` and ``round_robin``) when
@@ -103,7 +104,13 @@ SLACK = 4
 """Tokens a follow-up's cached prefix may fall short of the previous prompt and still count as
 kept (a chat template may re-tokenise the boundary)."""
 TAG = re.compile(rb"\[c(\d+) t(\d+)\]")
-WSLB_ROUTERS = ("wslb-keyless", "wslb-keyless-2", "wslb-keyed", "wslb-round_robin")
+WSLB_ROUTERS = (
+    "wslb-keyless",
+    "wslb-keyless-2",
+    "wslb-keyless-cluster",
+    "wslb-keyed",
+    "wslb-round_robin",
+)
 ROUTERS = (*WSLB_ROUTERS, *peers.PEERS)
 FACTOR = PoolCfg("").hash_balance_factor
 WORDS = tuple(
@@ -501,7 +508,8 @@ def table(results: Sequence[RunResult], routers: Sequence[str]) -> str:
 
 LABELS = {
     "wslb-keyless": "wslb, no key (prefix placement)",
-    "wslb-keyless-2": "wslb, no key, two instances (each request to the other)",
+    "wslb-keyless-2": "wslb, no key, 2 instances sharing nothing (each request to the other)",
+    "wslb-keyless-cluster": "wslb, no key, 2 instances in cluster mode (each request to the other)",
     "wslb-keyed": "wslb, `X-Session-Id` per conversation",
     "wslb-round_robin": "wslb, `round_robin`, no prefix placement",
     "smg": "SGLang's gateway (`smg`, `cache_aware`)",
@@ -550,7 +558,7 @@ def targets(results: Sequence[RunResult]) -> list[str]:
             f"gateway (median {_n(keyed)} vs {_n(smg)} tokens"
             + (f", {100 * (keyed / smg - 1):+.0f}%)" if smg else ")")
         )
-    for router in ("wslb-keyless", "wslb-keyless-2", "wslb-keyed"):
+    for router in ("wslb-keyless", "wslb-keyless-2", "wslb-keyless-cluster", "wslb-keyed"):
         rs = [r for r in results if r.router == router]
         if not rs:
             continue
@@ -637,7 +645,14 @@ def run_one(
         if router in WSLB_ROUTERS:
             cfg = _wslb_config(router, taps, names, llama)
             token = secrets.token_urlsafe(32)
-            for i in range(2 if router == "wslb-keyless-2" else 1):
+            if router == "wslb-keyless-cluster":
+                from tests.etcd import Etcd  # the tests' real etcd (Debian's etcd-server)
+
+                etcd = Etcd(d / "etcd").start()
+                procs.on_close(etcd.stop)
+                cfg["cluster"] = {"etcd": etcd.url, "prefix": "/wslb-bench/"}
+            two = router in ("wslb-keyless-2", "wslb-keyless-cluster")
+            for i in range(2 if two else 1):
                 lb = Wslb(cfg, d, procs=procs, token=token, src=code, name=f"wslb-{i + 1}")
                 lb.start(wait_ready=False)
                 lbs.append(lb)
