@@ -627,7 +627,7 @@ def _http_families(st: Stats) -> Iterator[Metric]:
         "wslb_prefix_reports",
         "Answers to requests placed by their prompt whose engine said what it had cached, by "
         "result: agreed (with the prefix table), evicted (the engine had lost a block the table "
-        "placed it for: what it was sent before that block is taken as gone)",
+        "placed it for: what extends that block there is taken as gone)",
         ["pool", "result"],
         st.prefix_reports,
     )

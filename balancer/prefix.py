@@ -67,14 +67,16 @@ Rules:
    engine found cached (``usage...cached_tokens`` over the prompt tokens, llama.cpp's
    ``timings.cache_n`` over ``cache_n + prompt_n``); as a share of the prompt's bytes, it
    agrees with the table unless a block the table had on that worker lies more than two
-   blocks past it. Then the engine had evicted that block, and, its cache being least
-   recently used first as the table's is, everything it was sent no later than that block's
-   last send: the table takes it all as gone from that worker (a number per worker, no walk
-   over the table) until sent again. A report proves an eviction only against a send whose
-   answer had ended when the request went (``Sent.settled``): a prompt still being read by
-   the engine is not cached yet, whatever it says. So the table follows a worker's cache when
-   it is smaller than the table, or wiped by a restart.
-
+   blocks past it. Then the engine had evicted that block, and with it everything that
+   extends it: a prefix cache finds a block only through the blocks before it (vLLM's and
+   SGLang's), and llama.cpp's server would have chosen an idle slot that held more of the
+   prompt. So what was sent to that worker through that block before (other conversations
+   that share the prefix up to it) is taken as gone there (the block's *cut*, a number per
+   holder: no walk over the table), and what does not pass through it is not touched, since
+   an engine does not evict least recently used first across the board (llama.cpp's server
+   reuses the slot most like the new prompt). The prompt itself, sent again, is there again.
+   A report proves an eviction only against a send whose answer had ended when the request
+   went (``Sent.settled``): a prompt the engine is still reading is not cached yet.
 7. *Conversations across instances.* A prompt's *conversation* is the chain hash where its
    first message after the system prompt and tools ends: the same for every turn of one
    conversation, different between conversations sharing a system prompt. In cluster mode
@@ -360,18 +362,17 @@ class Sent:
 
 class Table:
     """Block hash -> the workers it was sent to, most recent first, each with the send that
-    put it there; least recently used out past ``size`` blocks (rule 3); per worker, the send
-    at or before which what it held is known gone (rule 6)."""
+    put it there and the send at or before which what extends it there is known gone; least
+    recently used out past ``size`` blocks (rules 3 and 6)."""
 
-    __slots__ = ("_flying", "_gone", "_seq", "_t", "block", "size")
+    __slots__ = ("_flying", "_seq", "_t", "block", "size")
 
     def __init__(self, size: int, block: int = 256) -> None:
         self.size = size
         self.block = block
-        # Per block, flat: [backend, send, backend, send, ...], the most recent first.
+        # Per block, flat: [backend, send, cut, backend, send, cut, ...], the most recent first.
         self._t: OrderedDict[int, list[str | int]] = OrderedDict()
         self._seq = 0
-        self._gone: dict[str, int] = {}
         self._flying: dict[str, dict[int, None]] = {}  # per backend, its unanswered sends
 
     def __len__(self) -> int:
@@ -387,7 +388,7 @@ class Table:
         for h in reversed(prompt.hashes):
             held = t.get(h)
             if held is None:
-                t[h] = [backend_id, seq]
+                t[h] = [backend_id, seq, 0]
                 prev.append(0)
                 continue
             if held[0] == backend_id:  # the usual: its holder again, updated in place
@@ -395,15 +396,17 @@ class Table:
                 held[1] = seq
             else:
                 try:
-                    i = held.index(backend_id, 2)
+                    i = held.index(backend_id, 3)
                 except ValueError:
                     prev.append(0)
-                    if len(held) >= 2 * HOLDERS:
-                        del held[-2:]
+                    if len(held) >= 3 * HOLDERS:
+                        del held[-3:]
+                    held[0:0] = (backend_id, seq, 0)
                 else:
                     prev.append(cast(int, held[i + 1]))
-                    del held[i : i + 2]
-                held[0:0] = (backend_id, seq)
+                    cut = held[i + 2]
+                    del held[i : i + 3]
+                    held[0:0] = (backend_id, seq, cut)
             t.move_to_end(h)
         while len(t) > self.size:
             t.popitem(last=False)
@@ -426,44 +429,61 @@ class Table:
         cached, total = reported
         if total <= 0 or not 0 <= cached <= total:
             return None
-        # The first block surely past what the engine had: one block of slack for the
+        # The first block surely past what the engine had: two blocks of slack for the
         # tokens-to-bytes estimate and the template's own tokens.
-        held = prompt.size * cached / total
-        i = bisect.bisect_right(prompt.ends, held + 2 * self.block)
+        i = bisect.bisect_right(prompt.ends, prompt.size * cached / total + 2 * self.block)
         if i >= len(prompt.hashes):
-            result = "agreed"
-        else:
-            was = sent.prev[i]
-            if 0 < was <= sent.settled and was > self._gone.get(sent.backend, 0):
-                self._gone[sent.backend] = was
-                result = "evicted"
+            return "agreed"
+        was = sent.prev[i]
+        if not 0 < was <= sent.settled:
+            return "agreed"  # not there for the table either, or not read by the engine yet
+        held = self._t.get(prompt.hashes[i])
+        if held is not None:
+            try:
+                j = held.index(sent.backend)
+            except ValueError:
+                pass
             else:
-                result = "agreed"
-        return result
+                held[j + 2] = max(cast(int, held[j + 2]), sent.settled)
+        return "evicted"
 
     def match(self, prompt: Prompt, ready: Iterable[str]) -> Match:
         """The longest run of ``prompt``'s blocks from the first with a holder in ``ready``
         not known to have lost it (rules 4 and 6)."""
         ok = set(ready)
-        gone = self._gone
         t = self._t
         last = -1
-        held: list[str | int] = []
+        at: list[str | int] = []
+        below: dict[str, int] | None = None  # the cuts above ``at`` on the chain, if any
+        floor: dict[str, int] = {}  # per holder, the highest cut above on the chain
         for i, h in enumerate(prompt.hashes):
             here = t.get(h)
             if here is None:
                 break
-            for j in range(0, len(here), 2):
-                who = cast(str, here[j])
-                if who in ok and cast(int, here[j + 1]) > gone.get(who, 0):
+            if floor:  # after a report of an eviction on this chain (rare)
+                for j in range(0, len(here), 3):
+                    who = cast(str, here[j])
+                    if who in ok and cast(int, here[j + 1]) > floor.get(who, 0):
+                        break
+                else:
                     break
+                last, at, below = i, here, dict(floor)
             else:
-                break
-            last, held = i, here
+                for j in range(0, len(here), 3):
+                    if here[j] in ok:
+                        break
+                else:
+                    break
+                last, at, below = i, here, None
+            for j in range(2, len(here), 3):
+                cut = cast(int, here[j])
+                if cut and (who := cast(str, here[j - 2])) in ok and cut > floor.get(who, 0):
+                    floor[who] = cut
         holders = tuple(
-            x
-            for j in range(0, len(held), 2)
-            if (x := cast(str, held[j])) in ok and cast(int, held[j + 1]) > gone.get(x, 0)
+            who
+            for j in range(0, len(at), 3)
+            if (who := cast(str, at[j])) in ok
+            and (below is None or cast(int, at[j + 1]) > below.get(who, 0))
         )
         if last < 0:
             return Match(0, ())
@@ -479,10 +499,9 @@ class Table:
                 i = held.index(backend_id)
             except ValueError:
                 continue
-            del held[i : i + 2]
+            del held[i : i + 3]
             if not held:
                 del t[h]
-        self._gone.pop(backend_id, None)
         self._flying.pop(backend_id, None)
 
 

@@ -165,21 +165,34 @@ def _long(tag: str) -> prefix.Prompt:
     return p
 
 
-def test_a_report_of_an_eviction_takes_what_was_sent_before_it_as_gone() -> None:
+def test_a_report_of_an_eviction_takes_what_extends_the_lost_block_as_gone() -> None:
+    """Three conversations on one long shared prefix and one apart, all on w1: a report that
+    w1 had only the start of the prefix takes the conversations through the rest of it as
+    gone from w1; the one apart, and other workers' entries, stay."""
     t = Table(1000)
-    a, b, c = _long("alpha"), _long("beta"), _long("gamma")
-    for p in (a, b, c):
+    shared = "the shared prefix " * 100
+    x = prompt_of(chat("x?", system=shared), R)
+    y = prompt_of(chat("y?", system=shared), R)
+    z = prompt_of(chat("z?", system=shared), R)
+    apart = _long("apart")
+    assert x is not None and y is not None and z is not None
+    for p in (x, y, apart):
         t.settle(t.learn(p, "w1", answer=True), p, (0, 100))  # first sends: nothing cached
-    assert t.match(a, {"w1"}).covered == a.size
-    # b again: the engine had only a tenth of it, so b (and a, sent before it) are gone.
-    sent = t.learn(b, "w1", answer=True)
-    assert t.settle(sent, b, (10, 100)) == "evicted"
-    assert t.match(a, {"w1"}).covered == 0
-    assert t.match(b, {"w1"}).covered == b.size  # sent again just now: there again
-    assert t.match(c, {"w1"}).covered == c.size  # sent after: kept
-    # Another worker's entries are its own.
-    t.learn(a, "w2")
-    assert t.match(a, {"w1", "w2"}).holders == ("w2",)
+    t.learn(y, "w2")
+    assert t.match(y, {"w1", "w2"}).holders == ("w2", "w1")
+    # z: the engine had a tenth of it (a slice of the shared prefix): the prefix past that is
+    # lost on w1, and with it x and y, which extend it there.
+    sent = t.learn(z, "w1", answer=True)
+    assert t.settle(sent, z, (10, 100)) == "evicted"
+    assert t.match(z, {"w1"}).covered == z.size  # sent again just now: there again
+    shared_end = t.match(x, {"w1"}).covered  # the prefix z brought back, not x's question
+    assert 0 < shared_end < x.size and not t.match(x, {"w1"}).answered
+    assert t.match(x, {"w1"}).covered == t.match(y, {"w1"}).covered == shared_end
+    assert t.match(y, {"w1", "w2"}) == prefix.Match(y.size, ("w2",))  # w2's own: kept
+    assert t.match(apart, {"w1"}).covered == apart.size  # not through the lost block
+    # x sent to w1 again after the report: there again.
+    t.learn(x, "w1")
+    assert t.match(x, {"w1"}).covered == x.size
 
 
 def test_a_report_that_agrees_changes_nothing() -> None:
@@ -215,11 +228,14 @@ def test_a_send_still_unanswered_proves_nothing() -> None:
 def test_forget_clears_what_was_known_gone() -> None:
     t = Table(1000)
     a = _long("alpha")
+    b = prompt_of(chat("alpha " * 400 + "and more", system=None), R)
+    assert b is not None
+    t.settle(t.learn(b, "w1", answer=True), b, (0, 100))
     t.settle(t.learn(a, "w1", answer=True), a, (0, 100))
-    t.settle(t.learn(a, "w1", answer=True), a, (0, 100))
+    t.settle(t.learn(a, "w1", answer=True), a, (0, 100))  # b's blocks past a's start: gone
     t.forget("w1")
-    t.learn(a, "w1")
-    assert t.match(a, {"w1"}).covered == a.size
+    t.learn(b, "w1")
+    assert t.match(b, {"w1"}).covered == b.size
 
 
 def test_what_engines_report_of_their_cache() -> None:
