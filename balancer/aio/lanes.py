@@ -1,4 +1,5 @@
-"""The lane thread (``balancer/_lanes.c``) as the event loop sees it: plain HTTP's steady state.
+"""Plain HTTP's lanes in the offload thread (``balancer/_offload.c``, ``aio/offload.py``) as the
+event loop sees them: plain HTTP's steady state.
 
 A small JSON request through the event loop costs about 25x what nginx spends on it, all of it
 Python per request. Most requests on a kept-alive connection are the one before again: the same
@@ -17,7 +18,7 @@ else. The rules, from the event loop's side:
   and wslb's header blocks (``httpmsg.request_blocks``), the limits and timeouts of the pool.
   The key stays placed on the worker while the lane lives (it counts there as one session).
 - **Served by the thread**: each next request whose head is whole, plainly framed, and whose
-  signature is the lane's (``_lanes.c``'s rules); its access line and counts come here in
+  signature is the lane's (``_offload.c``'s rules); its access line and counts come here in
   batches (``flush``, every ``TICK_S`` and before a metrics scrape).
 - **Given back**: the first request the thread does not take (its bytes come back unread:
   ``HttpClient.lane_back`` parses, routes and answers it as ever), the client's or the worker's
@@ -27,8 +28,9 @@ else. The rules, from the event loop's side:
   (``stop``). A drain's or shutdown's timeout ``abort``\\s a lane mid-exchange.
 
 ``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON`` is set; config
-``relay.thread: false`` turns the lanes off with the relay thread. Every request then runs in
-Python, as before.
+``relay.thread: false`` turns the lanes off with the relay. Every request then runs in Python, as
+before. The lanes share the relay's thread (``Offload``): its events for a lane come here
+(``returned``), and the lanes' ``close`` stops it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from balancer.logs import access_sink, log_http_access
 from balancer.metrics import HTTP_BUCKETS, Histogram
 
 if TYPE_CHECKING:
+    from balancer.aio.offload import Offload
     from balancer.metrics import Stats
     from balancer.pool import Backend
 
@@ -53,7 +56,7 @@ log = logging.getLogger("wslb.http")
 
 _lanes: ModuleType | None
 try:
-    from balancer import _lanes
+    from balancer import _offload as _lanes
 except ImportError:  # no C compiler at install, or not Linux
     _lanes = None
 
@@ -105,7 +108,7 @@ Spec = tuple[
     bytes,  # pool
     bytes,  # backend
 ]
-"""A lane's spec (``_lanes.c``), as ``Exchange.lane_spec`` makes it."""
+"""A lane's spec (``_offload.c``), as ``Exchange.lane_spec`` makes it."""
 
 
 class Back(NamedTuple):
@@ -133,23 +136,23 @@ class LaneOwner(Protocol):
 
 
 class Lanes:
-    """One serving process's lane thread, and the connections it serves now."""
+    """One serving process's lanes in its offload thread, and the connections they serve now."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stats: Stats, access: bool) -> None:
+    def __init__(self, offload: Offload, stats: Stats, access: bool) -> None:
         """``access``: config ``log.access`` (the thread writes no line without it)."""
         assert _lanes is not None
-        self.loop = loop
+        self.loop = offload.loop
         self.stats = stats
         self.access = access
-        self._c = _lanes.Lanes(HTTP_BUCKETS)
-        self._fd: int = self._c.fileno()
-        loop.add_reader(self._fd, self._events)
+        self.offload = offload
+        self._c = offload.c
+        offload.lanes = self
         self.owners: dict[int, LaneOwner] = {}
         self.stopping = False  # no new lanes (a shutdown, a restart's hand-over)
         self._handler: logging.StreamHandler[Any] | None = None
         self._fields = False
         self.set_log()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(TICK_S, self._tick)
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tick)
 
     def set_log(self) -> None:
         """Choose how the thread writes access lines (``logs.access_sink``); again after a
@@ -170,7 +173,7 @@ class Lanes:
         self, owner: LaneOwner, client_fd: int, worker_fd: int, carry: bytes, spec: Spec
     ) -> int:
         """Hand a connection to the thread; its handle. Raises OSError (nothing was taken)."""
-        handle: int = self._c.add(client_fd, worker_fd, carry, spec)
+        handle: int = self._c.add_lane(client_fd, worker_fd, carry, spec)
         self.owners[handle] = owner
         self.stats.http_lanes["taken"] += 1
         return handle
@@ -196,16 +199,15 @@ class Lanes:
         """The lanes on ``backend`` (a drain waits for them, then aborts those left)."""
         return [o for o in self.owners.values() if o.lane_backend is backend]
 
-    def _events(self) -> None:
-        handles = self._c.events()
-        if handles:
-            self.flush()  # the lines of the exchanges these lanes served come first
+    def returned(self, handles: list[int]) -> None:
+        """The thread's events for lanes (``Offload``): these came back, or lines wait."""
+        self.flush()  # the lines of the exchanges these lanes served come first
         for handle in handles:
             self._back(handle)
 
     def _back(self, handle: int) -> None:
         owner = self.owners.pop(handle, None)
-        carry, reason, worker_ok, client_eof, exchanges, idle_for = self._c.remove(handle)
+        carry, reason, worker_ok, client_eof, exchanges, idle_for = self._c.remove_lane(handle)
         self.stats.http_lanes[REASONS.get(reason, str(reason))] += 1
         if owner is None:
             return
@@ -287,19 +289,18 @@ class Lanes:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        """Stop the thread; every lane still in it comes back (CLOSED: its client closes). A
-        thread that does not stop within ``_lanes.c``'s deadline is left, with its lanes, to the
-        process's exit (logged): a shutdown never hangs on it."""
+        """Stop the thread (``Offload.stop``: the relay's sessions come back first); every lane
+        still in it comes back (CLOSED: its client closes). A thread that does not stop within
+        ``_offload.c``'s deadline is left, with its lanes, to the process's exit (logged): a
+        shutdown never hangs on it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.flush()
-        self.loop.remove_reader(self._fd)
-        self._c.events()  # those that came back on their own are in the list close() gives
-        try:
-            handles = self._c.close()
-        except TimeoutError as exc:  # the thread is stuck: what it holds stays until the exit
-            log.error("%s (%d)", exc, len(self.owners))
+        handles = self.offload.stop()  # those that came back on their own are in it too
+        self.offload.lanes = None
+        if handles is None:
+            log.error("%d lanes left in the offload thread", len(self.owners))
             self.owners.clear()
             return
         for handle in handles:
