@@ -84,17 +84,17 @@
 #define READ_SIZE (64 * 1024)
 #define RESP_HEAD_LIMIT (64 * 1024)
 #define BUF_MAX ((size_t)64 << 20)        /* no buffer of a lane ever holds more */
-#define LOG_MAX ((size_t)16 << 20)        /* access lines beyond this wait are dropped */
+#define LOG_MAX ((size_t)32768)           /* exchange records beyond this wait are dropped */
 #define CHUNK_LINE_LIMIT 4096             /* a chunk-size line with its extension */
 #define CHUNK_MAX ((unsigned long long)1 << 40) /* a larger chunk is refused */
 #define MAX_FIELDS 256
-#define LOG_NOTIFY (256 * 1024)
+#define LOG_NOTIFY 1024
 #define MAX_BUCKETS 32
 
 enum { K_SESSION = 0, K_LANE = 1 };
 enum { W_CLIENT = 0, W_WORKER = 1 };
 /* The kinds of events(): a unit came back; a session's record passed REC_NOTIFY; the lanes'
- * access lines passed LOG_NOTIFY. */
+ * exchange records passed LOG_NOTIFY. */
 enum { EV_RETURNED = 1, EV_RECORD = 2, EV_FLUSH = 4 };
 /* A session's. */
 enum { S_ACTIVE = 0, S_RETURNED = 1, S_RELEASED = 2 };
@@ -116,7 +116,6 @@ enum {
     LR_CLOSED,
 };
 enum { RS_HEAD, RS_CL, RS_CHUNKED, RS_CLOSE, RS_DONE };
-enum { LOG_OFF = 0, LOG_TEXT = 1, LOG_JSON = 2, LOG_FIELDS = 3 };
 enum { CTL_RELEASE = 1, CTL_ABORT = 2 };
 
 typedef struct unit unit_t;
@@ -212,7 +211,7 @@ struct lane {
     size_t path_len;
     unsigned char ua[256];
     size_t ua_len;
-    int has_ua, ua_cut;
+    int has_ua;
     unsigned long long exchanges;
     char why[96];
     /* Under mu. */
@@ -239,6 +238,17 @@ typedef struct {
     int kinds;
 } event_t;
 
+/* An exchange's record (take_log): what its access line needs beyond the lane's spec. */
+typedef struct {
+    uint64_t handle;
+    double at, headers_s, duration; /* at: the wall clock at its end */
+    int status, sse, has_ua;
+    long long bytes_in, bytes_out;
+    char end[96];
+    unsigned char method[16], path[200], ua[256];
+    size_t method_len, path_len, ua_len;
+} exch_t;
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
@@ -258,9 +268,9 @@ typedef struct {
     unit_t *ev_head, *ev_tail; /* the units with events pending, in order */
     lane_t *ctl_head;
     int notified, waiters;
-    int log_mode;
-    char log_tag[64];
-    buf_t log;
+    int log_on;
+    exch_t *log;
+    size_t nlog, log_cap;
     count_t *counts;
     size_t ncounts, counts_cap;
     hist_t *hists;
@@ -829,7 +839,8 @@ publish(Core *r, sess_t *s)
  * worker. A *lane* is such a connection, handed over with everything routing decided: the thread
  * parses each next request, and when its routing inputs are byte for byte the first one's, it
  * rewrites the head as the event loop would, forwards it and its body, parses the answer, rewrites
- * its head, forwards its body and writes the access line - no Python at all. Anything else goes
+ * its head, forwards its body and counts it - no Python per request (the access lines are
+ * written by the event loop from the exchanges' records, in batches). Anything else goes
  * back to the event loop before a byte of it is used.
  *
  * The rules of a lane (its state machine):
@@ -862,8 +873,8 @@ publish(Core *r, sess_t *s)
  *   is buffered beyond one read: a client that does not read stops the reads of the worker; one
  *   that takes nothing for ``t_stall`` (``timeouts.backpressure``) is cut (FAILED: the worker's
  *   connection is closed, not reused).
- * - The end of an exchange: both messages done. Its access line and counts are queued (``take_log``,
- *   ``take_stats``). The lane goes back to IDLE, or is RETURNED: WORKER_DONE when the worker's
+ * - The end of an exchange: both messages done. Its record (with ``set_log``) and counts are
+ *   queued (``take_log``, ``take_stats``). The lane goes back to IDLE, or is RETURNED: WORKER_DONE when the worker's
  *   connection cannot carry another request (``Connection: close``, HTTP/1.0, close-delimited,
  *   bytes past the answer), RELEASED when the event loop asked for it (``release``).
  * - Failures, the event loop's rules 3 and 4 (aio/httpproxy.py): a worker that closes or breaks
@@ -882,9 +893,8 @@ publish(Core *r, sess_t *s)
  * before any arithmetic: a Content-Length has at most 18 digits; a chunk size is llhttp's
  * unsigned 64-bit value (past 2^64 refused, never wrapped) and at most CHUNK_MAX; a chunk's
  * extensions at most CHUNK_LINE_LIMIT bytes, a response head and a trailer field
- * RESP_HEAD_LIMIT. Every buffer's
- * growth is checked before the sum and capped at BUF_MAX; the access lines waiting for the event
- * loop at LOG_MAX (more are dropped, the counts go on). What the thread cannot take is a failure
+ * RESP_HEAD_LIMIT. Every buffer's growth is checked before the sum and capped at BUF_MAX; the
+ * records waiting for the event loop at LOG_MAX (more are dropped, the counts go on). What the thread cannot take is a failure
  * like any other (502 before the answer's head, a cut after), never a spin: a worker's
  * ``ffffffffffffffff`` once made it copy SIZE_MAX bytes, ``8000000000000000`` spin forever.
  *
@@ -1289,197 +1299,41 @@ read_head(head_t *hd, int answer, const unsigned char *p, size_t n, field_t *f, 
     return hd->too_many ? -2 : -1;
 }
 
-/* -- the access line and the counts -------------------------------------------------------- */
+/* -- the exchanges' records and counts ----------------------------------------------------- */
 
+/* The record of an exchange that has ended, for the event loop's access line (``take_log``;
+ * logs.py formats it). mu held. Past LOG_MAX records waiting the rest are dropped (the counts go
+ * on): an event loop that does not take them cannot grow the thread without bound. */
 static void
-json_str(buf_t *b, const unsigned char *p, size_t n)
+log_exchange(Core *r, lane_t *l, double duration)
 {
-    static const char hex[] = "0123456789abcdef";
-    buf_add(b, "\"", 1);
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = p[i];
-        if (c == '"' || c == '\\') {
-            char e[2] = {'\\', (char)c};
-            buf_add(b, e, 2);
-        }
-        else if (c >= 0x20 && c < 0x7f) {
-            buf_add(b, &c, 1);
-        }
-        else if (c == '\n') {
-            buf_add(b, "\\n", 2);
-        }
-        else if (c == '\r') {
-            buf_add(b, "\\r", 2);
-        }
-        else if (c == '\t') {
-            buf_add(b, "\\t", 2);
-        }
-        else if (c == '\b') {
-            buf_add(b, "\\b", 2);
-        }
-        else if (c == '\f') {
-            buf_add(b, "\\f", 2);
-        }
-        else {
-            char e[6] = {'\\', 'u', '0', '0', hex[c >> 4], hex[c & 15]};
-            buf_add(b, e, 6);
-        }
-    }
-    buf_add(b, "\"", 1);
-}
-
-/* logs.py's _quote: as it is when every byte is of [A-Za-z0-9._:/@,+=[]-], else JSON. */
-static void
-text_value(buf_t *b, const unsigned char *p, size_t n)
-{
-    int plain = n > 0;
-    for (size_t i = 0; i < n && plain; i++) {
-        unsigned char c = p[i];
-        plain = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                strchr("._:/@,+=[]-", c) != NULL;
-    }
-    if (plain) {
-        buf_add(b, p, n);
-    }
-    else {
-        json_str(b, p, n);
-    }
-}
-
-/* repr(round(v, digits)) for the values an access line has (not huge, not negative). */
-static void
-py_float(buf_t *b, double v, int digits)
-{
-    char s[64];
-    int n = snprintf(s, sizeof s, "%.*f", digits, v);
-    if (n <= 0 || n >= (int)sizeof s) {
+    if (!r->log_on || r->nlog >= LOG_MAX) {
         return;
     }
-    while (n > 2 && s[n - 1] == '0' && s[n - 2] != '.') {
-        n--;
+    exch_t *x = grow(r->log, &r->log_cap, r->nlog, sizeof *r->log, 64);
+    if (x == NULL) {
+        return; /* as a full buffer: the line is lost, the counts go on */
     }
-    buf_add(b, s, (size_t)n);
-}
-
-static void
-iso_now(char *out, size_t size)
-{
+    r->log = x;
+    x = &r->log[r->nlog++];
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    time_t t = ts.tv_sec;
-    struct tm tm;
-    localtime_r(&t, &tm);
-    long off = tm.tm_gmtoff;
-    char sign = off < 0 ? '-' : '+';
-    if (off < 0) {
-        off = -off;
-    }
-    char date[24];
-    strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%S", &tm);
-    snprintf(out, size, "%s.%03ld%c%02ld:%02ld", date, ts.tv_nsec / 1000000, sign, off / 3600,
-             (off % 3600) / 60);
-}
-
-/* The access line of an exchange that has ended (logs.py's http_access_text and the
- * JsonFormatter's object, or only the fields for the event loop to log). mu held. */
-static void
-log_line(Core *r, lane_t *l, double duration)
-{
-    int mode = r->log_mode;
-    if (mode == LOG_OFF || buf_avail(&r->log) >= LOG_MAX) {
-        return; /* off, or the event loop has not taken the lines for long: the counts go on */
-    }
-    buf_t *b = &r->log;
-    const char *end = l->why[0] ? l->why : "done";
-    const char *kind = l->kind_sse ? "sse" : "plain";
-    double headers_ms = l->t_head > 0 ? (l->t_head - l->t0) * 1000.0 : 0.0;
-    char num[64];
-    if (mode == LOG_TEXT || mode == LOG_JSON) {
-        buf_t msg = {0};
-        text_value(&msg, l->peer.p, l->peer.n);
-        buf_add(&msg, " ", 1);
-        text_value(&msg, l->method, l->method_len);
-        buf_add(&msg, " ", 1);
-        text_value(&msg, l->path, l->path_len);
-        snprintf(num, sizeof num, " status=%d session=", l->status);
-        buf_addstr(&msg, num);
-        text_value(&msg, l->key.p, l->key.n);
-        buf_addstr(&msg, " pool=");
-        text_value(&msg, l->pool.p, l->pool.n);
-        buf_addstr(&msg, " backend=");
-        text_value(&msg, l->backend.p, l->backend.n);
-        buf_addstr(&msg, " kind=");
-        buf_addstr(&msg, kind);
-        buf_addstr(&msg, " connect=0.0ms headers=");
-        py_float(&msg, headers_ms, 1);
-        snprintf(num, sizeof num, "ms duration=%.3fs bytes_in=%lld bytes_out=%lld end=", duration,
-                 l->bytes_in, l->bytes_out);
-        buf_addstr(&msg, num);
-        text_value(&msg, (const unsigned char *)end, strlen(end));
-        buf_addstr(&msg, " ua=");
-        if (l->has_ua) {
-            text_value(&msg, l->ua, l->ua_len);
-        }
-        else {
-            buf_add(&msg, "-", 1);
-        }
-        char ts[96];
-        iso_now(ts, sizeof ts);
-        if (mode == LOG_TEXT) {
-            buf_addstr(b, ts);
-            buf_addstr(b, " INFO wslb.access");
-            buf_addstr(b, r->log_tag);
-            buf_addstr(b, ": ");
-            buf_add(b, msg.p, msg.len);
-            buf_add(b, "\n", 1);
-            buf_free(&msg);
-            return;
-        }
-        buf_addstr(b, "{\"ts\":\"");
-        buf_addstr(b, ts);
-        buf_addstr(b, "\",\"level\":\"info\",\"logger\":\"wslb.access\",\"message\":");
-        json_str(b, msg.p, msg.len);
-        buf_free(&msg);
-        if (r->log_tag[0]) {
-            buf_addstr(b, ",\"process\":");
-            json_str(b, (const unsigned char *)r->log_tag, strlen(r->log_tag));
-        }
-        buf_add(b, ",", 1);
-    }
-    else {
-        buf_add(b, "{", 1);
-    }
-    buf_addstr(b, "\"client\":");
-    json_str(b, l->peer.p, l->peer.n);
-    buf_addstr(b, ",\"method\":");
-    json_str(b, l->method, l->method_len);
-    buf_addstr(b, ",\"path\":");
-    json_str(b, l->path, l->path_len);
-    snprintf(num, sizeof num, ",\"status\":%d,\"session\":", l->status);
-    buf_addstr(b, num);
-    json_str(b, l->key.p, l->key.n);
-    buf_addstr(b, ",\"pool\":");
-    json_str(b, l->pool.p, l->pool.n);
-    buf_addstr(b, ",\"backend\":");
-    json_str(b, l->backend.p, l->backend.n);
-    buf_addstr(b, ",\"kind\":\"");
-    buf_addstr(b, kind);
-    buf_addstr(b, "\",\"connect_ms\":0.0,\"headers_ms\":");
-    py_float(b, headers_ms, 1);
-    buf_addstr(b, ",\"duration_s\":");
-    py_float(b, duration, 3);
-    snprintf(num, sizeof num, ",\"bytes_in\":%lld,\"bytes_out\":%lld,\"end\":", l->bytes_in,
-             l->bytes_out);
-    buf_addstr(b, num);
-    json_str(b, (const unsigned char *)end, strlen(end));
-    buf_addstr(b, ",\"user_agent\":");
-    if (l->has_ua) {
-        json_str(b, l->ua, l->ua_len);
-    }
-    else {
-        buf_addstr(b, "null");
-    }
-    buf_addstr(b, "}\n");
+    x->handle = l->u.handle;
+    x->at = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    x->headers_s = l->t_head > 0 ? l->t_head - l->t0 : 0.0;
+    x->duration = duration;
+    x->status = l->status;
+    x->sse = l->kind_sse;
+    x->bytes_in = l->bytes_in;
+    x->bytes_out = l->bytes_out;
+    snprintf(x->end, sizeof x->end, "%s", l->why[0] ? l->why : "done");
+    memcpy(x->method, l->method, l->method_len);
+    x->method_len = l->method_len;
+    memcpy(x->path, l->path, l->path_len);
+    x->path_len = l->path_len;
+    x->has_ua = l->has_ua;
+    memcpy(x->ua, l->ua, l->has_ua ? l->ua_len : 0);
+    x->ua_len = l->has_ua ? l->ua_len : 0;
 }
 
 static void
@@ -1568,9 +1422,9 @@ end_exchange(Core *r, lane_t *l)
     double duration = now - l->t0;
     l->exchanges++;
     pthread_mutex_lock(&r->mu);
-    log_line(r, l, duration);
+    log_exchange(r, l, duration);
     count_exchange(r, l, duration);
-    int wake = buf_avail(&r->log) >= LOG_NOTIFY && push_event(r, &l->u, EV_FLUSH) == 1;
+    int wake = r->nlog >= LOG_NOTIFY && push_event(r, &l->u, EV_FLUSH) == 1;
     pthread_mutex_unlock(&r->mu);
     if (wake) {
         notify(r);
@@ -2804,7 +2658,6 @@ Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     r->nbuckets = (int)nb;
-    r->log_mode = LOG_OFF;
     r->buf = malloc(BUF_SIZE);
     r->epfd = epoll_create1(EPOLL_CLOEXEC);
     r->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -3241,17 +3094,36 @@ Core_add_lane(Core *r, PyObject *args)
     return PyLong_FromUnsignedLongLong(l->u.handle);
 }
 
+/* take_log() -> [(handle, at, method, path, status, sse, headers_s, duration, bytes_in, bytes_out,
+ * end, user_agent or None)]: the records of the exchanges ended since the last call. */
 static PyObject *
 Core_take_log(Core *r, PyObject *Py_UNUSED(ignored))
 {
     pthread_mutex_lock(&r->mu);
-    buf_t b = r->log;
-    memset(&r->log, 0, sizeof r->log);
+    exch_t *log = r->log;
+    size_t n = r->nlog;
+    r->log = NULL;
+    r->nlog = r->log_cap = 0;
     pthread_mutex_unlock(&r->mu);
-    PyObject *out = PyBytes_FromStringAndSize(b.p ? (char *)b.p + b.off : "",
-                                              (Py_ssize_t)buf_avail(&b));
-    buf_free(&b);
-    return out;
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list != NULL && i < n; i++) {
+        exch_t *x = &log[i];
+        PyObject *ua = x->has_ua ? PyBytes_FromStringAndSize((char *)x->ua, (Py_ssize_t)x->ua_len)
+                                 : Py_NewRef(Py_None);
+        PyObject *t = ua == NULL ? NULL
+                                 : Py_BuildValue("(Kdy#y#iNddLLsN)", (unsigned long long)x->handle,
+                                                 x->at, x->method, (Py_ssize_t)x->method_len,
+                                                 x->path, (Py_ssize_t)x->path_len, x->status,
+                                                 PyBool_FromLong(x->sse), x->headers_s,
+                                                 x->duration, x->bytes_in, x->bytes_out, x->end, ua);
+        if (t == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    free(log);
+    return list;
 }
 
 /* take_stats() -> (counts [(pool, sse, status, n)], hists [(pool, sse, (bucket counts), n, sum)],
@@ -3310,16 +3182,14 @@ done:
 }
 
 static PyObject *
-Core_set_log(Core *r, PyObject *args)
+Core_set_log(Core *r, PyObject *arg)
 {
-    int mode;
-    const char *tag;
-    if (!PyArg_ParseTuple(args, "is:set_log", &mode, &tag)) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
         return NULL;
     }
     pthread_mutex_lock(&r->mu);
-    r->log_mode = mode;
-    snprintf(r->log_tag, sizeof r->log_tag, "%s", tag);
+    r->log_on = on;
     pthread_mutex_unlock(&r->mu);
     Py_RETURN_NONE;
 }
@@ -3589,7 +3459,7 @@ Core_dealloc(Core *r)
     free(r->slots);
     free(r->free_slots);
     free(r->evout);
-    buf_free(&r->log);
+    free(r->log);
     free(r->counts);
     free(r->hists);
     if (r->epfd >= 0) {
@@ -3621,9 +3491,9 @@ static PyMethodDef Core_methods[] = {
     {"abort", (PyCFunction)Core_abort, METH_VARARGS, "End the lane's exchange now (503 or a cut)."},
     {"remove_lane", (PyCFunction)Core_remove_lane, METH_VARARGS,
      "Take a returned lane's leftovers."},
-    {"take_log", (PyCFunction)Core_take_log, METH_NOARGS, "Access lines since the last call."},
+    {"take_log", (PyCFunction)Core_take_log, METH_NOARGS, "Exchanges ended since the last call."},
     {"take_stats", (PyCFunction)Core_take_stats, METH_NOARGS, "Counts since the last call."},
-    {"set_log", (PyCFunction)Core_set_log, METH_VARARGS, "The access log's form and tag."},
+    {"set_log", (PyCFunction)Core_set_log, METH_O, "Keep the exchanges' records (or not)."},
     {"events", (PyCFunction)Core_events, METH_NOARGS,
      "events() -> [(handle, kind)]: what happened since the last call (clears fileno())."},
     {"fileno", (PyCFunction)Core_fileno, METH_NOARGS,
@@ -3732,8 +3602,6 @@ PyInit__offload(void)
         {"HANDBACK", LR_HANDBACK},       {"RETRY", LR_RETRY},         {"WORKER_DONE", LR_WORKER_DONE},
         {"RELEASED", LR_RELEASED},       {"IDLE", LR_IDLE},           {"CLIENT_EOF", LR_CLIENT_EOF},
         {"CLIENT_GONE", LR_CLIENT_GONE}, {"FAILED", LR_FAILED},       {"CLOSED", LR_CLOSED},
-        {"LOG_OFF", LOG_OFF},            {"LOG_TEXT", LOG_TEXT},      {"LOG_JSON", LOG_JSON},
-        {"LOG_FIELDS", LOG_FIELDS},
     };
     for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++) {
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0) {

@@ -24,11 +24,6 @@ CLIENT_EOF: Final[int]
 CLIENT_GONE: Final[int]
 FAILED: Final[int]
 CLOSED: Final[int]
-# The access log's forms (Thread.set_log()).
-LOG_OFF: Final[int]
-LOG_TEXT: Final[int]
-LOG_JSON: Final[int]
-LOG_FIELDS: Final[int]
 
 Spec = tuple[
     bytes,  # sig
@@ -67,7 +62,11 @@ class Thread:
     def release(self, handle: int) -> bool: ...
     def abort(self, handle: int, why: str) -> bool: ...
     def remove_lane(self, handle: int) -> tuple[bytes, int, int, int, int, float]: ...
-    def take_log(self) -> bytes: ...
+    def take_log(
+        self,
+    ) -> list[
+        tuple[int, float, bytes, bytes, int, bool, float, float, int, int, str, bytes | None]
+    ]: ...
     def take_stats(
         self,
     ) -> tuple[
@@ -77,7 +76,7 @@ class Thread:
         int,
         int,
     ]: ...
-    def set_log(self, mode: int, tag: str) -> None: ...
+    def set_log(self, on: bool) -> None: ...
     # Both.
     def events(self) -> list[tuple[int, int]]: ...
     def fileno(self) -> int: ...

@@ -247,8 +247,8 @@ def http_access_text(f: Mapping[str, Any]) -> str:
 
 
 def access_sink() -> tuple[str, str, logging.StreamHandler[Any] | None] | None:
-    """Where the lane thread (``aio/lanes.py``) may write access lines itself, formatted as
-    this module would: ``("off", "", None)`` when the access logger is off, ``("text" |
+    """Where the lanes (``aio/lanes.py``) may write their batches of access lines, formatted
+    by this module's formatter: ``("off", "", None)`` when the access logger is off, ``("text" |
     "json", tag, handler)`` when its lines go to one plain stream handler with one of this
     module's formatters and nothing filters them; None otherwise (another handler, a filter,
     pytest's capture): each line must then go through ``log_http_access``."""

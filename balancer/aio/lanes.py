@@ -18,8 +18,9 @@ else. The rules, from the event loop's side:
   and wslb's header blocks (``httpmsg.request_blocks``), the limits and timeouts of the pool.
   The key stays placed on the worker while the lane lives (it counts there as one session).
 - **Served by the thread**: each next request whose head is whole, plainly framed, and whose
-  signature is the lane's (``_offload.c``'s rules); its access line and counts come here in
-  batches (``flush``, every ``TICK_S`` and before a metrics scrape).
+  signature is the lane's (``_offload.c``'s rules); its record (``take_log``) and counts come
+  here in batches (``flush``, every ``TICK_S`` and before a metrics scrape), and its access line
+  is written here, by ``logs.py`` as the event loop's own are: the thread formats none.
 - **Given back**: the first request the thread does not take (its bytes come back unread:
   ``HttpClient.lane_back`` parses, routes and answers it as ever), the client's or the worker's
   end, a failure (the thread answered as rule 4 says; a client that takes nothing of an answer
@@ -36,13 +37,12 @@ before. The lanes share the relay's thread (``Offload``): its events for a lane 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from balancer.logs import access_sink, log_http_access
+from balancer.logs import ACCESS, access_sink, http_access_text, log_http_access
 from balancer.metrics import HTTP_BUCKETS, Histogram
 
 if TYPE_CHECKING:
@@ -148,26 +148,21 @@ class Lanes:
         self._c = offload.c
         offload.lanes = self
         self.owners: dict[int, LaneOwner] = {}
+        # Each lane's part of its access lines (the spec's peer, key, pool and backend).
+        self._who: dict[int, tuple[str, str, str, str]] = {}
         self.stopping = False  # no new lanes (a shutdown, a restart's hand-over)
         self._handler: logging.StreamHandler[Any] | None = None
-        self._fields = False
         self.set_log()
         self._timer: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tick)
 
     def set_log(self) -> None:
-        """Choose how the thread writes access lines (``logs.access_sink``); again after a
-        change to the logging set-up (a reload)."""
-        assert _lanes is not None
+        """Whether the thread keeps its exchanges' records for access lines, and where the
+        lines go (``logs.access_sink``: one plain handler is written to in batches, anything
+        else gets each line through ``log_http_access``); again after a change to the logging
+        set-up (a reload)."""
         sink = access_sink() if self.access else ("off", "", None)
-        self._handler = None
-        self._fields = sink is None
-        if sink is None:
-            self._c.set_log(_lanes.LOG_FIELDS, "")
-            return
-        form, tag, handler = sink
-        self._handler = handler
-        mode = {"off": _lanes.LOG_OFF, "text": _lanes.LOG_TEXT, "json": _lanes.LOG_JSON}[form]
-        self._c.set_log(mode, tag)
+        self._handler = sink[2] if sink is not None else None
+        self._c.set_log(sink is None or sink[0] != "off")
 
     def add(
         self, owner: LaneOwner, client_fd: int, worker_fd: int, carry: bytes, spec: Spec
@@ -175,6 +170,13 @@ class Lanes:
         """Hand a connection to the thread; its handle. Raises OSError (nothing was taken)."""
         handle: int = self._c.add_lane(client_fd, worker_fd, carry, spec)
         self.owners[handle] = owner
+        peer, key, pool, backend = spec[15:19]
+        self._who[handle] = (
+            peer.decode("latin-1"),
+            key.decode("latin-1"),
+            pool.decode("utf-8", "replace"),
+            backend.decode("utf-8", "replace"),
+        )
         self.stats.http_lanes["taken"] += 1
         return handle
 
@@ -207,6 +209,7 @@ class Lanes:
 
     def _back(self, handle: int) -> None:
         owner = self.owners.pop(handle, None)
+        self._who.pop(handle, None)
         carry, reason, worker_ok, client_eof, exchanges, idle_for = self._c.remove_lane(handle)
         self.stats.http_lanes[REASONS.get(reason, str(reason))] += 1
         if owner is None:
@@ -234,10 +237,11 @@ class Lanes:
             owner.lane_check()
 
     def flush(self) -> None:
-        """Take the thread's access lines and counts since the last call."""
-        data = self._c.take_log()
-        if data:
-            self._write_log(data)
+        """Take the thread's records and counts since the last call: the access lines written,
+        the metrics counted."""
+        records = self._c.take_log()
+        if records:
+            self._write_log(records)
         counts, hists, bytes_in, bytes_out, exchanges = self._c.take_stats()
         if not exchanges and not counts:
             return
@@ -258,18 +262,52 @@ class Lanes:
         st.http_upstream["reused"] += exchanges
         st.http_lanes["exchanges"] += exchanges
 
-    def _write_log(self, data: bytes) -> None:
-        if self._fields:  # a handler of someone else's: each line as logs.py writes it
-            for line in data.splitlines():
-                log_http_access(json.loads(line))
-            return
+    def _write_log(self, records: list[tuple[Any, ...]]) -> None:
+        """The access lines of the thread's exchanges: the event loop's fields (httpproxy.py's
+        ``logged``), formatted by logs.py; to one plain handler in one write, with each
+        line's time the exchange's end."""
         handler = self._handler
-        if handler is None:
+        lines: list[str] = []
+        for handle, at, method, path, status, sse, headers_s, duration, *rest in records:
+            bytes_in, bytes_out, end, ua = rest
+            client, key, pool, backend = self._who.get(handle, ("-", "-", "-", "-"))
+            fields = {
+                "client": client,
+                "method": method.decode("latin-1"),
+                "path": path.decode("latin-1"),
+                "status": status,
+                "session": key,
+                "pool": pool,
+                "backend": backend,
+                "kind": "sse" if sse else "plain",
+                "connect_ms": 0.0,
+                "headers_ms": round(headers_s * 1000, 1),
+                "duration_s": round(duration, 3),
+                "bytes_in": bytes_in,
+                "bytes_out": bytes_out,
+                "end": end,
+                "user_agent": ua.decode("latin-1") if ua is not None else None,
+            }
+            if handler is None:
+                log_http_access(fields)
+                continue
+            record = ACCESS.makeRecord(
+                ACCESS.name,
+                logging.INFO,
+                __file__,
+                0,
+                http_access_text(fields),
+                (),
+                None,
+                extra={"fields": fields},
+            )
+            record.created = at
+            lines.append(handler.format(record))
+        if handler is None or not lines:
             return
-        text = data.decode("utf-8", "replace")
         handler.acquire()
         try:
-            handler.stream.write(text)
+            handler.stream.write("\n".join(lines) + "\n")
             handler.flush()
         except (OSError, ValueError):
             pass  # the stream closed under it (stderr gone): as logging.Handler.handleError
@@ -299,6 +337,7 @@ class Lanes:
         self.flush()
         handles = self.offload.stop()  # those that came back on their own are in it too
         self.offload.lanes = None
+        self.flush()  # the lines of the exchanges that ended meanwhile, while their lanes are known
         if handles is None:
             log.error("%d lanes left in the offload thread", len(self.owners))
             self.owners.clear()
