@@ -42,7 +42,7 @@ import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from balancer.logs import ACCESS, access_sink, http_access_text, log_http_access
+from balancer.logs import access_line, access_sink, log_http_access
 from balancer.metrics import HTTP_BUCKETS, Histogram
 
 if TYPE_CHECKING:
@@ -267,6 +267,7 @@ class Lanes:
         ``logged``), formatted by logs.py; to one plain handler in one write, with each
         line's time the exchange's end."""
         handler = self._handler
+        formatter = handler.formatter if handler is not None else None
         lines: list[str] = []
         for handle, at, method, path, status, sse, headers_s, duration, *rest in records:
             bytes_in, bytes_out, end, ua = rest
@@ -288,21 +289,10 @@ class Lanes:
                 "end": end,
                 "user_agent": ua.decode("latin-1") if ua is not None else None,
             }
-            if handler is None:
+            if formatter is None:
                 log_http_access(fields)
                 continue
-            record = ACCESS.makeRecord(
-                ACCESS.name,
-                logging.INFO,
-                __file__,
-                0,
-                http_access_text(fields),
-                (),
-                None,
-                extra={"fields": fields},
-            )
-            record.created = at
-            lines.append(handler.format(record))
+            lines.append(access_line(formatter, at, fields))
         if handler is None or not lines:
             return
         handler.acquire()
