@@ -177,7 +177,7 @@ struct lane {
     int state, reason;
     watch_t cw, ww;
     /* The spec (the event loop's, copied at add). */
-    str_t sig, target, pre, post, resp_add, peer, key, pool, backend;
+    str_t sig, target, pre, post, resp_add, pool; /* the spec's peer, key, backend: Python's */
     str_t *sig_names, *drop, *resp_drop;
     int n_sig, n_drop, n_resp_drop;
     long max_head, max_headers;
@@ -641,16 +641,31 @@ on_chunk_extension(llhttp_t *h, const char *at, size_t len)
     return -1; /* not the thread's: the walk stops at this chunk */
 }
 
+/* h: a parser that has read a chunked answer's head (no callbacks), ``settings`` for its body;
+ * copied, it starts every chunked body either kind reads. 0, or -1 when llhttp did not read it. */
+static int
+chunked_parser(llhttp_t *h, llhttp_settings_t *settings, int lenient)
+{
+    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    static llhttp_settings_t none;
+    llhttp_settings_init(&none);
+    llhttp_init(h, HTTP_RESPONSE, &none);
+    llhttp_set_lenient_spaces_after_chunk_size(h, lenient);
+    if (llhttp_execute(h, head, sizeof head - 1) != HPE_OK) {
+        return -1;
+    }
+    h->settings = settings;
+    return 0;
+}
+
 static int
 init_chunked_body(void)
 {
-    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
     llhttp_settings_init(&chunk_settings);
     chunk_settings.on_chunk_header = on_chunk_header;
     chunk_settings.on_chunk_complete = on_chunk_complete;
     chunk_settings.on_chunk_extension_name = on_chunk_extension;
-    llhttp_init(&chunked_body, HTTP_RESPONSE, &chunk_settings);
-    return llhttp_execute(&chunked_body, head, sizeof head - 1) == HPE_OK ? 0 : -1;
+    return chunked_parser(&chunked_body, &chunk_settings, 0);
 }
 
 static size_t
@@ -1819,7 +1834,6 @@ rf_message_complete(llhttp_t *h)
 static int
 init_reframe(void)
 {
-    static const char head[] = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
     llhttp_settings_init(&reframe_settings);
     reframe_settings.on_chunk_header = rf_chunk_header;
     reframe_settings.on_chunk_extension_name = rf_extension;
@@ -1830,15 +1844,7 @@ init_reframe(void)
     reframe_settings.on_body = rf_body;
     reframe_settings.on_chunk_complete = rf_chunk_complete;
     reframe_settings.on_message_complete = rf_message_complete;
-    static llhttp_settings_t none; /* the head is read without the body's callbacks */
-    llhttp_settings_init(&none);
-    llhttp_init(&chunked_answer, HTTP_RESPONSE, &none);
-    llhttp_set_lenient_spaces_after_chunk_size(&chunked_answer, 1);
-    if (llhttp_execute(&chunked_answer, head, sizeof head - 1) != HPE_OK) {
-        return -1;
-    }
-    chunked_answer.settings = &reframe_settings;
-    return 0;
+    return chunked_parser(&chunked_answer, &reframe_settings, 1);
 }
 
 static void
@@ -2357,7 +2363,7 @@ free_lane(lane_t *l)
     buf_free(&l->win);
     buf_free(&l->cout);
     str_t *all[] = {&l->sig, &l->target, &l->pre, &l->post, &l->resp_add,
-                    &l->peer, &l->key, &l->pool, &l->backend};
+                    &l->pool};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         free(all[i]->p);
     }
@@ -3041,9 +3047,7 @@ Core_add_lane(Core *r, PyObject *args)
               copy_bytes(target, &l->target) || copy_bytes(pre, &l->pre) ||
               copy_bytes(post, &l->post) || copy_names(drop, &l->drop, &l->n_drop) ||
               copy_names(resp_drop, &l->resp_drop, &l->n_resp_drop) ||
-              copy_bytes(resp_add, &l->resp_add) || copy_bytes(peer, &l->peer) ||
-              copy_bytes(key, &l->key) || copy_bytes(pool, &l->pool) ||
-              copy_bytes(backend, &l->backend);
+              copy_bytes(resp_add, &l->resp_add) || copy_bytes(pool, &l->pool);
     if (!bad && buf_add(&l->cin, carry.buf, (size_t)carry.len) < 0) {
         PyErr_NoMemory();
         bad = 1;
