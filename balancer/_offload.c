@@ -20,8 +20,8 @@
  * until a read or a send says EAGAIN (or is short): a lane needs reads and writes on both of its
  * sockets in turns decided by its exchange, which level triggering would have to follow with an
  * epoll_ctl per turn; edge triggering registers each socket once, at add. A session whose read
- * filled the read buffer is served again at the loop's next turn (no epoll wait), after the
- * others: one fast session cannot starve the rest.
+ * filled the read buffer is served again at the loop's next turn (no epoll wait, at most
+ * MAX_EVENTS of them a turn, in order: ``again_t``): one fast session cannot starve the rest.
  *
  * The thread's own dup()s of the descriptors are what it watches, reads and writes, so a
  * descriptor closed by the event loop can never be reused under the thread; they are closed when
@@ -149,7 +149,9 @@ typedef struct {
     size_t name, name_len, value, value_len;
 } field_t;
 
-typedef struct {
+typedef struct sess sess_t;
+
+struct sess {
     unit_t u;
     long limit;
     int record;
@@ -168,7 +170,10 @@ typedef struct {
     unsigned long long frames, bytes;
     unsigned char *rec;
     size_t rec_len, rec_cap;
-} sess_t;
+    /* The thread's: linked into its list of sessions to read again next turn. */
+    int in_again;
+    sess_t *again_next;
+};
 
 typedef struct lane lane_t;
 
@@ -2402,12 +2407,65 @@ free_unit(unit_t *u)
     }
 }
 
-/* One turn's collected sessions served, each published before the next starts (see the
- * sessions' locking); those whose read filled the buffer are left in again[] for the next turn. */
-static int
-serve_sessions(Core *r, sess_t **batch, int nb, sess_t **again)
+/* The sessions to read again at the next turn (their read filled the buffer, nothing holds them
+ * back): the thread's own list, in order, of any length. */
+typedef struct {
+    sess_t *head, *tail;
+} again_t;
+
+static void
+again_add(again_t *a, sess_t *s)
 {
-    int na = 0;
+    if (s->in_again) {
+        return;
+    }
+    s->in_again = 1;
+    s->again_next = NULL;
+    if (a->tail != NULL) {
+        a->tail->again_next = s;
+    }
+    else {
+        a->head = s;
+    }
+    a->tail = s;
+}
+
+/* With mu held: up to ``room`` of them into batch; those returned or released leave the list
+ * (a released one is freed after this turn). How many were added. */
+static int
+again_collect(again_t *a, sess_t **batch, int room)
+{
+    int nb = 0;
+    sess_t *keep = NULL, *last = NULL;
+    for (sess_t *s = a->head, *next; s != NULL; s = next) {
+        next = s->again_next;
+        s->again_next = NULL;
+        if (s->state == S_ACTIVE && nb >= room) { /* no room: the next turn */
+            if (last != NULL) {
+                last->again_next = s;
+            }
+            else {
+                keep = s;
+            }
+            last = s;
+            continue;
+        }
+        s->in_again = 0;
+        if (s->state == S_ACTIVE && s->busy == BUSY_IDLE) {
+            s->busy = BUSY_COLLECTED;
+            batch[nb++] = s;
+        }
+    }
+    a->head = keep;
+    a->tail = last;
+    return nb;
+}
+
+/* One turn's collected sessions served, each published before the next starts (see the
+ * sessions' locking). */
+static void
+serve_sessions(Core *r, sess_t **batch, int nb, again_t *again)
+{
     sess_t *prev = NULL;
     for (int i = 0; nb > 0 && i <= nb; i++) {
         sess_t *s = i < nb ? batch[i] : NULL;
@@ -2440,13 +2498,12 @@ serve_sessions(Core *r, sess_t **batch, int nb, sess_t **again)
             on_readable(r, s, &wake);
         }
         if (s->state == S_ACTIVE && (s->ready & READY_READ) && s->out_off == s->out_end) {
-            again[na++] = s; /* more to read, and nothing holds it back */
+            again_add(again, s); /* more to read, and nothing holds it back */
         }
         if (wake) {
             notify(r);
         }
     }
-    return na;
 }
 
 /* The event loop's requests of lanes (a lane may have returned since: then nothing). */
@@ -2511,26 +2568,20 @@ run(void *arg)
 {
     Core *r = (Core *)arg;
     struct epoll_event evs[MAX_EVENTS];
-    sess_t *batch[2 * MAX_EVENTS], *again[2 * MAX_EVENTS];
-    int na = 0;
+    sess_t *batch[2 * MAX_EVENTS];
+    again_t again = {NULL, NULL};
     double last_check = mono();
     for (;;) {
-        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, na > 0 ? 0 : 50);
+        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, again.head != NULL ? 0 : 50);
         while (__atomic_load_n(&test_spin, __ATOMIC_RELAXED)) {
         }
         if (__atomic_load_n(&r->stopping, __ATOMIC_ACQUIRE)) {
             break;
         }
         /* 1. Collect. */
-        int woken = 0, nb = 0;
+        int woken = 0;
         pthread_mutex_lock(&r->mu);
-        for (int i = 0; i < na; i++) { /* those served again first: they waited a turn */
-            sess_t *s = again[i];
-            if (s->state == S_ACTIVE && s->busy == BUSY_IDLE) {
-                s->busy = BUSY_COLLECTED;
-                batch[nb++] = s;
-            }
-        }
+        int nb = again_collect(&again, batch, MAX_EVENTS); /* first: they waited a turn */
         for (int i = 0; i < n; i++) {
             watch_t *w = (watch_t *)evs[i].data.ptr;
             if (w == NULL) {
@@ -2572,7 +2623,7 @@ run(void *arg)
         }
         /* 2. Serve: the sessions, then the lanes (their readiness first, then the event loop's
          * requests, then their I/O). */
-        na = serve_sessions(r, batch, nb, again);
+        serve_sessions(r, batch, nb, &again);
         for (int i = 0; i < n; i++) {
             watch_t *w = (watch_t *)evs[i].data.ptr;
             if (w != NULL && w->u->kind == K_LANE && ((lane_t *)w->u)->state == L_ACTIVE) {
