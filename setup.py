@@ -1,14 +1,15 @@
 """The optional C parts (everything else is in pyproject.toml): the frame scanner's fast loop
-and, on Linux, the relay thread and the plain-HTTP lane thread (epoll).
+and, on Linux, the offload thread (epoll) that relays streamed sessions and serves plain-HTTP
+lanes.
 
 ``optional=True``: without a C compiler the install still succeeds; ``balancer.frames`` then
 uses its pure-Python loop (``balancer.frames.ACCELERATED`` says which one runs) and every
 session is relayed by the event loop (``balancer.aio.offload.AVAILABLE``).
 
-The relay and lane threads parse HTTP with llhttp, whose C sources are fetched and proven at
-build time (``tools/llhttp_src.py``: pinned, cached outside the checkout, never copied into the
-repository or the sdist) and compiled once into both. Where they cannot be had, those two
-modules are left out, as without a compiler.
+The offload thread parses HTTP with llhttp, whose C sources are fetched and proven at build time
+(``tools/llhttp_src.py``: pinned, cached outside the checkout, never copied into the repository
+or the sdist) and compiled into it. Where they cannot be had, that module is left out, as without
+a compiler.
 """
 
 import os
@@ -19,7 +20,7 @@ from setuptools.command.build_ext import build_ext
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 
-LLHTTP_USERS = ("balancer._relay", "balancer._lanes")
+LLHTTP_USERS = ("balancer._offload",)
 
 
 class BuildExt(build_ext):
@@ -59,14 +60,8 @@ setup(
         *(
             [
                 Extension(
-                    "balancer._relay",
-                    ["balancer/_relay.c"],
-                    optional=True,
-                    extra_compile_args=["-O2"],
-                ),
-                Extension(
-                    "balancer._lanes",
-                    ["balancer/_lanes.c"],
+                    "balancer._offload",
+                    ["balancer/_offload.c"],
                     optional=True,
                     extra_compile_args=["-O2"],
                 ),

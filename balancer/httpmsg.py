@@ -94,7 +94,7 @@ _FORWARDING: Final = (b"x-forwarded-for", b"forwarded", b"x-real-ip")
 _NOT_FROM_WORKER: Final = _HOP | {SESSION_ID}
 LANE_DROP: Final = _NOT_FROM_CLIENT | frozenset(_FORWARDING)
 """The client header names the worker never gets as the client wrote them (the lane thread's
-``drop``, ``_lanes.c``): wslb writes its own of the forwarding ones (``request_blocks``)."""
+``drop``, ``_offload.c``): wslb writes its own of the forwarding ones (``request_blocks``)."""
 RESPONSE_DROP: Final = _NOT_FROM_WORKER
 
 IDEMPOTENT: Final = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
@@ -304,7 +304,7 @@ _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[\t -~\x80-\xff]
 _DIGITS: Final = re.compile(rb"[0-9]{1,18}")
 _CHUNK_LINE_LIMIT: Final = 4096  # a chunk-size line with its extensions
 CHUNK_MAX: Final = 1 << 40
-"""The largest chunk a worker may announce (``_lanes.c``'s ``CHUNK_MAX``): a size past it is a
+"""The largest chunk a worker may announce (``_offload.c``'s ``CHUNK_MAX``): a size past it is a
 bad answer on every path, not a body forwarded until the worker closes."""
 # States of ``ResponseReader``.
 _HEAD, _LENGTH, _SIZE, _DATA, _DATA_END, _TRAILER, _CLOSE, _DONE = range(8)

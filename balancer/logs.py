@@ -28,8 +28,10 @@ format too (``WSLB_LOG_FORMAT``).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -40,6 +42,7 @@ __all__ = [
     "ACCESS",
     "JsonFormatter",
     "access_fields",
+    "access_line",
     "access_sink",
     "access_text",
     "count",
@@ -63,8 +66,26 @@ FORMAT_ENV = "WSLB_LOG_FORMAT"
 
 def iso_time(created: float) -> str:
     """A record's time as ISO 8601 with milliseconds and the zone (``2026-12-01T21:19:25.064
-    +00:00``): what log shippers parse without configuration, unambiguous across zones."""
-    return datetime.datetime.fromtimestamp(created).astimezone().isoformat(timespec="milliseconds")
+    +00:00``): what log shippers parse without configuration, unambiguous across zones.
+
+    ``datetime.fromtimestamp(created).astimezone().isoformat(timespec="milliseconds")``, with
+    the date, time and zone of each second made once (a batch of access lines shares them):
+    the microseconds rounded half to even as ``fromtimestamp`` rounds them, then cut to ms."""
+    frac, whole = math.modf(created)
+    us = round(frac * 1e6)
+    if us >= 1_000_000:
+        whole, us = whole + 1, us - 1_000_000
+    elif us < 0:  # before 1970
+        whole, us = whole - 1, us + 1_000_000
+    head, zone = _second(int(whole))
+    return f"{head}.{us // 1000:03d}{zone}"
+
+
+@functools.lru_cache(maxsize=8)
+def _second(whole: int) -> tuple[str, str]:
+    """``YYYY-MM-DDTHH:MM:SS`` and the zone (``+00:00``) of one second."""
+    text = datetime.datetime.fromtimestamp(whole).astimezone().isoformat()
+    return text[:19], text[19:]
 
 
 class TextFormatter(logging.Formatter):
@@ -247,8 +268,8 @@ def http_access_text(f: Mapping[str, Any]) -> str:
 
 
 def access_sink() -> tuple[str, str, logging.StreamHandler[Any] | None] | None:
-    """Where the lane thread (``aio/lanes.py``) may write access lines itself, formatted as
-    this module would: ``("off", "", None)`` when the access logger is off, ``("text" |
+    """Where the lanes (``aio/lanes.py``) may write their batches of access lines, formatted
+    by this module's formatter: ``("off", "", None)`` when the access logger is off, ``("text" |
     "json", tag, handler)`` when its lines go to one plain stream handler with one of this
     module's formatters and nothing filters them; None otherwise (another handler, a filter,
     pytest's capture): each line must then go through ``log_http_access``."""
@@ -270,6 +291,31 @@ def access_sink() -> tuple[str, str, logging.StreamHandler[Any] | None] | None:
     if type(form) is TextFormatter:
         return ("text", form.tag, handler)
     return None
+
+
+def access_line(formatter: logging.Formatter, created: float, fields: Mapping[str, Any]) -> str:
+    """What ``formatter`` (this module's, as ``access_sink`` found it) makes of the access line
+    of a plain HTTP request that ended at ``created``, without a LogRecord: the lanes write
+    theirs in batches (``aio/lanes.py``)."""
+    text = http_access_text(fields)
+    if isinstance(formatter, JsonFormatter):
+        out: dict[str, Any] = {
+            "ts": iso_time(created),
+            "level": "info",
+            "logger": ACCESS.name,
+            "message": text,
+        }
+        if formatter.process is not None:
+            out["process"] = formatter.process
+        out.update(fields)
+        return json.dumps(out, separators=(",", ":"), default=str)
+    tag = formatter.tag if isinstance(formatter, TextFormatter) else ""
+    return TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}") % {
+        "asctime": iso_time(created),
+        "levelname": "INFO",
+        "name": ACCESS.name,
+        "message": text,
+    }
 
 
 def log_http_access(fields: Mapping[str, Any]) -> None:

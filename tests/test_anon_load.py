@@ -263,7 +263,7 @@ async def test_a_client_that_never_reads_is_cut_in_the_event_loop(stalls: Stalls
     await wait_for_line(stalls.loop_lb, 'end="client not reading"')
 
 
-@pytest.mark.skipif(not offload.AVAILABLE, reason="balancer._relay is not built")
+@pytest.mark.skipif(not offload.AVAILABLE, reason="balancer._offload is not built")
 async def test_a_client_that_never_reads_is_cut_with_the_relay_thread(stalls: Stalls) -> None:
     """The stream goes to the relay thread after its first chunks; the thread gives it back
     when the client stops taking it, and the event loop's clock cuts it."""
@@ -274,7 +274,7 @@ async def test_a_client_that_never_reads_is_cut_with_the_relay_thread(stalls: St
     await wait_for_line(stalls.lb, 'end="client not reading"')
 
 
-@pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
+@pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._offload is not built")
 async def test_a_client_that_never_reads_is_cut_on_a_lane(stalls: Stalls) -> None:
     """The second request of a kept-alive connection, served by the lane thread."""
     served = metric(stalls.lb, "wslb_http_lane_events_total", event="exchanges")

@@ -1,8 +1,8 @@
 """Property-based fuzzing of the C threads' HTTP code against parsers nobody here wrote.
 
 The C threads read HTTP with llhttp (fetched at build time, tools/llhttp_src.py) and apply their
-own rules on top. The lane thread (``_lanes.c``: its request rules, its response-head rewriter and
-chunk re-framer) and the relay thread's chunk walk (``_relay.c``'s ``walk_chunks``) run for real,
+own rules on top. The lane thread (``_offload.c``: its request rules, its response-head rewriter and
+chunk re-framer) and the relay thread's chunk walk (``walk_chunks``) run for real,
 on socket pairs, while hypothesis writes what a client and a worker might: sizes at every
 boundary (2^31, 2^32, 2^63, 2^64; 15 to 17 hex digits), chunk extensions, trailers, obs-fold,
 bare LF, Content-Length with Transfer-Encoding, two Content-Lengths, pipelined requests. The
@@ -55,7 +55,9 @@ _lanes: ModuleType | None
 _relay: ModuleType | None
 _scan: ModuleType | None
 try:
-    from balancer import _lanes, _relay, _scan
+    from balancer import _offload, _scan
+
+    _lanes = _relay = _offload
 except ImportError:  # no compiler at install, or not Linux
     _lanes = _relay = _scan = None
 
@@ -277,7 +279,7 @@ def serve_requests(rig: rigs.LaneRig, data: bytes, cuts: list[int]) -> rigs.Back
 
 
 def expected_headers(sent: Message) -> list[tuple[bytes, bytes]]:
-    """The header lines the worker gets for a client request (``_lanes.c``'s rewrite)."""
+    """The header lines the worker gets for a client request (``_offload.c``'s rewrite)."""
     out = _lines(rigs.PRE)
     out += [(n, v) for n, v in sent.headers if n not in LANE_DROP]
     out += _lines(rigs.POST)
@@ -568,7 +570,7 @@ def relay_body(body: bytes, cuts: list[int]) -> tuple[bytes, bytes, bytes, int]:
     """The worker writes ``body`` (in pieces), then its EOF; what the client got, the carry, the
     bytes the thread never read, and the frames (chunks) it counted."""
     assert _relay is not None
-    relay = _relay.Relay()
+    relay = _relay.Thread()
     wpeer, wours = socket.socketpair()
     cours, cpeer = socket.socketpair()
     try:
@@ -594,7 +596,7 @@ def relay_body(body: bytes, cuts: list[int]) -> tuple[bytes, bytes, bytes, int]:
             s.close()
 
 
-@pytest.mark.skipif(_relay is None, reason="balancer._relay is not built")
+@pytest.mark.skipif(_relay is None, reason="balancer._offload is not built")
 @FUZZ
 @given(
     st.lists(

@@ -1,4 +1,4 @@
-"""A hostile worker and a hostile client against the C threads (``_lanes.c``, ``_relay.c``).
+"""A hostile worker and a hostile client against the C thread (``_offload.c``).
 
 The worker is a raw asyncio server written here: it answers a request naming ``X-Attack: SIZE``
 with a chunked head and a chunk-size line of its choosing (16 hex digits and more, sizes past
@@ -25,6 +25,7 @@ import logging
 import re
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from tests.procs import Wslb, free_port
 from tests.test_http_proxy import metric
 from tests.test_lanes import exchanges, served
 
-needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
+needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._offload is not built")
 
 MARK = b"x-raw-marker"  # in the worker's head only as a hop header: wslb drops it
 DATA = b"A" * 64
@@ -317,9 +318,9 @@ async def test_close_gives_up_on_a_thread_that_does_not_stop(
 ) -> None:
     """The lane thread spinning (as ``8000000000000000`` once made it): ``close`` returns after
     its deadline, logs it and leaves the lane to the exit, instead of hanging the shutdown."""
-    from balancer import _lanes
+    from balancer import _offload as _lanes
 
-    ln = lanes.Lanes(asyncio.get_running_loop(), Stats(), False)
+    ln = lanes.Lanes(offload.Offload(asyncio.get_running_loop(), Counter()), Stats(), False)
     a, b = socket.socketpair()
     c, d = socket.socketpair()
     spec: lanes.Spec = (

@@ -1,4 +1,4 @@
-"""The lane thread (``balancer/aio/lanes.py``, ``balancer/_lanes.c``): a kept-alive connection's
+"""The lane thread (``balancer/aio/lanes.py``, ``balancer/_offload.c``): a kept-alive connection's
 next requests of the same routing are served in C, byte for byte as the event loop serves them,
 and everything else goes back to the event loop.
 
@@ -40,7 +40,7 @@ from tests.test_http_proxy import (
 )
 from tests.waits import settled, until
 
-needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._lanes is not built")
+needs_lanes = pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._offload is not built")
 
 
 def exchanges(lb: Wslb) -> float:

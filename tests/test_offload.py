@@ -1,4 +1,4 @@
-"""The relay thread (``balancer/_relay.c``, ``balancer/aio/offload.py``; Rule 7 of session.py).
+"""The relay thread (``balancer/_offload.c``, ``balancer/aio/offload.py``; Rule 7 of session.py).
 
 Two halves. The C module alone, on socket pairs, against the Python scanner as the referee: for
 random server streams cut at random, what the thread forwards is a prefix of whole fast frames
@@ -38,7 +38,7 @@ from tests.servers import Server
 
 _relay: ModuleType | None
 try:
-    from balancer import _relay
+    from balancer import _offload as _relay
 except ImportError:  # not built: the C half is skipped, the wslb half runs in Python
     _relay = None
 
@@ -98,7 +98,7 @@ def stream(rng: random.Random) -> tuple[bytes, int]:
     return fast + rest, len(fast)
 
 
-need_relay = pytest.mark.skipif(_relay is None, reason="balancer._relay is not built")
+need_relay = pytest.mark.skipif(_relay is None, reason="balancer._offload is not built")
 
 
 def test_built_where_it_can_be() -> None:
@@ -133,8 +133,8 @@ class Pair:
 @pytest.fixture
 def relay() -> Iterator[Any]:
     if _relay is None:
-        pytest.skip("balancer._relay is not built")
-    r = _relay.Relay()
+        pytest.skip("balancer._offload is not built")
+    r = _relay.Thread()
     yield r
     r.close()
 
@@ -532,7 +532,7 @@ async def test_stock_echo_server_through_the_thread(
 def test_offload_reads_the_module_constants() -> None:
     """``offload.py`` numbers reasons and events as the C module does (not copies of them)."""
     if _relay is None:
-        pytest.skip("balancer._relay is not built")
+        pytest.skip("balancer._offload is not built")
     reasons = ("TAKEN_BACK", "FRAME", "EOF", "READ_ERROR", "WRITE_ERROR", "NOMEM")
     assert set(offload.REASONS) == {getattr(_relay, name) for name in reasons}
     assert (offload.NOMEM, offload.RETURNED) == (_relay.NOMEM, _relay.RETURNED)

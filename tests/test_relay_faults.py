@@ -1,6 +1,6 @@
-"""The relay thread when memory runs out (``balancer/_relay.c``: "Out of memory").
+"""The relay thread when memory runs out (``balancer/_offload.c``: "Out of memory").
 
-``_relay._fail_next`` (test-only) makes the next allocations of the relay thread fail, or the
+``_offload._fail_next`` (test-only) makes the next allocations of the relay thread fail, or the
 next ``events()``. Whatever fails, the thread loses no byte and strands no session: every byte
 the worker sent is forwarded (and recorded), or handed back as backlog or carry, or still unread
 in the worker's socket, the Python scanner agreeing on the frames; and a session the thread
@@ -37,11 +37,11 @@ from tests.waits import until
 
 _relay: ModuleType | None
 try:
-    from balancer import _relay
+    from balancer import _offload as _relay
 except ImportError:
     _relay = None
 
-pytestmark = pytest.mark.skipif(_relay is None, reason="balancer._relay is not built")
+pytestmark = pytest.mark.skipif(_relay is None, reason="balancer._offload is not built")
 
 LIMIT = 65535
 ALWAYS = 1 << 30  # every allocation fails
@@ -62,7 +62,7 @@ def _inert_afterwards() -> Iterator[None]:
 
 @pytest.fixture
 def relay() -> Iterator[Any]:
-    r = C().Relay()
+    r = C().Thread()
     yield r
     r.close()
 

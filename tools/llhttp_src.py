@@ -1,6 +1,6 @@
 """llhttp's C sources for the C modules, fetched at build time, never copied into the repository.
 
-The relay and lane threads (``balancer/_relay.c``, ``balancer/_lanes.c``) parse HTTP/1.1 with
+The offload thread (``balancer/_offload.c``: the relay and the lanes) parses HTTP/1.1 with
 llhttp (Node's parser, the one httptools and aiohttp build on), not with a parser written here.
 Its C sources (``llhttp.c``, ``api.c``, ``http.c``, ``llhttp.h``) come from the ``llhttp``
 sdist on PyPI, pinned by version and sha256, and live in the per-user cache, outside the

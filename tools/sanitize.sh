@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The C modules (balancer/_scan.c, _relay.c, _lanes.c) built with AddressSanitizer and
+# The C modules (balancer/_scan.c, _offload.c) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer into a scratch directory outside the source tree, then the fuzz tests
 # (tests/test_c_fuzz.py, tests/test_fuzz.py, the C-against-Python tests of
 # tests/test_frames.py and tests/test_offload.py) run against those builds: any overflow, out-of-bounds
@@ -9,7 +9,7 @@
 #   tools/sanitize.sh -k chunk         # extra arguments go to pytest
 #   WSLB_SANITIZE_DIR=/tmp/asan tools/sanitize.sh
 #
-# _relay.c and _lanes.c are built with llhttp's C sources, fetched and proven by
+# _offload.c is built with llhttp's C sources, fetched and proven by
 # tools/llhttp_src.py (cached outside the checkout), as setup.py builds them.
 #
 # Needs gcc with its libasan and libubsan (Debian's gcc has both) and the test extras installed.
@@ -39,10 +39,8 @@ mkdir -p "$out/balancer"
 flags=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
        -g -O1 -fPIC -shared -pthread -Wall -Werror=implicit-function-declaration)
 gcc "${flags[@]}" -I"$include" balancer/_scan.c -o "$out/balancer/_scan$suffix"
-for mod in _relay _lanes; do
-    gcc "${flags[@]}" -I"$include" -I"$llhttp" "balancer/$mod.c" "$llhttp"/{llhttp,api,http}.c \
-        -o "$out/balancer/$mod$suffix"
-done
+gcc "${flags[@]}" -I"$include" -I"$llhttp" balancer/_offload.c "$llhttp"/{llhttp,api,http}.c \
+    -o "$out/balancer/_offload$suffix"
 echo "sanitize: built $out/balancer in $(($(date +%s) - start)) s"
 # The interpreter is not instrumented: the runtimes are preloaded, and its own allocations that
 # live until exit are not leaks worth reporting.

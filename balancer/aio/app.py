@@ -60,7 +60,7 @@ from balancer.board import Board
 from balancer.config import Config, ConfigError, Listener, ListenError
 from balancer.frames import CloseCode
 from balancer.logs import count
-from balancer.metrics import BalancerCollector, Stats
+from balancer.metrics import HTTP_BUCKETS, BalancerCollector, Stats
 from balancer.pool import Pool
 from balancer.resume import HANDOVER_REASON
 from balancer.version import version
@@ -280,14 +280,14 @@ class Runtime:
             await self.listeners.start()
         if self.listeners is not None and self.state.config.relay.thread and offload.AVAILABLE:
             self.state.offload = offload.Offload(
-                self.state.loop, self.state.stats.relay_thread
+                self.state.loop, self.state.stats.relay_thread, HTTP_BUCKETS
             )  # Rule 7 of session.py
         elif self.listeners is not None and self.state.config.relay.thread:
-            log.info("relay thread: off (balancer._relay is not built or WSLB_PURE_PYTHON is set)")
-        if self.listeners is not None and self.state.config.relay.thread and lanes.AVAILABLE:
+            log.info("relay thread: off (balancer._offload is not built, or WSLB_PURE_PYTHON)")
+        if self.state.offload is not None and lanes.AVAILABLE:
             self.state.lanes = lanes.Lanes(
-                self.state.loop, self.state.stats, self.state.config.log.access
-            )  # plain HTTP's steady state (aio/lanes.py)
+                self.state.offload, self.state.stats, self.state.config.log.access
+            )  # plain HTTP's steady state (aio/lanes.py), in the same thread
         self.gc_pacer.start()  # start-up's objects are all built: freeze them
         if os.environ.get("WSLB_PURE_PYTHON"):
             log.warning("frame scanner: the Python loop (WSLB_PURE_PYTHON is set)")

@@ -22,7 +22,7 @@ Rules:
    client that stays paused for ``timeouts.backpressure`` (the WebSocket side's setting) ends
    its exchange: the answer is cut and the worker connection closed, not reused. The relay
    thread gives a body back when the client stops taking it, so the clock is kept here (rule
-   7); the lane thread keeps its own (``_lanes.c``).
+   7); the lane thread keeps its own (``_offload.c``).
 3. The worker is chosen as a session's is (``router.route``, then the candidates of a
    ``router.Walk``), before any byte goes to it; a connect that fails walks on to the next. Once the
    request is written nothing is retried, except a bodiless request of an idempotent method
@@ -39,13 +39,13 @@ Rules:
    a key the client named it is placed as a session of that key (affinity, held place after
    it); with a key wslb made for it, it counts only while it runs.
 7. A chunked answer (SSE) past its first ``OFFLOAD_AFTER`` chunks goes to the relay thread
-   (``_relay.c``, ``walk_chunks``) in the steady state: the request sent whole, the reader
+   (``_offload.c``, ``walk_chunks``) in the steady state: the request sent whole, the reader
    between chunks, nothing waiting for the client, the worker read, the client's framing chunked
    too, both legs plain TCP. The thread forwards whole chunks as they are; every decision above
    is taken here, after the exchange is taken back (``reclaim``: its unsent bytes go to the
    client first, what it read but did not forward is read here next).
 8. After an exchange that ended well, a kept-alive connection whose key the client named goes
-   to the lane thread with its worker connection (``aio/lanes.py``, ``_lanes.c``): it serves
+   to the lane thread with its worker connection (``aio/lanes.py``, ``_offload.c``): it serves
    the next requests of the same routing as this module would, and gives the connection back
    (``lane_back``) for the first one it does not take, which is then served here.
 9. A request without a key the client named, or whose named key the pool has not placed yet
@@ -1327,7 +1327,7 @@ class Exchange:
 
     def lane_spec(self) -> Spec | None:
         """What the lane thread needs to serve this request's next ones as this module would
-        (rule 8, ``_lanes.c``), or None where it may not: a key wslb made, a pool not hashed
+        (rule 8, ``_offload.c``), or None where it may not: a key wslb made, a pool not hashed
         by key, JWT."""
         host = self.host
         pool, backend, req, cfg = self.pool, self.backend, self.req, self.cfg

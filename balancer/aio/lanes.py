@@ -1,4 +1,5 @@
-"""The lane thread (``balancer/_lanes.c``) as the event loop sees it: plain HTTP's steady state.
+"""Plain HTTP's lanes in the offload thread (``balancer/_offload.c``, ``aio/offload.py``) as the
+event loop sees them: plain HTTP's steady state.
 
 A small JSON request through the event loop costs about 25x what nginx spends on it, all of it
 Python per request. Most requests on a kept-alive connection are the one before again: the same
@@ -17,8 +18,9 @@ else. The rules, from the event loop's side:
   and wslb's header blocks (``httpmsg.request_blocks``), the limits and timeouts of the pool.
   The key stays placed on the worker while the lane lives (it counts there as one session).
 - **Served by the thread**: each next request whose head is whole, plainly framed, and whose
-  signature is the lane's (``_lanes.c``'s rules); its access line and counts come here in
-  batches (``flush``, every ``TICK_S`` and before a metrics scrape).
+  signature is the lane's (``_offload.c``'s rules); its record (``take_log``) and counts come
+  here in batches (``flush``, every ``TICK_S`` and before a metrics scrape), and its access line
+  is written here, by ``logs.py`` as the event loop's own are: the thread formats none.
 - **Given back**: the first request the thread does not take (its bytes come back unread:
   ``HttpClient.lane_back`` parses, routes and answers it as ever), the client's or the worker's
   end, a failure (the thread answered as rule 4 says; a client that takes nothing of an answer
@@ -27,23 +29,24 @@ else. The rules, from the event loop's side:
   (``stop``). A drain's or shutdown's timeout ``abort``\\s a lane mid-exchange.
 
 ``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON`` is set; config
-``relay.thread: false`` turns the lanes off with the relay thread. Every request then runs in
-Python, as before.
+``relay.thread: false`` turns the lanes off with the relay. Every request then runs in Python, as
+before. The lanes share the relay's thread (``Offload``): its events for a lane come here
+(``returned``), and the lanes' ``close`` stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from balancer.logs import access_sink, log_http_access
+from balancer.logs import access_line, access_sink, log_http_access
 from balancer.metrics import HTTP_BUCKETS, Histogram
 
 if TYPE_CHECKING:
+    from balancer.aio.offload import Offload
     from balancer.metrics import Stats
     from balancer.pool import Backend
 
@@ -53,7 +56,7 @@ log = logging.getLogger("wslb.http")
 
 _lanes: ModuleType | None
 try:
-    from balancer import _lanes
+    from balancer import _offload as _lanes
 except ImportError:  # no C compiler at install, or not Linux
     _lanes = None
 
@@ -105,7 +108,7 @@ Spec = tuple[
     bytes,  # pool
     bytes,  # backend
 ]
-"""A lane's spec (``_lanes.c``), as ``Exchange.lane_spec`` makes it."""
+"""A lane's spec (``_offload.c``), as ``Exchange.lane_spec`` makes it."""
 
 
 class Back(NamedTuple):
@@ -133,45 +136,47 @@ class LaneOwner(Protocol):
 
 
 class Lanes:
-    """One serving process's lane thread, and the connections it serves now."""
+    """One serving process's lanes in its offload thread, and the connections they serve now."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stats: Stats, access: bool) -> None:
+    def __init__(self, offload: Offload, stats: Stats, access: bool) -> None:
         """``access``: config ``log.access`` (the thread writes no line without it)."""
         assert _lanes is not None
-        self.loop = loop
+        self.loop = offload.loop
         self.stats = stats
         self.access = access
-        self._c = _lanes.Lanes(HTTP_BUCKETS)
-        self._fd: int = self._c.fileno()
-        loop.add_reader(self._fd, self._events)
+        self.offload = offload
+        self._c = offload.c
+        offload.lanes = self
         self.owners: dict[int, LaneOwner] = {}
+        # Each lane's part of its access lines (the spec's peer, key, pool and backend).
+        self._who: dict[int, tuple[str, str, str, str]] = {}
         self.stopping = False  # no new lanes (a shutdown, a restart's hand-over)
         self._handler: logging.StreamHandler[Any] | None = None
-        self._fields = False
         self.set_log()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(TICK_S, self._tick)
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tick)
 
     def set_log(self) -> None:
-        """Choose how the thread writes access lines (``logs.access_sink``); again after a
-        change to the logging set-up (a reload)."""
-        assert _lanes is not None
+        """Whether the thread keeps its exchanges' records for access lines, and where the
+        lines go (``logs.access_sink``: one plain handler is written to in batches, anything
+        else gets each line through ``log_http_access``); again after a change to the logging
+        set-up (a reload)."""
         sink = access_sink() if self.access else ("off", "", None)
-        self._handler = None
-        self._fields = sink is None
-        if sink is None:
-            self._c.set_log(_lanes.LOG_FIELDS, "")
-            return
-        form, tag, handler = sink
-        self._handler = handler
-        mode = {"off": _lanes.LOG_OFF, "text": _lanes.LOG_TEXT, "json": _lanes.LOG_JSON}[form]
-        self._c.set_log(mode, tag)
+        self._handler = sink[2] if sink is not None else None
+        self._c.set_log(sink is None or sink[0] != "off")
 
     def add(
         self, owner: LaneOwner, client_fd: int, worker_fd: int, carry: bytes, spec: Spec
     ) -> int:
         """Hand a connection to the thread; its handle. Raises OSError (nothing was taken)."""
-        handle: int = self._c.add(client_fd, worker_fd, carry, spec)
+        handle: int = self._c.add_lane(client_fd, worker_fd, carry, spec)
         self.owners[handle] = owner
+        peer, key, pool, backend = spec[15:19]
+        self._who[handle] = (
+            peer.decode("latin-1"),
+            key.decode("latin-1"),
+            pool.decode("utf-8", "replace"),
+            backend.decode("utf-8", "replace"),
+        )
         self.stats.http_lanes["taken"] += 1
         return handle
 
@@ -196,16 +201,16 @@ class Lanes:
         """The lanes on ``backend`` (a drain waits for them, then aborts those left)."""
         return [o for o in self.owners.values() if o.lane_backend is backend]
 
-    def _events(self) -> None:
-        handles = self._c.events()
-        if handles:
-            self.flush()  # the lines of the exchanges these lanes served come first
+    def returned(self, handles: list[int]) -> None:
+        """The thread's events for lanes (``Offload``): these came back, or lines wait."""
+        self.flush()  # the lines of the exchanges these lanes served come first
         for handle in handles:
             self._back(handle)
 
     def _back(self, handle: int) -> None:
         owner = self.owners.pop(handle, None)
-        carry, reason, worker_ok, client_eof, exchanges, idle_for = self._c.remove(handle)
+        self._who.pop(handle, None)
+        carry, reason, worker_ok, client_eof, exchanges, idle_for = self._c.remove_lane(handle)
         self.stats.http_lanes[REASONS.get(reason, str(reason))] += 1
         if owner is None:
             return
@@ -232,10 +237,11 @@ class Lanes:
             owner.lane_check()
 
     def flush(self) -> None:
-        """Take the thread's access lines and counts since the last call."""
-        data = self._c.take_log()
-        if data:
-            self._write_log(data)
+        """Take the thread's records and counts since the last call: the access lines written,
+        the metrics counted."""
+        records = self._c.take_log()
+        if records:
+            self._write_log(records)
         counts, hists, bytes_in, bytes_out, exchanges = self._c.take_stats()
         if not exchanges and not counts:
             return
@@ -256,18 +262,42 @@ class Lanes:
         st.http_upstream["reused"] += exchanges
         st.http_lanes["exchanges"] += exchanges
 
-    def _write_log(self, data: bytes) -> None:
-        if self._fields:  # a handler of someone else's: each line as logs.py writes it
-            for line in data.splitlines():
-                log_http_access(json.loads(line))
-            return
+    def _write_log(self, records: list[tuple[Any, ...]]) -> None:
+        """The access lines of the thread's exchanges: the event loop's fields (httpproxy.py's
+        ``logged``), formatted by logs.py; to one plain handler in one write, with each
+        line's time the exchange's end."""
         handler = self._handler
-        if handler is None:
+        formatter = handler.formatter if handler is not None else None
+        lines: list[str] = []
+        for handle, at, method, path, status, sse, headers_s, duration, *rest in records:
+            bytes_in, bytes_out, end, ua = rest
+            client, key, pool, backend = self._who.get(handle, ("-", "-", "-", "-"))
+            fields = {
+                "client": client,
+                "method": method.decode("latin-1"),
+                "path": path.decode("latin-1"),
+                "status": status,
+                "session": key,
+                "pool": pool,
+                "backend": backend,
+                "kind": "sse" if sse else "plain",
+                "connect_ms": 0.0,
+                "headers_ms": round(headers_s * 1000, 1),
+                "duration_s": round(duration, 3),
+                "bytes_in": bytes_in,
+                "bytes_out": bytes_out,
+                "end": end,
+                "user_agent": ua.decode("latin-1") if ua is not None else None,
+            }
+            if formatter is None:
+                log_http_access(fields)
+                continue
+            lines.append(access_line(formatter, at, fields))
+        if handler is None or not lines:
             return
-        text = data.decode("utf-8", "replace")
         handler.acquire()
         try:
-            handler.stream.write(text)
+            handler.stream.write("\n".join(lines) + "\n")
             handler.flush()
         except (OSError, ValueError):
             pass  # the stream closed under it (stderr gone): as logging.Handler.handleError
@@ -287,19 +317,19 @@ class Lanes:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        """Stop the thread; every lane still in it comes back (CLOSED: its client closes). A
-        thread that does not stop within ``_lanes.c``'s deadline is left, with its lanes, to the
-        process's exit (logged): a shutdown never hangs on it."""
+        """Stop the thread (``Offload.stop``: the relay's sessions come back first); every lane
+        still in it comes back (CLOSED: its client closes). A thread that does not stop within
+        ``_offload.c``'s deadline is left, with its lanes, to the process's exit (logged): a
+        shutdown never hangs on it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.flush()
-        self.loop.remove_reader(self._fd)
-        self._c.events()  # those that came back on their own are in the list close() gives
-        try:
-            handles = self._c.close()
-        except TimeoutError as exc:  # the thread is stuck: what it holds stays until the exit
-            log.error("%s (%d)", exc, len(self.owners))
+        handles = self.offload.stop()  # those that came back on their own are in it too
+        self.offload.lanes = None
+        self.flush()  # the lines of the exchanges that ended meanwhile, while their lanes are known
+        if handles is None:
+            log.error("%d lanes left in the offload thread", len(self.owners))
             self.owners.clear()
             return
         for handle in handles:

@@ -1,4 +1,7 @@
-"""The relay thread (``balancer/_relay.c``) as the event loop sees it.
+"""The offload thread (``balancer/_offload.c``) as the event loop sees it, and its relay.
+
+One thread per serving process serves what is handed to it out of the interpreter: the relay's
+sessions (here) and plain HTTP's lanes (``aio/lanes.py``, on this thread: ``Offload.lanes``).
 
 At stream load the relay's cost is per read: a token is one small frame, and entering Python for
 it costs more than nginx spends on the whole frame; in one event loop each read also waits
@@ -27,6 +30,10 @@ everything the relay's rules must see. The rules, from the event loop's side:
 ``AVAILABLE`` is false where the C module is not built or ``WSLB_PURE_PYTHON`` is set (to
 anything non-empty, as for the frame scanner: ``balancer/frames.py``); config
 ``relay.thread: false`` turns the thread off too. Every session then runs in Python, as before.
+
+The thread's events come here, one queue for both kinds: a session's go to it, a lane's to
+``lanes`` (its lines and counts taken first). The thread stops once both sides are closed: the
+relay's ``close`` leaves it to the lanes' when they use it.
 """
 
 from __future__ import annotations
@@ -42,30 +49,31 @@ __all__ = ["AVAILABLE", "OFFLOAD_AFTER", "Offload", "Offloadable", "Returned", "
 
 log = logging.getLogger("wslb.server")
 
-_relay: ModuleType | None
+_offload: ModuleType | None
 try:
-    from balancer import _relay
+    from balancer import _offload
 except ImportError:  # no C compiler at install, or not Linux
-    _relay = None
+    _offload = None
 
-AVAILABLE = _relay is not None and not os.environ.get("WSLB_PURE_PYTHON")
+AVAILABLE = _offload is not None and not os.environ.get("WSLB_PURE_PYTHON")
 # Frames a session streams in Python before it is handed to the thread (again).
 OFFLOAD_AFTER = 4
 
 # Why the thread returned a session (``Returned.reason``) and the event kinds of
-# ``Relay.events()``: the C module's own numbers (without it no session goes to the thread).
+# ``Thread.events()``: the C module's own numbers (without it nothing goes to the thread).
 REASONS: dict[int, str] = {}
-NOMEM = RETURNED = -1
-if _relay is not None:
+NOMEM = RETURNED = RECORD = FLUSH = -1
+if _offload is not None:
     REASONS = {
-        _relay.TAKEN_BACK: "taken back",
-        _relay.FRAME: "frame",
-        _relay.EOF: "eof",
-        _relay.READ_ERROR: "read error",
-        _relay.WRITE_ERROR: "write error",
-        _relay.NOMEM: "no memory",
+        _offload.TAKEN_BACK: "taken back",
+        _offload.FRAME: "frame",
+        _offload.EOF: "eof",
+        _offload.READ_ERROR: "read error",
+        _offload.WRITE_ERROR: "write error",
+        _offload.NOMEM: "no memory",
     }
-    NOMEM, RETURNED = _relay.NOMEM, _relay.RETURNED
+    NOMEM, RETURNED = _offload.NOMEM, _offload.RETURNED
+    RECORD, FLUSH = _offload.RECORD, _offload.FLUSH
 
 
 def plain_socket(transport: asyncio.BaseTransport) -> Any:
@@ -85,6 +93,14 @@ class Offloadable(Protocol):
     def flush_record(self) -> None: ...
 
 
+class LaneSide(Protocol):
+    """What the thread's lane events go to (``aio/lanes.py``'s ``Lanes``)."""
+
+    owners: Any
+
+    def returned(self, handles: list[int]) -> None: ...
+
+
 class Returned:
     """What a session gets back from the thread (``Offload.give_back``)."""
 
@@ -102,17 +118,25 @@ class Returned:
 
 
 class Offload:
-    """One serving process's relay thread, and the sessions it relays now."""
+    """One serving process's offload thread, and the sessions it relays now."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, counts: Counter[str]) -> None:
-        """``counts``: where hand-overs are counted (``Stats.relay_thread``)."""
-        assert _relay is not None
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        counts: Counter[str],
+        buckets: tuple[float, ...] = (),
+    ) -> None:
+        """``counts``: where hand-overs are counted (``Stats.relay_thread``); ``buckets``: the
+        lanes' latency histogram's."""
+        assert _offload is not None
         self.loop = loop
-        self._relay = _relay.Relay()
-        self._fd: int = self._relay.fileno()
+        self.c: Any = _offload.Thread(buckets)
+        self._fd: int = self.c.fileno()
         loop.add_reader(self._fd, self._events)
         self.sessions: dict[int, Offloadable] = {}
         self.handovers = counts
+        self.lanes: LaneSide | None = None  # set by the lanes that use this thread
+        self._stopped = False
 
     def take(
         self,
@@ -125,7 +149,7 @@ class Offload:
     ) -> int:
         """Hand ``s`` to the thread (``chunked``: a plain-HTTP response body, its whole chunks
         forwarded; else WebSocket frames); its handle. Raises OSError (``s`` stays here)."""
-        handle: int = self._relay.add(worker_fd, client_fd, limit, record, chunked)
+        handle: int = self.c.add(worker_fd, client_fd, limit, record, chunked)
         self.sessions[handle] = s
         self.handovers["taken"] += 1
         return handle
@@ -133,7 +157,7 @@ class Offload:
     def give_back(self, handle: int) -> Returned:
         """Take a session back from the thread (it touches its sockets no more)."""
         self.sessions.pop(handle, None)
-        carry, backlog, record, frames, nbytes, reason, err = self._relay.remove(handle)
+        carry, backlog, record, frames, nbytes, reason, err = self.c.remove(handle)
         self.handovers[REASONS.get(reason, str(reason))] += 1
         if reason == NOMEM:
             log.error("relay thread out of memory (errno %d)", err)
@@ -141,29 +165,52 @@ class Offload:
 
     def counts(self, handle: int) -> tuple[int, int]:
         """(frames, bytes) the thread forwarded for a session it relays."""
-        frames, nbytes = self._relay.counts(handle)
+        frames, nbytes = self.c.counts(handle)
         return int(frames), int(nbytes)
 
     def take_record(self, handle: int) -> bytes:
-        record: bytes = self._relay.take_record(handle)
+        record: bytes = self.c.take_record(handle)
         return record
 
     def _events(self) -> None:
-        for handle, kind in self._relay.events():
+        lanes: list[int] = []
+        flush = False
+        for handle, kind in self.c.events():
             s = self.sessions.get(handle)
-            if s is None:
-                continue  # taken back meanwhile
-            if kind == RETURNED:
-                s.reclaim()
-            else:
-                s.flush_record()
+            if s is not None:
+                if kind == RETURNED:
+                    s.reclaim()
+                elif kind == RECORD:
+                    s.flush_record()
+            elif self.lanes is not None and handle in self.lanes.owners:
+                if kind == RETURNED:
+                    lanes.append(handle)
+                flush = True
+            # else: taken back meanwhile
+        if flush and self.lanes is not None:
+            self.lanes.returned(lanes)
 
     def close(self) -> None:
-        """Take every session back and stop the thread."""
+        """Take every session back; stop the thread unless lanes still use it (their
+        ``close`` stops it)."""
         for s in list(self.sessions.values()):
             s.reclaim()
+        if self.lanes is None:
+            self.stop()
+
+    def stop(self) -> list[int] | None:
+        """Take every session back and stop the thread: the handles of the lanes left in it
+        (RETURNED with CLOSED), or None when it did not stop in time (logged; what it holds
+        stays until the process's exit)."""
+        for s in list(self.sessions.values()):
+            s.reclaim()
+        if self._stopped:
+            return []
+        self._stopped = True
         self.loop.remove_reader(self._fd)
         try:
-            self._relay.close()
+            handles: list[int] = self.c.close()
         except TimeoutError as exc:  # the thread is stuck: what it holds stays until the exit
             log.error("%s", exc)
+            return None
+        return handles

@@ -1,6 +1,6 @@
 """The C threads driven for real on socket pairs, for the property tests of tests/test_c_fuzz.py.
 
-``LaneRig`` is one lane of ``_lanes.Lanes``: the test plays the client on one socket pair and the
+``LaneRig`` is one lane of ``_offload.Thread``: the test plays the client on one socket pair and the
 worker on the other, with the spec ``Exchange.lane_spec`` would make for ``GET /t`` with the key
 ``k1``. Every wait has a deadline: a lane that never comes back (a thread spinning on a bad size)
 fails the example, and its ``Lanes`` is leaked on purpose, so that the interpreter's exit does not
@@ -84,24 +84,24 @@ def leak(obj: object) -> None:
 
 
 class LanesHost:
-    """One ``_lanes.Lanes`` and the handles it has returned (``events()`` drains them all)."""
+    """One ``_offload.Thread`` and the handles it has returned (``events()`` drains them all)."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
-        self.c = module.Lanes((0.1, 1.0))
+        self.c = module.Thread((0.1, 1.0))
         self.returned: set[int] = set()
         self.stuck = ""  # what the thread was given when it stopped coming back
 
     def poll(self, timeout: float) -> None:
         select.select([self.c.fileno()], [], [], timeout)
-        self.returned.update(self.c.events())
+        self.returned.update(h for h, kind in self.c.events() if kind == self.module.RETURNED)
 
     def close(self) -> None:
         if self.stuck:
             leak(self.c)
             return
         for handle in self.c.close():
-            self.c.remove(handle)
+            self.c.remove_lane(handle)
 
 
 @dataclass
@@ -120,7 +120,9 @@ class LaneRig:
         self.host = host
         self.client, self._cours = socket.socketpair()
         self._wours, self.worker = socket.socketpair()
-        self.handle: int = host.c.add(self._cours.fileno(), self._wours.fileno(), carry, spec(**kw))
+        self.handle: int = host.c.add_lane(
+            self._cours.fileno(), self._wours.fileno(), carry, spec(**kw)
+        )
         self.back: Back | None = None
         self.to_worker = bytearray()
 
@@ -133,7 +135,7 @@ class LaneRig:
             if time.monotonic() > deadline:
                 stuck(self.host, what)
             self.host.poll(0.05)
-        carry, reason, _, _, exchanges, _ = self.host.c.remove(self.handle)
+        carry, reason, _, _, exchanges, _ = self.host.c.remove_lane(self.handle)
         self.back = Back(bytes(carry), reason, exchanges)
         return self.back
 

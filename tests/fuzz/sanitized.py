@@ -1,8 +1,8 @@
 """A pytest plugin (``-p tests.fuzz.sanitized``, loaded before any test module): with
-``WSLB_SANITIZED`` set (tools/sanitize.sh sets it), ``balancer._scan``, ``_relay`` and ``_lanes``
+``WSLB_SANITIZED`` set (tools/sanitize.sh sets it), ``balancer._scan`` and ``_offload``
 are the sanitized builds in that directory, not the ones beside the sources.
 
-``balancer``'s package path gets the scratch directory first, so ``from balancer import _lanes``
+``balancer``'s package path gets the scratch directory first, so ``from balancer import _offload``
 finds its build there; the rest of the package still comes from the sources. It must happen
 before anything imports a C module (balancer.frames imports _scan), hence a plugin, which pytest
 loads before conftest.py and the test modules.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import balancer
 
-MODULES = ("balancer._scan", "balancer._relay", "balancer._lanes")
+MODULES = ("balancer._scan", "balancer._offload")
 
 
 def sanitized_dir() -> Path | None:
