@@ -1,65 +1,14 @@
-"""Plain HTTP on the client listener: each request routed as a session is, its bodies streamed
-both ways, the worker connections kept alive in a bounded pool per worker.
+"""Plain HTTP on the client listener, the asyncio shell: each request routed as a session is,
+its bodies streamed both ways, the worker connections kept alive in a bounded pool per worker.
 
 ``ClientConnection`` (``proxy.py``) reads the first request head; when it is not a WebSocket
 handshake (``httpmsg.is_handshake``) it hands the connection's h11 state to an ``HttpClient``,
-which serves that request and the ones after it on the same connection. What crosses and what
-wslb answers itself is ``balancer/httpmsg.py`` (sans-I/O); this module moves the bytes.
-
-States of a client connection serving HTTP:
-
-    ROUTING --worker connected--> EXCHANGE --both messages done--> IDLE --next head--> ROUTING
-       |                            |                               |  \\--a handshake--> upgrade
-       \\--wslb's answer--> CLOSED <--error, timeout, client gone----/--timeout_keepalive--/
-
-Rules:
-
-1. One exchange at a time. h11 holds a pipelined request (``PAUSED``) until the one before it
-   is done both ways; at most ``limits.max_header_bytes`` of it are read meanwhile.
-2. No body is buffered beyond one read (rule 9 aside): a client's body chunk goes to the worker
-   as it arrives, a worker's to the client. A full write buffer (``limits.write_buffer_high``)
-   on one leg pauses reading on the other, so a slow SSE reader stops the worker's writes. A
-   client that stays paused for ``timeouts.backpressure`` (the WebSocket side's setting) ends
-   its exchange: the answer is cut and the worker connection closed, not reused. The relay
-   thread gives a body back when the client stops taking it, so the clock is kept here (rule
-   7); the lane thread keeps its own (``_offload.c``).
-3. The worker is chosen as a session's is (``router.route``, then the candidates of a
-   ``router.Walk``), before any byte goes to it; a connect that fails walks on to the next. Once the
-   request is written nothing is retried, except a bodiless request of an idempotent method
-   on a kept-alive connection that died before any answer: it goes again on a new connection.
-4. Before the worker's response head, wslb's own answer ends the exchange and the connection:
-   502 (the worker broke or closed), 503 (no worker ready), 504 (``timeout_server``), 408
-   (``timeout_request``), 413 (``max_body``), 400 (malformed), each with a JSON reason. After
-   the head a failure can only cut the response: the client connection closes without the
-   chunked terminator (or short of its ``Content-Length``), which every client reports.
-5. A worker connection goes back to the pool only with both its messages complete; the client
-   connection stays open only where h11 allows it (HTTP/1.1, no ``Connection: close``, its
-   whole request read) and wslb is not shutting down.
-6. While it runs, a request counts on its worker as a session does (bounded load, drains): with
-   a key the client named it is placed as a session of that key (affinity, held place after
-   it); with a key wslb made for it, it counts only while it runs.
-7. A chunked answer (SSE) past its first ``OFFLOAD_AFTER`` chunks goes to the relay thread
-   (``_offload.c``, ``walk_chunks``) in the steady state: the request sent whole, the reader
-   between chunks, nothing waiting for the client, the worker read, the client's framing chunked
-   too, both legs plain TCP. The thread forwards whole chunks as they are; every decision above
-   is taken here, after the exchange is taken back (``reclaim``: its unsent bytes go to the
-   client first, what it read but did not forward is read here next).
-8. After an exchange that ended well, a kept-alive connection whose key the client named goes
-   to the lane thread with its worker connection (``aio/lanes.py``, ``_offload.c``): it serves
-   the next requests of the same routing as this module would, and gives the connection back
-   (``lane_back``) for the first one it does not take, which is then served here.
-9. A request without a key the client named, or whose named key the pool has not placed yet
-   (a conversation's first request), in a pool with ``prefix_placement``, with a body (a POST
-   of at most its ``max_body``) is read whole before its worker is chosen: its prompt places
-   it (``balancer.prefix``, ``Pool.place_prompt``; a named key then stays where its first
-   request went, by affinity), then the head and the body go as one
-   write. A body that turns out larger is placed without a prompt once past ``max_body`` and
-   streamed from there; one that is not a prompt (not JSON, no messages) is placed as any
-   keyless request. ``Expect: 100-continue`` is answered before the read;
-   ``timeout_request`` runs during it.
-10. The answer to a request placed by its prompt is read here to its end, never by the relay
-    thread: what the engine says it had cached (``usage``, llama.cpp's ``timings``) is told
-    to the pool's table (``prefix`` rule 6) when the exchange ends.
+which serves that request and the ones after it on the same connection. The states and rules
+of that connection and of each exchange (what status when, keep-alive or close, the retry, the
+backpressure cut, the relay thread, the lanes, placing by the prompt, the cache report) are
+``balancer/exchange_core.py``'s (sans-I/O): ``HttpClient`` and ``Exchange`` feed its cores what
+h11 and the worker's ``ResponseReader`` parse and carry out the actions they return; what
+crosses and what wslb answers itself is ``balancer/httpmsg.py``. This module moves the bytes.
 """
 
 from __future__ import annotations
@@ -77,19 +26,17 @@ import h11
 from balancer.aio.lanes import IDLE_S as LANE_IDLE_S
 from balancer.aio.lanes import Spec
 from balancer.aio.offload import OFFLOAD_AFTER, plain_socket
-from balancer.handshake import ClientRequest, ClosedBeforeRequest, HandshakeReject, next_request
+from balancer.exchange_core import Action, ClientCore, ExchangeCore, Fate, Op, State, Timer
+from balancer.handshake import ClosedBeforeRequest, HandshakeReject, next_request
 from balancer.httpmsg import (
     END,
-    IDEMPOTENT,
     LANE_DROP,
-    LAST_CHUNK,
     NEED_DATA,
     RESPONSE_DROP,
     SESSION_ID,
     BadResponse,
     ResponseHead,
     ResponseReader,
-    chunk,
     error_response,
     is_handshake,
     plain_request,
@@ -126,9 +73,6 @@ LINGER_S: Final = 5.0
 (and discarding) after wslb's answer, its write side shut: a close with unread bytes is a reset
 that can destroy the answer before the client reads it (nginx's lingering close)."""
 _SETTLED: Final = (h11.IDLE, h11.DONE, h11.CLOSED, h11.MUST_CLOSE)
-LANE_SKIP: Final = 8
-"""Requests served here after a lane that served none (its next request differed) before the
-next try: a client whose requests differ each time would otherwise cost a hand-over each."""
 # Rule 8: the headers the routing reads (``ClientConnection.route``), beside the target and the
 # pool's key headers; a next request with other values of any of them is served here.
 _LANE_SIG: Final = (b"host", b"origin", b"cookie", b"x-forwarded-for", b"forwarded", b"x-real-ip")
@@ -238,7 +182,6 @@ class WorkerConn(asyncio.Protocol):
         self.backend = backend
         self.buffer_high = buffer_high
         self.reader = ResponseReader(RESPONSE_HEAD_LIMIT)
-        self.sent = False  # the whole request is written (with its body's end)
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
         self.idle_since = 0.0
@@ -299,11 +242,11 @@ class WorkerConn(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client.worker_full(True)
+            self.exchange.worker_full(True)
 
     def resume_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client.worker_full(False)
+            self.exchange.worker_full(False)
 
     def close(self) -> None:
         self.lost = True
@@ -319,7 +262,8 @@ class WorkerConn(asyncio.Protocol):
 
 
 class HttpClient:
-    """A client connection serving plain HTTP (the module docstring's states and rules)."""
+    """A client connection serving plain HTTP: the shell of a ``ClientCore`` (its states and
+    rules are ``balancer/exchange_core.py``'s), and of the ``Exchange`` it serves now."""
 
     def __init__(
         self,
@@ -334,63 +278,53 @@ class HttpClient:
         self.transport = transport
         self.conn = conn
         self.secure = secure
+        self.core = ClientCore()
         self.exchange: Exchange | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None  # keep-alive wait between requests
+        self.task: asyncio.Task[None] | None = None  # connecting a worker (rule 3)
+        self.timer: asyncio.TimerHandle | None = None  # keep-alive wait, or the linger
         self.reading = False  # ClientConnection paused it at the first head
-        self.full = False  # the worker's write buffer is full
-        self.eof = False
-        self.gone = False
-        self.unread = 0  # bytes read past the request being served (pipelined)
-        self.handed_over = False
-        self.lingering = False
-        self.keepalive_s = 60.0
         # Rule 8: while the lane thread serves this connection, its handle and what it holds.
         self.lane: int | None = None
         self.lane_backend: Backend | None = None
-        self.lane_pool: Pool | None = None
-        self.lane_sid = ""
-        self.lane_worker: WorkerConn | None = None
-        self.lane_cfg: HttpCfg | None = None
-        self.lane_skip = 0  # exchanges served here before a lane is tried again
+        self.lane_held: tuple[Pool, str, WorkerConn, HttpCfg] | None = None
         transport.set_write_buffer_limits(high=host.limits.write_buffer_high)
 
     # -- ClientConnection's callbacks -------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
+        core = self.core
+        if core.lingering:
             return
         self.conn.receive_data(data)
         ex = self.exchange
         if ex is None:
             if self.task is None:
                 self._next_head()
-        elif ex.request_done:
-            self.unread += len(data)
-            if self.unread > self.host.limits.max_header_bytes:
-                self._read(False)
-        elif ex.worker is not None or ex.held is not None:
-            self._pump()
+        elif ex.core.request_done:
+            if not core.read_ahead(len(data), self.host.limits.max_header_bytes):
+                self.read(False)
+        elif ex.core.pumped:
+            self.pump()
 
     def eof_received(self) -> bool | None:
-        self.eof = True
-        if self.lingering:
+        core = self.core
+        core.eof = True
+        if core.lingering:
             return None
         ex = self.exchange
-        if ex is not None and ex.request_done:
+        if ex is not None and ex.core.request_done:
             return True  # half-closed after its request: the answer still goes out
         if ex is not None:
             self.conn.receive_data(b"")
-            if ex.worker is not None or ex.held is not None:
-                self._pump()
-            if self.exchange is not None:
-                self.exchange.client_gone("client closed before its request ended")
+            if ex.core.pumped:
+                self.pump()
+            ex.client_gone("client closed before its request ended")
             return None
         self.close()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.gone = True
+        self.core.gone = True
         self._cancel_timer()
         if self.task is not None and not self.task.done():
             self.task.cancel()
@@ -398,22 +332,16 @@ class HttpClient:
             self.exchange.client_gone("client went away")
 
     def pause_writing(self) -> None:
-        ex = self.exchange
-        if ex is not None and ex.worker is not None:
-            ex.worker.read(False)
-            ex.paused_by_client = True
-            ex.client_paused()
+        if self.exchange is not None:
+            self.exchange.client_full(True)
 
     def resume_writing(self) -> None:
-        ex = self.exchange
-        if ex is not None and ex.worker is not None:
-            ex.paused_by_client = False
-            ex.last = self.host.loop.time()
-            ex.worker.read(True)
+        if self.exchange is not None:
+            self.exchange.client_full(False)
 
     # -- reading the client -----------------------------------------------------------------
 
-    def _read(self, on: bool) -> None:
+    def read(self, on: bool) -> None:
         if on != self.reading and not self.transport.is_closing():
             self.reading = on
             with contextlib.suppress(RuntimeError):
@@ -422,18 +350,13 @@ class HttpClient:
                 else:
                     self.transport.pause_reading()
 
-    def worker_full(self, full: bool) -> None:
-        self.full = full
-        ex = self.exchange
-        if ex is not None and not ex.request_done:
-            self._read(not full)
-
-    def _pump(self) -> None:
-        """Pass the request body's events on to the worker (rule 2)."""
+    def pump(self) -> None:
+        """Pass the request body's events on to the exchange (rule 2)."""
         ex = self.exchange
         assert ex is not None
         conn = self.conn
-        while self.exchange is ex and not ex.request_done:
+        core = ex.core
+        while self.exchange is ex and not core.request_done:
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
@@ -443,11 +366,19 @@ class HttpClient:
                 return
             kind = type(event)
             if kind is h11.Data:
-                ex.request_data(cast(h11.Data, event).data)
+                ex.act(core.request_data(cast(h11.Data, event).data, self.host.loop.time()))
             elif kind is h11.EndOfMessage:
                 ex.request_end()
             elif kind is h11.ConnectionClosed:
                 ex.client_gone("client closed before its request ended")
+
+    def answer_continue(self) -> None:
+        """Answer ``Expect: 100-continue`` if the client waits for it."""
+        conn = self.conn
+        if conn.they_are_waiting_for_100_continue:
+            self.transport.write(
+                conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            )
 
     def _next_head(self) -> None:
         """After an exchange (or at the first head): the next request, once its head is in."""
@@ -461,13 +392,13 @@ class HttpClient:
             self.close()
             return
         except HandshakeReject as rej:
-            self._refuse(rej, None)
+            self.refuse(rej, None)
             return
         if event is None:
-            if conn.their_state is h11.CLOSED or self.eof:
+            if conn.their_state is h11.CLOSED or self.core.eof:
                 self.close()
             else:
-                self._read(True)
+                self.read(True)
             return
         self.start(event)
 
@@ -476,39 +407,35 @@ class HttpClient:
     def start(self, event: h11.Request) -> None:
         """Route a request head and send it on (``ROUTING``)."""
         self._cancel_timer()
-        self.unread = 0
-        if is_handshake(event):
-            self.handed_over = True
+        if not self.core.head(is_handshake(event)):
             self.front.upgrade(event)
             return
-        self._read(False)  # until a worker takes the body
+        self.read(False)  # until a worker takes the body
         ex = Exchange(self, event)
         try:
-            req = plain_request(event)
-            routed = route(self.host, req, self.front)
+            routed = route(self.host, plain_request(event), self.front)
         except HandshakeReject as rej:
-            self._refuse(rej, ex)
+            ex.act(ex.core.refuse(rej))
             return
         if routed is None:
             return  # refused and closed by the front (per-client limit)
-        ex.routed(routed)
-        cfg = routed.pool.cfg.http
-        self.keepalive_s = cfg.timeout_keepalive
-        if not cfg.enabled:
-            upgrade = [(b"upgrade", b"websocket"), (b"connection", b"Upgrade")]
-            self._refuse(HandshakeReject(426, "this endpoint speaks WebSocket only", upgrade), ex)
-            return
-        length = ex.length
-        if length is not None and length > cfg.max_body:
-            self._refuse(HandshakeReject(413, "request body too large"), ex)
-            return
-        self.exchange = ex
-        self.host.request_started(ex)
-        if ex.wants_prompt():
-            ex.hold_body()
-            return
-        if not ex.pick_pooled():
-            self.task = self.host.loop.create_task(self._connect(ex))
+        ex.route = routed
+        pool = routed.pool
+        prefix = pool.prefix is not None
+        actions = ex.core.routed(
+            pool.cfg.http,
+            named=routed.named,
+            prefix_limit=pool.cfg.prefix_placement.max_body if prefix else None,
+            known=routed.named and prefix and pool.knows(routed.sid),
+        )
+        if not ex.core.done:
+            self.exchange = ex
+            self.host.request_started(ex)
+        ex.act(actions)
+
+    def connect(self, ex: Exchange) -> None:
+        """Connect ``ex``'s worker in a task of this connection's (rule 3)."""
+        self.task = self.host.loop.create_task(self._connect(ex))
 
     async def _connect(self, ex: Exchange) -> None:
         try:
@@ -521,11 +448,9 @@ class HttpClient:
         finally:
             self.task = None
 
-    def _refuse(self, rej: HandshakeReject, ex: Exchange | None) -> None:
-        """wslb's own answer before any worker heard of the request; the connection closes."""
+    def refuse(self, rej: HandshakeReject, ex: Exchange | None) -> None:
+        """wslb's answer before any worker heard of the request; the connection closes."""
         if ex is not None:
-            ex.status = rej.status
-            ex.end = rej.message
             ex.logged()
         else:
             self.host.stats.http_requests[("-", "plain", rej.status)] += 1
@@ -538,32 +463,27 @@ class HttpClient:
         """The exchange is over: the next request, or the connection's end (rule 5). ``spare``:
         its worker connection, good for another request, for a lane (rule 8) or the pool."""
         self.exchange = None
-        self.full = False
         conn = self.conn
-        if (
-            not keep
-            or self.gone
-            or self.eof
-            or self.host.closing
-            or conn.our_state is not h11.DONE
-            or conn.their_state is not h11.DONE
-        ):
+        core = self.core
+        go_on = core.may_go_on(
+            keep, self.host.closing, conn.our_state is h11.DONE and conn.their_state is h11.DONE
+        )
+        if go_on:
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                go_on = False
+        if not go_on:
             if spare is not None:
                 ex.keep_worker(spare)
             self.close()
             return
-        try:
-            conn.start_next_cycle()
-        except h11.LocalProtocolError:
-            if spare is not None:
-                ex.keep_worker(spare)
-            self.close()
-            return
+        core.enter(State.IDLE)
         if spare is not None and not self._to_lane(ex, spare):
             ex.keep_worker(spare)
         if self.lane is not None:
             return
-        self.timer = self.host.loop.call_later(self.keepalive_s, self._idle_timeout)
+        self.timer = self.host.loop.call_later(core.keepalive_s, self._idle_timeout)
         self._next_head()
 
     # -- the lane thread (rule 8) -----------------------------------------------------------
@@ -573,8 +493,7 @@ class HttpClient:
         lanes = self.host.lanes
         if lanes is None or lanes.stopping or worker.transport is None:
             return False
-        if self.lane_skip:
-            self.lane_skip -= 1
+        if not self.core.lane_due():
             return False
         carry, closed = self.conn.trailing_data
         if closed or self.conn.their_http_version != b"1.1":
@@ -593,7 +512,7 @@ class HttpClient:
         spec = ex.lane_spec()
         if spec is None:
             return False
-        self._read(False)
+        self.read(False)
         worker.read(False)
         try:
             handle = lanes.add(self, csock.fileno(), wsock.fileno(), bytes(carry), spec)
@@ -601,12 +520,14 @@ class HttpClient:
             log.warning("lane thread refused a connection: %s", exc)
             worker.read(True)
             return False
-        assert ex.pool is not None and ex.backend is not None and ex.cfg is not None
+        route, backend = ex.route, ex.backend
+        assert route is not None and backend is not None
+        self.core.enter(State.LANE)
         self.lane = handle
-        self.lane_pool, self.lane_backend, self.lane_sid = ex.pool, ex.backend, ex.sid
-        self.lane_worker, self.lane_cfg = worker, ex.cfg
+        self.lane_backend = backend
+        self.lane_held = (route.pool, route.sid, worker, ex.core.cfg)
         worker.exchange = None
-        ex.pool.attach(ex.sid, ex.backend, self.host.loop.time())  # its key's place (rule 6)
+        route.pool.attach(route.sid, backend, self.host.loop.time())  # its key's place (rule 6)
         return True
 
     def lane_check(self) -> None:
@@ -631,36 +552,33 @@ class HttpClient:
     def lane_back(self, back: Back) -> None:
         """The lane thread gave the connection back: the rest is served here (rule 8)."""
         host = self.host
-        pool, backend, worker, cfg = (
-            self.lane_pool,
-            self.lane_backend,
-            self.lane_worker,
-            self.lane_cfg,
-        )
-        self.lane = None
-        self.lane_pool = self.lane_backend = self.lane_worker = self.lane_cfg = None
+        backend, held = self.lane_backend, self.lane_held
+        self.lane = self.lane_backend = self.lane_held = None
         now = host.loop.time()
-        if pool is not None and backend is not None:
-            pool.detach(backend, self.lane_sid, now, client=self.front.peer)
-        if worker is not None:
-            if back.worker_ok and cfg is not None and not worker.lost:
+        if held is not None:
+            pool, sid, worker, cfg = held
+            if backend is not None:
+                pool.detach(backend, sid, now, client=self.front.peer)
+            if back.worker_ok and not worker.lost:
                 worker.read(True)
                 host.keepalive.put(worker, cfg.pool_size, now)
             else:
                 worker.abort()
-        if back.client_ended or self.gone or host.closing:
+        go_on, wait = self.core.lane_back(
+            client_ended=back.client_ended,
+            served=back.exchanges,
+            idle_for=back.idle_for,
+            closing=host.closing,
+        )
+        if not go_on:
             if back.client_gone:
                 self.transport.abort()
             else:
                 self.transport.close()
             return
-        if back.exchanges == 0:  # its next request was not the same again: not so soon
-            self.lane_skip = LANE_SKIP
         self.conn = self.front.fresh_connection()
-        self.unread = 0
         if back.carry:
             self.conn.receive_data(back.carry)
-        wait = max(self.keepalive_s - back.idle_for, 0.01)
         self.timer = host.loop.call_later(wait, self._idle_timeout)
         self._next_head()
 
@@ -679,20 +597,21 @@ class HttpClient:
         linger (``LINGER_S``)."""
         self._cancel_timer()
         transport = self.transport
-        if transport.is_closing():
+        closing = transport.is_closing()
+        if self.core.close(closing or self.conn.their_state in _SETTLED):
+            if not closing:
+                transport.close()
             return
-        if self.gone or self.eof or self.lingering or self.conn.their_state in _SETTLED:
-            transport.close()
-            return
-        self.lingering = True
         if transport.can_write_eof():
             transport.write_eof()
-        self._read(True)
+        self.read(True)
         self.timer = self.host.loop.call_later(LINGER_S, transport.close)
 
 
 class Exchange:
-    """One request and its response between a client and a worker."""
+    """One request and its response between a client and a worker: the shell of an
+    ``ExchangeCore``, which it feeds what the worker's reader and h11 parse, and whose
+    actions it carries out (``act``)."""
 
     def __init__(self, client: HttpClient, event: h11.Request) -> None:
         self.client = client
@@ -703,136 +622,131 @@ class Exchange:
         # Durations by the monotonic clock: uvloop's loop.time() moves once per loop turn, in
         # milliseconds (the access log's connect and headers times are often less).
         self.t0 = time.perf_counter()
-        self.started = host.loop.time()
-        self.pool: Pool | None = None
+        self.core = ExchangeCore(
+            client.core, event.method, event.headers, host.loop.time(), host.timeouts.backpressure
+        )
+        self.route: Routed | None = None
         self.backend: Backend | None = None
         self.worker: WorkerConn | None = None
-        self.key = "-"
-        self.sid = "-"
-        self.named = False
-        self.req: ClientRequest | None = None
-        self.cfg: HttpCfg | None = None
-        self.length: int | None = None
-        self.chunked = False
-        for name, value in event.headers:
-            if name == b"content-length":
-                self.length = int(value)
-            elif name == b"transfer-encoding":
-                self.chunked = True
-        self.bodyless = not self.chunked and not self.length
-        self.walk: Walk | None = None  # the candidates (router.Walk), from the first choice on
-        self.retried = False
-        self.request_done = False
-        self.response_started = False
-        self.response_done = False
-        self.closed = False
-        self.counted = False
-        self.status = 0
-        self.kind = "plain"
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.connect_s = 0.0
-        self.headers_s = 0.0
-        self.end = "done"
-        self.last = self.started  # the worker's last sign of life (timeout_server)
-        self.paused_by_client = False
-        self.paused_at = 0.0  # when the client last stopped taking the answer (rule 2)
-        self.stall_timer: asyncio.TimerHandle | None = None
-        self.server_timer: asyncio.TimerHandle | None = None
-        self.request_timer: asyncio.TimerHandle | None = None
+        self.timers: list[asyncio.TimerHandle | None] = [None, None, None]  # by ``Timer``
         self.out: list[bytes] = []  # for the client, written once per read of the worker
-        # Rule 7: the relay thread's handle while it forwards the response body's chunks; the
-        # data events read here first (a short answer never goes there); the client's framing
-        # is chunked too (h11 re-frames for an HTTP/1.0 client, and then the thread must not).
-        self.relay: int | None = None
-        self.data_events = 0
-        self.chunked_out = False
-        # Rule 9: a keyless body read whole before its worker is chosen, and its prompt.
-        self.held: list[bytes] | None = None
-        self.held_size = 0
-        self.placed = False
-        self.prompt: Prompt | None = None
+        self.relay: int | None = None  # the relay thread's handle (rule 7)
+        self.prompt: Prompt | None = None  # rule 9: the body's, where it places the request
         # Rule 10: what the table recorded of the send, and the answer's end, for its report.
         self.sent: Sent | None = None
         self.report: Report | None = None
+        self.walk: Walk | None = None  # the candidates (router.Walk), from the first choice on
+        self.connect_s = 0.0
+        self.headers_s = 0.0
 
-    def routed(self, r: Routed) -> None:
-        self.pool, self.req, self.key, self.sid, self.named = r
-        self.cfg = r.pool.cfg.http
+    @property
+    def closed(self) -> bool:
+        return self.core.done
 
-    # -- placing by the prompt (rule 9) --------------------------------------------------------
+    # -- carrying out the core's actions -------------------------------------------------------
 
-    def wants_prompt(self) -> bool:
-        """Whether the request is placed by its prompt: a body, a pool that asks, and no
-        placement of its key yet (a known key goes home by affinity instead)."""
-        pool = self.pool
-        if pool is None or pool.prefix is None or self.bodyless:
-            return False
-        if self.named and pool.knows(self.sid):
-            return False
-        limit = pool.cfg.prefix_placement.max_body
-        return self.method == b"POST" and (self.length is None or self.length <= limit)
+    def act(self, actions: list[Action]) -> None:
+        """Carry out what the core decided, in order."""
+        for op, arg in actions:
+            if op is Op.WRITE:
+                worker = self.worker
+                if worker is not None and not worker.lost:
+                    worker.write(arg)
+            elif op is Op.FLUSH:
+                if self.worker is not None:
+                    self.worker.flush()
+            elif op is Op.ARM:
+                timer, delay = arg
+                self.timers[timer] = self.host.loop.call_later(delay, self._fired, timer)
+            elif op is Op.CANCEL:
+                handle = self.timers[arg]
+                if handle is not None:
+                    handle.cancel()
+                    self.timers[arg] = None
+            elif op is Op.FINISH:
+                self._finish(*arg)
+            elif op is Op.READ_CLIENT:
+                self.client.read(arg)
+            elif op is Op.READ_WORKER:
+                if self.worker is not None:
+                    self.worker.read(arg)
+            elif op is Op.PUMP:
+                self.client.pump()
+                if arg and self.core.wants_body:
+                    self.client.read(True)
+            elif op is Op.COUNT:
+                self._count()
+            elif op is Op.CONTINUE:
+                self.client.answer_continue()
+            elif op is Op.CHOOSE:
+                self._choose()
+            elif op is Op.CONNECT:
+                self.client.connect(self)
+            elif op is Op.ABORT_WORKER:
+                worker, self.worker = self.worker, None
+                if worker is not None:
+                    worker.abort()
+            elif op is Op.ANSWER:
+                transport = self.client.transport
+                if not transport.is_closing():
+                    transport.write(error_response(*arg))
+            elif op is Op.FAILED:
+                assert self.backend is not None
+                log.warning("worker %s failed a plain request: %s", self.backend.id, arg)
+            elif op is Op.STALLED:
+                log.info(
+                    "plain HTTP client %s read nothing for %.0fs: exchange ended",
+                    self.client.front.peer,
+                    self.core.backpressure,
+                )
+                self.client.transport.abort()
+            elif op is Op.REFUSE:
+                self.client.refuse(arg, self)
 
-    def hold_body(self) -> None:
-        """Read the body before choosing a worker (rule 9); ``_place`` when it is in."""
-        assert self.cfg is not None
-        host = self.host
-        self.held = []
-        self.request_timer = host.loop.call_later(self.cfg.timeout_request, self._request_timeout)
-        client = self.client
-        if client.conn.they_are_waiting_for_100_continue:
-            client.transport.write(
-                client.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
-            )
-        client._pump()
-        if client.exchange is self and not self.placed:
-            client._read(True)
+    def _fired(self, timer: Timer) -> None:
+        self.timers[timer] = None
+        if self.core.done:
+            return
+        if timer is Timer.SERVER:
+            self.reclaim()  # back here to judge it (the thread keeps no clock)
+        self.act(self.core.fired(timer, self.host.loop.time()))
 
-    def _place(self, whole: bool) -> None:
-        """The body is in (``whole``) or past ``prefix_placement.max_body``: choose a worker."""
-        assert self.pool is not None and self.held is not None
-        self.placed = True
-        self.client._read(False)
-        if self.request_timer is not None:  # ``_begin`` arms it again for the rest
-            self.request_timer.cancel()
-            self.request_timer = None
-        if whole:
-            self.prompt = prompt_of(b"".join(self.held), self.pool.prefix_rules)
-        if not self.pick_pooled():
-            self.client.task = self.host.loop.create_task(self.client._connect(self))
-
-    # -- choosing a worker (rule 3) ----------------------------------------------------------
+    # -- choosing a worker (rules 3, 9) ----------------------------------------------------------
 
     def _select(self) -> Backend | None:
         """The next candidate (rule 3): by the prompt once it is read (rule 9)."""
         if self.walk is None:
-            assert self.pool is not None
-            host = self.host
+            route, host = self.route, self.host
+            assert route is not None
             self.walk = Walk(
-                self.pool, self.sid, host.loop.time, self.prompt, host.stats.http_placed
+                route.pool, route.sid, host.loop.time, self.prompt, host.stats.http_placed
             )
         return self.walk.next()
 
-    def pick_pooled(self) -> bool:
-        """Start at once on a kept-alive connection to the chosen worker, if the pool has one;
-        False: a connection must be made (``connect``)."""
+    def _choose(self) -> None:
+        """Choose the worker, and start at once on a kept-alive connection to it if the pool
+        has one (else ``connect``)."""
+        core = self.core
+        route = self.route
+        assert route is not None
+        if core.prompt_wanted and core.held is not None:
+            self.prompt = prompt_of(b"".join(core.held), route.pool.prefix_rules)
         backend = self._select()
-        if backend is None:
-            self.fail(503, "no worker available", "no worker available")
-            return True
-        self.backend = backend
-        conn = self.host.keepalive.take(backend, self.host.loop.time())
-        if conn is None:
-            return False
-        self.host.stats.http_upstream["reused"] += 1
-        self._begin(conn)
-        return True
+        conn = None
+        if backend is not None:
+            self.backend = backend
+            conn = self.host.keepalive.take(backend, self.host.loop.time())
+        self.act(core.chosen(backend is not None, conn is not None))
+        if conn is not None:
+            self.host.stats.http_upstream["reused"] += 1
+            self._begin(conn)
 
     async def connect(self) -> None:
         """Connect to the chosen worker, walking on past those that refuse (rule 3)."""
         host = self.host
-        assert self.pool is not None
-        pool = self.pool
+        assert self.route is not None
+        pool = self.route.pool
+        core = self.core
         backend = self.backend
         last_error = "no worker available"
         while backend is not None:
@@ -861,125 +775,75 @@ class Exchange:
             self.connect_s = time.perf_counter() - dialled
             host.stats.upstream_connect.observe(backend.id, self.connect_s)
             host.stats.http_upstream["new"] += 1
-            if self.closed:
+            if core.done:
                 conn.close()
                 return
             self._begin(conn)
             return
-        if self.walk is not None and self.walk.tried:
+        tried = self.walk is not None and bool(self.walk.tried)
+        if tried:
             log.warning("no worker took %s (%s)", self.event.target[:200], last_error)
-            self.fail(502, "no worker could take the request", "no worker could take it")
-        else:
-            self.fail(503, "no worker available", "no worker available")
+        self.act(core.no_worker_took(tried))
 
     def _count(self) -> None:
-        assert self.pool is not None and self.backend is not None
-        if self.counted:
-            return
-        self.counted = True
-        now = self.host.loop.time()
-        if self.named:
-            self.pool.attach(self.sid, self.backend, now)
+        """Rule 6: the request counts on its worker."""
+        route, backend = self.route, self.backend
+        assert route is not None and backend is not None
+        pool, now = route.pool, self.host.loop.time()
+        if route.named:
+            pool.attach(route.sid, backend, now)
         else:
-            self.pool.cancel(self.sid)
-            self.pool.attach_request(self.backend)
-        self.sent = self.pool.learn(self.prompt, self.backend, answer=True)
+            pool.cancel(route.sid)
+            pool.attach_request(backend)
+        self.sent = pool.learn(self.prompt, backend, answer=True)
         if self.sent is not None:
             self.report = Report()
-        self.host.stats.http_active[self.pool.name] += 1
+        self.host.stats.http_active[pool.name] += 1
+
+    def _head(self) -> bytes | None:
+        """The request head for the worker, or None if its target cannot be written."""
+        route, backend = self.route, self.backend
+        assert route is not None and backend is not None
+        up = backend.upstream
+        headers = request_headers(
+            route.req,
+            authority=up.authority,
+            session_id=route.sid,
+            secure=self.client.secure,
+            worker_token=self.host.worker_token(backend, handoff=False),
+            length=self.core.length,
+            chunked=self.core.chunked,
+        )
+        try:
+            target = upstream_target(up.path, route.req).encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+        return request_head(self.method, target, headers)
 
     def _begin(self, conn: WorkerConn) -> None:
         """Write the request head to the worker and let the body flow (``EXCHANGE``)."""
-        assert self.req is not None and self.backend is not None and self.cfg is not None
-        host = self.host
-        self._count()
         conn.exchange = self
         conn.uses += 1
         self.worker = conn
-        backend = self.backend
-        up = backend.upstream
-        headers = request_headers(
-            self.req,
-            authority=up.authority,
-            session_id=self.sid,
-            secure=self.client.secure,
-            worker_token=host.worker_token(backend, handoff=False),
-            length=self.length,
-            chunked=self.chunked,
-        )
-        try:
-            target = upstream_target(up.path, self.req).encode("latin-1")
-        except UnicodeEncodeError:
-            head = None
-        else:
-            head = request_head(self.method, target, headers)
-        if head is None:
-            self.fail(400, "request cannot be forwarded: bad characters", "bad request")
-            return
-        conn.reader.start(self.method == b"HEAD")
-        conn.sent = False
-        conn.batch = [head]  # the head and what of the body is here already: one write
-        self.last = host.loop.time()
-        if self.server_timer is None:
-            self.server_timer = host.loop.call_later(self.cfg.timeout_server, self._server_check)
-        client = self.client
-        if client.conn.they_are_waiting_for_100_continue:
-            client.transport.write(
-                client.conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
-            )
-        held, self.held = self.held, None
-        if held is not None:  # read before the worker was chosen (rule 9)
-            for data in held:
-                conn.write(chunk(data) if self.chunked else data)
-            if self.request_done and self.chunked:
-                conn.write(LAST_CHUNK)
-        if self.request_done:  # a retry of a bodiless request, or a body read whole
-            conn.sent = True
-            conn.flush()
-            return
-        self.request_timer = host.loop.call_later(self.cfg.timeout_request, self._request_timeout)
-        client._pump()
-        conn.flush()
-        if self.client.exchange is self and not self.request_done:
-            client._read(not client.full)
+        head = self._head()
+        if head is not None:
+            conn.reader.start(self.method == b"HEAD")
+            conn.batch = [head]  # the head and what of the body is here already: one write
+        self.act(self.core.begin(self.host.loop.time(), head is not None))
 
     # -- the request body -------------------------------------------------------------------
 
-    def request_data(self, data: bytes) -> None:
-        assert self.cfg is not None
-        self.bytes_in += len(data)
-        self.last = self.host.loop.time()
-        if self.bytes_in > self.cfg.max_body:
-            self.fail(413, "request body too large", "request body too large")
-            return
-        held = self.held
-        if held is not None:  # rule 9: no worker yet
-            held.append(data)
-            self.held_size += len(data)
-            assert self.pool is not None
-            if not self.placed and self.held_size > self.pool.cfg.prefix_placement.max_body:
-                self._place(False)
-            return
-        worker = self.worker
-        if worker is not None and not worker.lost:
-            worker.write(chunk(data) if self.chunked else data)
-
     def request_end(self) -> None:
-        self.request_done = True
-        if self.request_timer is not None:
-            self.request_timer.cancel()
-            self.request_timer = None
-        if self.held is not None:  # rule 9: the worker is chosen now, or is being connected
-            if not self.placed:
-                self._place(True)
-            return
         worker = self.worker
-        if worker is not None and not worker.lost:
-            if self.chunked:
-                worker.write(LAST_CHUNK)
-            worker.sent = True
-        if self.response_done:
-            self._finish(True)
+        self.act(self.core.request_end(worker is not None and worker.reader.reusable))
+
+    def worker_full(self, full: bool) -> None:
+        """The worker's write buffer filled up or drained (rule 2)."""
+        self.act(self.core.worker_full(full))
+
+    def client_full(self, full: bool) -> None:
+        """The client's write buffer filled up or drained (rule 2)."""
+        self.act(self.core.client_full(full, self.host.loop.time()))
 
     # -- the response -----------------------------------------------------------------------
 
@@ -987,16 +851,17 @@ class Exchange:
         worker = self.worker
         if worker is None:
             return
-        self.last = self.host.loop.time()
+        core = self.core
+        core.heard(self.host.loop.time())
         try:
             self._worker_events(worker, worker.reader)
         finally:
             self._flush()
         if (
-            self.chunked_out
-            and self.data_events >= OFFLOAD_AFTER
+            core.chunked_out
             and self.relay is None
-            and self.report is None
+            and self.report is None  # rule 10: read here to its end
+            and core.offload_due(OFFLOAD_AFTER)
         ):
             self._offload()
 
@@ -1009,6 +874,8 @@ class Exchange:
                 transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _worker_events(self, worker: WorkerConn, reader: ResponseReader) -> None:
+        core = self.core
+        send = self.client.conn.send
         while self.worker is worker:
             try:
                 event = reader.next_event()
@@ -1021,105 +888,84 @@ class Exchange:
             if event is NEED_DATA:
                 return
             if type(event) is bytes:
-                self.response_data(event)
+                if self.report is not None:
+                    self.report.feed(event)
+                core.response_data(len(event))
+                out = send(h11.Data(data=event))
+                if out:
+                    self.out.append(out)
             elif event is END:
-                self.response_end()
+                try:
+                    out = send(h11.EndOfMessage())
+                except h11.LocalProtocolError as exc:
+                    self.worker_failed(f"response cannot be forwarded: {exc}")
+                    return
+                if out:
+                    self.out.append(out)
+                self.act(core.response_end(reader.reusable))
                 return
             else:
                 head = cast(ResponseHead, event)
                 if head.status >= 200:
-                    self.response_head(head)
-                elif head.status == 101:
-                    self.worker_failed("the worker switched protocols on a plain request")
+                    self._response_head(head)
+                elif (broke := core.informational(head.status)) is not None:
+                    self.worker_failed(broke)
                     return
-                # other 1xx: wslb answered the client's 100-continue itself
 
-    def response_head(self, event: ResponseHead) -> None:
-        client = self.client
+    def _response_head(self, event: ResponseHead) -> None:
+        assert self.route is not None
         self.headers_s = time.perf_counter() - self.t0
-        headers = response_headers(event.headers, self.key)
-        sized = False  # a Content-Length answer (most): h11 cannot have written it chunked
+        headers = response_headers(event.headers, self.route.key)
+        sse = sized = False  # sized: a Content-Length answer (most): h11 cannot chunk it
         for name, value in headers:
             if name == b"content-type" and value.startswith(b"text/event-stream"):
-                self.kind = "sse"
+                sse = True
             elif name == b"content-length":
                 sized = True
         try:
-            data = client.conn.send(
+            data = self.client.conn.send(
                 h11.Response(status_code=event.status, headers=headers, reason=event.reason)
             )
         except h11.LocalProtocolError as exc:
             self.worker_failed(f"response cannot be forwarded: {exc}")
             return
-        self.status = event.status
-        self.response_started = True
+        # What h11 wrote, not what the worker sent: it frames the body itself (chunked for
+        # HTTP/1.1 without a length, delimited by the close for an HTTP/1.0 client).
+        chunked = bool(data) and not sized and b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
+        self.core.response_head(event.status, sse, chunked)
         if data:
-            # What h11 wrote, not what the worker sent: it frames the body itself (chunked for
-            # HTTP/1.1 without a length, delimited by the close for an HTTP/1.0 client).
-            self.chunked_out = not sized and b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
             self.out.append(data)
-
-    def response_data(self, data: bytes) -> None:
-        if self.report is not None:
-            self.report.feed(data)
-        self.data_events += 1
-        self.bytes_out += len(data)
-        out = self.client.conn.send(h11.Data(data=data))
-        if out:
-            self.out.append(out)
-
-    def response_end(self) -> None:
-        self.response_done = True
-        client = self.client
-        try:
-            out = client.conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError as exc:
-            self.worker_failed(f"response cannot be forwarded: {exc}")
-            return
-        if out:
-            self.out.append(out)
-        if self.request_done:
-            self._finish(True)
-        else:  # answered before the request ended: neither connection can go on
-            self.end = "answered before the request body ended"
-            self._finish(False)
 
     # -- the relay thread (rule 7) ------------------------------------------------------------
 
     def _offload(self) -> None:
-        """Hand the rest of a chunked response body to the relay thread, if nothing else is
-        going on: the request sent whole, the worker read (not held back by the client), the
-        reader between chunks, nothing waiting to be written to the client, both legs plain TCP.
-        """
+        """Hand the rest of a chunked response body to the relay thread, if the core's steady
+        state holds and the transports allow: the worker read (not held back by the client),
+        the reader between chunks, nothing waiting to be written to the client, both legs
+        plain TCP."""
         off = self.host.offload
         worker = self.worker
-        client = self.client
+        transport = self.client.transport
         if (
             off is None
             or worker is None
             or worker.transport is None
-            or self.closed
-            or self.response_done
-            or not self.request_done
             or not worker.reading
-            or self.paused_by_client
             or not worker.reader.at_chunk_boundary
             or worker.transport.is_closing()
-            or client.transport.is_closing()
-            or client.transport.get_write_buffer_size()
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
         ):
             return
-        wsock, csock = plain_socket(worker.transport), plain_socket(client.transport)
-        if wsock is None or csock is None:  # a TLS leg: the event loop relays it
-            self.chunked_out = False
-            return
-        try:
-            self.relay = off.take(self, wsock.fileno(), csock.fileno(), CHUNK_LIMIT, False, True)
-        except OSError as exc:
-            log.warning("relay thread refused a response body: %s", exc)
-            self.chunked_out = False
-            return
-        worker.read(False)
+        wsock, csock = plain_socket(worker.transport), plain_socket(transport)
+        handle = None
+        if wsock is not None and csock is not None:  # else a TLS leg: the event loop relays it
+            try:
+                handle = off.take(self, wsock.fileno(), csock.fileno(), CHUNK_LIMIT, False, True)
+            except OSError as exc:
+                log.warning("relay thread refused a response body: %s", exc)
+        self.relay = handle
+        self.act(self.core.offloaded(handle is not None))
 
     def reclaim(self) -> None:
         """Take the response body back from the relay thread (nothing when it is not there):
@@ -1132,19 +978,13 @@ class Exchange:
         off = self.host.offload
         assert off is not None
         back = off.give_back(handle)
-        self.bytes_out += back.nbytes  # the chunks' data
-        if back.frames:  # the worker spoke since the thread took it (when: not known)
-            self.last = self.host.loop.time()
-        worker = self.worker
         if back.backlog and not self.client.transport.is_closing():
             self.client.transport.write(back.backlog)  # may pause reading the worker
-        if worker is None:
-            return
-        if back.carry:
+        worker = self.worker
+        if worker is not None and back.carry:
             worker.reader.receive(back.carry)
-        if not self.paused_by_client:
-            worker.read(True)
-        if back.carry:  # read next, outside whatever called this (a failure may have)
+        self.act(self.core.reclaimed(back.nbytes, back.frames > 0, self.host.loop.time()))
+        if worker is not None and back.carry:  # read next, outside whatever called this
             self.host.loop.call_soon(self.worker_events)
 
     def flush_record(self) -> None:
@@ -1158,189 +998,82 @@ class Exchange:
     def worker_failed(self, why: str) -> None:
         self.reclaim()
         worker = self.worker
-        if self.closed or worker is None:
-            return
-        retry = (
-            not self.response_started
-            and worker.uses > 1
-            and not self.retried
-            and self.bodyless
-            and self.method in IDEMPOTENT
-        )
-        worker.abort()
-        self.worker = None
-        if retry:
-            # A kept-alive connection that died before any answer: again on a new one.
-            self.retried = True
-            self.client.task = self.host.loop.create_task(self.client._connect(self))
-            return
-        assert self.backend is not None
-        log.warning("worker %s failed a plain request: %s", self.backend.id, why)
-        if not self.response_started:
-            self.fail(502, "the worker failed to answer", why)
-        else:
-            self.end = why
-            self._finish(False)
+        self.act(self.core.worker_failed(why, worker is not None and worker.uses > 1))
 
     def client_gone(self, why: str) -> None:
-        if self.closed:
+        if self.core.done:
             return
         self.reclaim()
-        if not self.response_started:
-            self.status = 499  # nginx's: the client closed before the answer
-        self.end = why
-        if self.worker is not None:
-            self.worker.abort()
-            self.worker = None
-        self._finish(False)
+        self.act(self.core.client_gone(why))
 
     def fail(self, status: int, message: str, why: str) -> None:
         """wslb's answer if the client has heard nothing yet, else the cut; then the end."""
-        if self.closed:
+        if self.core.done:
             return
         self.reclaim()
-        if self.worker is not None:
-            self.worker.abort()
-            self.worker = None
-        self.end = why
-        client = self.client
-        if not self.response_started and not client.transport.is_closing():
-            self.status = status
-            client.transport.write(error_response(status, message))
-        self._finish(False)
-
-    def _server_check(self) -> None:
-        assert self.cfg is not None
-        self.server_timer = None
-        if self.closed:
-            return
-        self.reclaim()  # back here to judge it (the thread keeps no clock)
-        now = self.host.loop.time()
-        quiet = now - self.last
-        if self.paused_by_client or quiet < self.cfg.timeout_server:
-            wait = self.cfg.timeout_server - (0.0 if self.paused_by_client else quiet)
-            self.server_timer = self.host.loop.call_later(max(wait, 0.01), self._server_check)
-            return
-        self.fail(504, "the worker did not answer in time", "timeout_server")
-
-    def client_paused(self) -> None:
-        """The client stopped taking the answer (rule 2): it has ``timeouts.backpressure`` to
-        take it again. One timer per exchange, re-armed only when it fires."""
-        host = self.host
-        self.paused_at = host.loop.time()
-        limit = host.timeouts.backpressure
-        if limit > 0 and self.stall_timer is None:
-            self.stall_timer = host.loop.call_later(limit, self._stall_check)
-
-    def _stall_check(self) -> None:
-        self.stall_timer = None
-        if self.closed or not self.paused_by_client:
-            return
-        host = self.host
-        left = self.paused_at + host.timeouts.backpressure - host.loop.time()
-        if left > 0:
-            self.stall_timer = host.loop.call_later(left, self._stall_check)
-            return
-        log.info(
-            "plain HTTP client %s read nothing for %.0fs: exchange ended",
-            self.client.front.peer,
-            host.timeouts.backpressure,
-        )
-        self.fail(503, "the client did not read the answer", "client not reading")
-        self.client.transport.abort()  # what it did not read would keep it open
-
-    def _request_timeout(self) -> None:
-        assert self.cfg is not None
-        self.request_timer = None
-        if self.closed or self.request_done:
-            return
-        if self.client.full:  # the worker is slow to take the body, not the client to send it
-            self.request_timer = self.host.loop.call_later(
-                self.cfg.timeout_request, self._request_timeout
-            )
-            return
-        self.fail(408, "the request body did not arrive in time", "timeout_request")
+        self.act(self.core.fail(status, message, why))
 
     def abort(self, why: str) -> None:
         """End the exchange now (a drain's timeout, a shutdown)."""
-        if self.closed:
+        if self.core.done:
             return
         self.reclaim()
-        self.end = why
-        if self.worker is not None:
-            self.worker.abort()
-            self.worker = None
-        if not self.response_started and not self.client.transport.is_closing():
-            self.status = 503
-            self.client.transport.write(error_response(503, why))
-        self._finish(False)
+        self.act(self.core.abort(why))
 
     # -- the end ----------------------------------------------------------------------------
 
-    def _finish(self, keep: bool) -> None:
-        if self.closed:
-            return
+    def _finish(self, keep: bool, fate: Fate, uncount: bool) -> None:
         self.reclaim()
         self._flush()  # the answer before anything of the next request
-        self.closed = True
         host = self.host
-        for timer in (self.server_timer, self.request_timer, self.stall_timer):
-            if timer is not None:
-                timer.cancel()
-        self.server_timer = self.request_timer = self.stall_timer = None
-        worker = self.worker
-        self.worker = None
+        worker, self.worker = self.worker, None
         spare = None
         if worker is not None:
             worker.exchange = None
-            if keep and worker.sent and worker.reader.reusable and self.cfg is not None:
-                if host.lanes is not None and self.named:
-                    spare = worker  # a lane's, perhaps (rule 8): the client decides
-                else:
-                    self.keep_worker(worker)
+            if fate is Fate.SPARE and host.lanes is not None:
+                spare = worker  # a lane's, perhaps (rule 8): the client decides
+            elif fate is Fate.KEEP or fate is Fate.SPARE:
+                self.keep_worker(worker)
             else:
                 worker.close()
-        if self.counted and self.pool is not None and self.backend is not None:
-            self.counted = False
-            if self.named:
-                self.pool.detach(
-                    self.backend, self.sid, host.loop.time(), client=self.client.front.peer
-                )
+        route, backend = self.route, self.backend
+        if uncount and route is not None and backend is not None:
+            pool = route.pool
+            if route.named:
+                pool.detach(backend, route.sid, host.loop.time(), client=self.client.front.peer)
             else:
-                self.pool.detach_request(self.backend)
-            host.stats.http_active[self.pool.name] -= 1
-            if self.sent is not None and self.prompt is not None:
-                ended = self.report is not None and self.response_done and self.status == 200
+                pool.detach_request(backend)
+            host.stats.http_active[pool.name] -= 1
+            if self.sent is not None and self.prompt is not None:  # rule 10
+                core = self.core
+                ended = self.report is not None and core.response_done and core.status == 200
                 said = self.report.result() if ended and self.report is not None else None
-                result = self.pool.settle(self.sent, self.prompt, said)
+                result = pool.settle(self.sent, self.prompt, said)
                 if result is not None:
-                    host.stats.prefix_reports[(self.pool.name, result)] += 1
+                    host.stats.prefix_reports[(pool.name, result)] += 1
         host.request_finished(self)
         self.logged()
         self.client.finished(self, keep, spare)
 
     def keep_worker(self, worker: WorkerConn) -> None:
         """Back to the pool of kept-alive worker connections (rule 5)."""
-        assert self.cfg is not None
         worker.read(True)
-        self.host.keepalive.put(worker, self.cfg.pool_size, self.host.loop.time())
+        self.host.keepalive.put(worker, self.core.cfg.pool_size, self.host.loop.time())
 
     def lane_spec(self) -> Spec | None:
         """What the lane thread needs to serve this request's next ones as this module would
         (rule 8, ``_offload.c``), or None where it may not: a key wslb made, a pool not hashed
         by key, JWT."""
-        host = self.host
-        pool, backend, req, cfg = self.pool, self.backend, self.req, self.cfg
+        host, route, backend, cfg = self.host, self.route, self.backend, self.core.cfg
         if (
-            pool is None
+            route is None
             or backend is None
-            or req is None
-            or cfg is None
-            or not self.named
-            or pool.balance != "consistent"
+            or not route.named
+            or route.pool.balance != "consistent"
             or host.auth.cfg.jwt is not None
         ):
             return None
+        pool, req = route.pool, route.req
         up = backend.upstream
         try:
             target = upstream_target(up.path, req).encode("latin-1")
@@ -1349,7 +1082,7 @@ class Exchange:
         pre, post = request_blocks(
             req,
             authority=up.authority,
-            session_id=self.sid,
+            session_id=route.sid,
             secure=self.client.secure,
             worker_token=host.worker_token(backend, handoff=False),
         )
@@ -1373,7 +1106,7 @@ class Exchange:
             _lines(post),
             _LANE_DROP,
             _RESPONSE_DROP,
-            SESSION_ID + b": " + self.key.encode("latin-1") + b"\r\n",
+            SESSION_ID + b": " + route.key.encode("latin-1") + b"\r\n",
             limits.max_header_bytes,
             limits.max_headers,
             cfg.max_body,
@@ -1382,21 +1115,21 @@ class Exchange:
             min(LANE_IDLE_S, cfg.timeout_keepalive),
             host.timeouts.backpressure,
             self.client.front.peer.encode("latin-1", "replace"),
-            self.key.encode("latin-1"),
+            route.key.encode("latin-1"),
             pool.name.encode("utf-8"),
             backend.id.encode("utf-8"),
         )
 
     def logged(self) -> None:
         """Count the request and write its access line (``log.access``)."""
-        host = self.host
+        host, core, route = self.host, self.core, self.route
         stats = host.stats
         duration = time.perf_counter() - self.t0
-        pool = self.pool.name if self.pool is not None else "-"
-        stats.http_requests[(pool, self.kind, self.status)] += 1
-        stats.http_bytes["client_to_worker"] += self.bytes_in
-        stats.http_bytes["worker_to_client"] += self.bytes_out
-        stats.http_duration.observe(f"{pool}\x00{self.kind}", duration)
+        pool = route.pool.name if route is not None else "-"
+        stats.http_requests[(pool, core.kind, core.status)] += 1
+        stats.http_bytes["client_to_worker"] += core.bytes_in
+        stats.http_bytes["worker_to_client"] += core.bytes_out
+        stats.http_duration.observe(f"{pool}\x00{core.kind}", duration)
         if not host.config.log.access:
             return
         log_http_access(
@@ -1404,17 +1137,17 @@ class Exchange:
                 "client": self.client.front.peer,
                 "method": self.method.decode("latin-1"),
                 "path": self.event.target.decode("latin-1").partition("?")[0][:200],
-                "status": self.status,
-                "session": self.key,
+                "status": core.status,
+                "session": route.key if route is not None else "-",
                 "pool": pool,
                 "backend": self.backend.id if self.backend is not None else None,
-                "kind": self.kind,
+                "kind": core.kind,
                 "connect_ms": round(self.connect_s * 1000, 1),
                 "headers_ms": round(self.headers_s * 1000, 1),
                 "duration_s": round(duration, 3),
-                "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out,
-                "end": self.end,
+                "bytes_in": core.bytes_in,
+                "bytes_out": core.bytes_out,
+                "end": core.end,
                 "user_agent": next(
                     (v.decode("latin-1") for k, v in self.event.headers if k == b"user-agent"),
                     None,
