@@ -293,7 +293,7 @@ class HttpClient:
 
     def data_received(self, data: bytes) -> None:
         core = self.core
-        if core.lingering:
+        if core.state is State.CLOSED:  # lingering: read and discarded
             return
         self.conn.receive_data(data)
         ex = self.exchange
@@ -417,8 +417,9 @@ class HttpClient:
         except HandshakeReject as rej:
             ex.act(ex.core.refuse(rej))
             return
-        if routed is None:
-            return  # refused and closed by the front (per-client limit)
+        if routed is None:  # refused and closed by the front (per-client limit)
+            self.core.close(True)
+            return
         ex.route = routed
         pool = routed.pool
         prefix = pool.prefix is not None
