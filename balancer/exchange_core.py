@@ -141,6 +141,10 @@ class Timer(IntEnum):
     STALL = 2  # ``timeouts.backpressure``: a client not taking the answer (rule 2)
 
 
+_TIMERS: Final = tuple(Timer)
+_UNROUTED: Final = HttpCfg()
+
+
 class Fate(IntEnum):
     """What becomes of the worker connection when its exchange ends (rule 5)."""
 
@@ -306,7 +310,7 @@ class ExchangeCore:
                 self.chunked = True
         self.bodyless = not self.chunked and not self.length
         self.backpressure = backpressure  # ``timeouts.backpressure`` (rule 2)
-        self.cfg = HttpCfg()  # the routed pool's
+        self.cfg = _UNROUTED  # the routed pool's
         self.named = False  # the client named the key (rule 6)
         self.retried = False
         self.request_done = False  # the whole request is read from the client
@@ -693,10 +697,12 @@ class ExchangeCore:
             return []
         self.done = True
         out: list[Action] = []
-        for timer in Timer:
-            if self.armed[timer]:
-                self.armed[timer] = False
-                out.append((Op.CANCEL, timer))
+        armed = self.armed
+        if True in armed:
+            for timer in _TIMERS:
+                if armed[timer]:
+                    armed[timer] = False
+                    out.append((Op.CANCEL, timer))
         if not self.has_worker:
             fate = Fate.NONE
         elif keep and self.sent and reusable:
