@@ -63,7 +63,6 @@ def serving(
     """An exchange on a fresh worker connection (EXCHANGE)."""
     ex, acts = exchange(method, headers, **kw)  # type: ignore[arg-type]
     assert ops(acts) == [Op.CHOOSE]
-    ex.candidate("w1")
     assert ops(ex.chosen(True, False)) == [Op.CONNECT]
     return ex, ex.begin(1.0, True)
 
@@ -161,13 +160,11 @@ def test_rule3_no_retry_otherwise(
     assert arg(acts, Op.ANSWER) == (502, "the worker failed to answer")
 
 
-def test_rule3_connects_walk_on_then_502_or_503() -> None:
+def test_rule3_after_the_walk_502_or_503() -> None:
     ex, _ = exchange()
-    ex.candidate("w1")
-    assert ex.may_walk_on(2)
-    ex.candidate("w2")
-    assert not ex.may_walk_on(2)
-    assert arg(ex.no_worker_took(), Op.ANSWER) == (502, "no worker could take the request")
+    assert arg(ex.no_worker_took(True), Op.ANSWER) == (502, "no worker could take the request")
+    left, _ = exchange()
+    assert arg(left.no_worker_took(False), Op.ANSWER) == (503, "no worker available")
     none, _ = exchange()
     acts = none.chosen(False, False)
     assert arg(acts, Op.ANSWER) == (503, "no worker available")
@@ -198,7 +195,6 @@ def test_rule4_wslb_answers_before_the_head_and_cuts_after_it() -> None:
     assert arg(ex.fired(Timer.SERVER, 55.0), Op.ANSWER)[0] == 504  # type: ignore[index]
     # 400: a target that cannot be written.
     ex, _ = exchange()
-    ex.candidate("w1")
     acts = ex.begin(1.0, False)
     assert ops(acts)[:2] == [Op.COUNT, Op.ABORT_WORKER]
     assert arg(acts, Op.ANSWER)[0] == 400  # type: ignore[index]
@@ -343,7 +339,6 @@ def test_rule9_a_keyless_body_is_read_whole_then_placed_by_its_prompt() -> None:
     acts = ex.request_end(True)
     assert ops(acts) == [Op.CANCEL, Op.READ_CLIENT, Op.CHOOSE]
     assert state_of(ex.client) is State.ROUTING and ex.prompt_wanted
-    ex.candidate("w1")
     assert ex.chosen(True, True) == []  # a kept-alive connection: the shell begins on it
     acts = ex.begin(2.0, True)
     assert ops(acts) == [Op.COUNT, Op.ARM, Op.CONTINUE, Op.WRITE, Op.FLUSH]  # one write
@@ -356,7 +351,6 @@ def test_rule9_a_larger_body_is_placed_without_a_prompt_and_streamed() -> None:
     acts = ex.request_data(b"defg", 1.0)  # past prefix_placement.max_body
     assert ops(acts) == [Op.READ_CLIENT, Op.CANCEL, Op.CHOOSE]
     assert not ex.prompt_wanted and not ex.wants_body
-    ex.candidate("w1")
     acts = ex.begin(2.0, True)
     writes = [a for o, a in acts if o is Op.WRITE]
     assert writes == [b"3\r\nabc\r\n", b"4\r\ndefg\r\n"]  # re-chunked as read
@@ -392,4 +386,4 @@ def test_a_keepalive_cycle_and_its_states() -> None:
     assert state_of(c) is State.EXCHANGE  # the shell moves it on (``may_go_on``)
     c.enter(State.IDLE)
     again, _ = serving(client=c)
-    assert state_of(c) is State.EXCHANGE and again.tried == ["w1"]
+    assert state_of(c) is State.EXCHANGE and again.counted
