@@ -277,6 +277,7 @@ class ExchangeCore:
         "data_events",
         "done",
         "end",
+        "expects",
         "full",
         "has_worker",
         "held",
@@ -310,11 +311,14 @@ class ExchangeCore:
         self.method = method
         self.length: int | None = None
         self.chunked = False
+        self.expects = False  # an ``Expect`` header: h11 says if a 100-continue is owed
         for name, value in headers:
             if name == b"content-length":
                 self.length = int(value)
             elif name == b"transfer-encoding":
                 self.chunked = True
+            elif name == b"expect":
+                self.expects = True
         self.bodyless = not self.chunked and not self.length
         self.backpressure = backpressure  # ``timeouts.backpressure`` (rule 2)
         self.cfg = _UNROUTED  # the routed pool's
@@ -378,11 +382,11 @@ class ExchangeCore:
             self.place_limit = prefix_limit
             self.held = []
             self.armed[Timer.REQUEST] = True
-            return [
-                (Op.ARM, (Timer.REQUEST, cfg.timeout_request)),
-                (Op.CONTINUE, None),
-                (Op.PUMP, True),
-            ]
+            out: list[Action] = [(Op.ARM, (Timer.REQUEST, cfg.timeout_request))]
+            if self.expects:
+                out.append((Op.CONTINUE, None))
+            out.append((Op.PUMP, True))
+            return out
         return [(Op.CHOOSE, None)]
 
     @property
@@ -447,7 +451,8 @@ class ExchangeCore:
         if not self.armed[Timer.SERVER]:
             self.armed[Timer.SERVER] = True
             out.append((Op.ARM, (Timer.SERVER, self.cfg.timeout_server)))
-        out.append((Op.CONTINUE, None))
+        if self.expects:
+            out.append((Op.CONTINUE, None))
         held, self.held = self.held, None
         if held is not None:  # read before the worker was chosen (rule 9)
             chunked = self.chunked
@@ -458,12 +463,10 @@ class ExchangeCore:
             self.sent = True
             out.append((Op.FLUSH, None))
             return out
-        self.armed[Timer.REQUEST] = True
-        out += [
-            (Op.ARM, (Timer.REQUEST, self.cfg.timeout_request)),
-            (Op.PUMP, True),
-            (Op.FLUSH, None),
-        ]
+        if not self.bodyless:  # a bodiless request ends in the pump at once: no clock for it
+            self.armed[Timer.REQUEST] = True
+            out.append((Op.ARM, (Timer.REQUEST, self.cfg.timeout_request)))
+        out += [(Op.PUMP, True), (Op.FLUSH, None)]
         return out
 
     def request_data(self, data: bytes, now: float) -> list[Action]:
@@ -485,8 +488,9 @@ class ExchangeCore:
             return [(Op.WRITE, chunk(data) if self.chunked else data)]
         return []
 
-    def request_end(self, reusable: bool) -> list[Action]:
-        """The request is read whole (``reusable``: the worker's reader's word, ``finish``)."""
+    def request_end(self) -> list[Action]:
+        """The request is read whole. (An answer complete before this ended the exchange,
+        ``response_end``: the request's end finishes nothing.)"""
         if self.done:
             return []
         self.request_done = True
@@ -502,8 +506,6 @@ class ExchangeCore:
             if self.chunked:
                 out.append((Op.WRITE, LAST_CHUNK))
             self.sent = True
-        if self.response_done:
-            out += self.finish(True, reusable)
         return out
 
     def worker_full(self, full: bool) -> list[Action]:

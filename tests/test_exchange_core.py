@@ -94,14 +94,15 @@ def test_rule1_a_pipelined_request_is_read_ahead_up_to_the_head_limit() -> None:
 
 
 def test_rule2_bodies_stream_and_a_full_buffer_pauses_the_other_side() -> None:
-    ex, acts = serving(b"POST", [(b"transfer-encoding", b"chunked")])
+    headers = [(b"transfer-encoding", b"chunked"), (b"expect", b"100-continue")]
+    ex, acts = serving(b"POST", headers)
     assert ops(acts) == [Op.COUNT, Op.ARM, Op.CONTINUE, Op.ARM, Op.PUMP, Op.FLUSH]
     assert ex.wants_body
     assert ex.request_data(b"abc", 2.0) == [(Op.WRITE, b"3\r\nabc\r\n")]  # one read, one chunk
     assert ex.worker_full(True) == [(Op.READ_CLIENT, False)]
     assert not ex.wants_body
     assert ex.worker_full(False) == [(Op.READ_CLIENT, True)]
-    end = ex.request_end(True)
+    end = ex.request_end()
     assert (Op.WRITE, LAST_CHUNK) in end and ex.sent
     assert ex.worker_full(True) == []  # the request is in: the client is not held back
     ex.response_head(200, True, True)
@@ -119,7 +120,7 @@ def test_rule2_bodies_stream_and_a_full_buffer_pauses_the_other_side() -> None:
 
 def test_rule2_a_client_that_reads_again_is_not_cut() -> None:
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     ex.response_head(200, False, False)
     ex.client_full(True, 1.0)
     ex.client_full(False, 2.0)
@@ -131,12 +132,12 @@ def test_rule2_a_client_that_reads_again_is_not_cut() -> None:
 
 def test_rule3_an_idempotent_bodiless_request_goes_again_once_on_a_new_connection() -> None:
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     acts = ex.worker_failed("the worker closed the connection", reused=True)
     assert ops(acts) == [Op.ABORT_WORKER, Op.CONNECT]
     assert state_of(ex.client) is State.ROUTING and ex.retried
     again = ex.begin(2.0, True)
-    assert ops(again) == [Op.CONTINUE, Op.FLUSH]  # counted and timed already; all of it goes
+    assert ops(again) == [Op.FLUSH]  # counted and timed already; all of it goes
     assert ex.sent
     acts = ex.worker_failed("the worker closed the connection", reused=True)
     assert ops(acts) == [Op.ABORT_WORKER, Op.FAILED, Op.ANSWER, Op.CANCEL, Op.FINISH]
@@ -188,7 +189,7 @@ def test_rule4_wslb_answers_before_the_head_and_cuts_after_it() -> None:
     assert arg(ex.fired(Timer.REQUEST, 15.0), Op.ANSWER)[0] == 408  # type: ignore[index]
     # 504 after timeout_server of silence; a client not reading does not count.
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     assert ex.fired(Timer.SERVER, 20.0) == [(Op.ARM, (Timer.SERVER, 11.0))]
     ex.heard(25.0)
     assert ex.fired(Timer.SERVER, 31.0) == [(Op.ARM, (Timer.SERVER, 24.0))]
@@ -200,9 +201,10 @@ def test_rule4_wslb_answers_before_the_head_and_cuts_after_it() -> None:
     assert arg(acts, Op.ANSWER)[0] == 400  # type: ignore[index]
     # After the head: a cut, no answer.
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     ex.response_head(200, False, False)
     acts = ex.worker_failed("the worker closed the connection", reused=False)
+    assert acts[-2:] == [(Op.CANCEL, Timer.SERVER), (Op.FINISH, (False, Fate.NONE, True))]
     assert ops(acts) == [Op.ABORT_WORKER, Op.FAILED, Op.CANCEL, Op.FINISH]
     assert ex.status == 200 and ex.end == "the worker closed the connection"
     # A 101 on a plain request is the worker's failure; other 1xx are skipped.
@@ -210,12 +212,7 @@ def test_rule4_wslb_answers_before_the_head_and_cuts_after_it() -> None:
     assert ex.informational(101) is not None
     # The client gone before any answer: nginx's 499; a drain's abort: 503.
     ex, _ = serving()
-    assert ops(ex.client_gone("client went away")) == [
-        Op.ABORT_WORKER,
-        Op.CANCEL,
-        Op.CANCEL,
-        Op.FINISH,
-    ]
+    assert ops(ex.client_gone("client went away")) == [Op.ABORT_WORKER, Op.CANCEL, Op.FINISH]
     assert ex.status == 499
     assert ex.client_gone("again") == [] and ex.fail(500, "x", "y") == []  # once
     ex, _ = serving()
@@ -233,20 +230,20 @@ def test_rule4_426_where_plain_http_is_off() -> None:
 
 def test_rule5_the_worker_connection_is_kept_only_with_both_messages_complete() -> None:
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     ex.response_head(200, False, False)
     assert arg(ex.response_end(True), Op.FINISH) == (True, Fate.KEEP, True)
     named, _ = serving(named=True)
-    named.request_end(True)
+    named.request_end()
     assert arg(named.response_end(True), Op.FINISH) == (True, Fate.SPARE, True)  # rule 8
     unframed, _ = serving()
-    unframed.request_end(True)
+    unframed.request_end()
     assert arg(unframed.response_end(False), Op.FINISH) == (True, Fate.CLOSE, True)
     early, _ = serving(b"POST", [(b"content-length", b"10")])
     acts = early.response_end(True)  # answered before the request body ended
     assert arg(acts, Op.FINISH) == (False, Fate.CLOSE, True)
     assert early.end == "answered before the request body ended"
-    assert ex.response_end(True) == [] and ex.request_end(True) == []  # once
+    assert ex.response_end(True) == [] and ex.request_end() == []  # once
     # The connection goes on only where all agree.
     c = ClientCore()
     assert c.may_go_on(True, False, True)
@@ -274,7 +271,7 @@ def test_rule6_a_request_counts_on_its_worker_once_while_it_runs() -> None:
     assert ops(acts).count(Op.COUNT) == 1 and ex.counted
     ex.worker_failed("reset", reused=True)  # retried: still counted, not again
     assert Op.COUNT not in ops(ex.begin(2.0, True))
-    ex.request_end(True)
+    ex.request_end()
     assert arg(ex.response_end(True), Op.FINISH)[2] is True  # type: ignore[index]
     assert not ex.counted
     never, _ = exchange()
@@ -283,7 +280,7 @@ def test_rule6_a_request_counts_on_its_worker_once_while_it_runs() -> None:
 
 def test_rule7_a_chunked_answer_goes_to_the_relay_thread_and_comes_back() -> None:
     ex, _ = serving()
-    ex.request_end(True)
+    ex.request_end()
     ex.response_head(200, True, True)
     for _ in range(3):
         ex.response_data(10)
@@ -299,13 +296,13 @@ def test_rule7_a_chunked_answer_goes_to_the_relay_thread_and_comes_back() -> Non
     ex.offloaded(False)  # a TLS leg: never again
     assert not ex.offload_due(4)
     sized, _ = serving()
-    sized.request_end(True)
+    sized.request_end()
     sized.response_head(200, False, False)
     for _ in range(10):
         sized.response_data(1)
     assert not sized.offload_due(4)  # a Content-Length answer stays here
     paused, _ = serving()
-    paused.request_end(True)
+    paused.request_end()
     paused.response_head(200, True, True)
     for _ in range(5):
         paused.response_data(1)
@@ -329,20 +326,29 @@ def test_rule9_a_keyless_body_is_read_whole_then_placed_by_its_prompt() -> None:
     headers = [(b"content-length", b"6")]
     ex, acts = exchange(b"POST", headers, prefix_limit=100)
     assert state_of(ex.client) is State.PLACING
-    assert acts == [
-        (Op.ARM, (Timer.REQUEST, 7.0)),
-        (Op.CONTINUE, None),
-        (Op.PUMP, True),
-    ]
+    assert acts == [(Op.ARM, (Timer.REQUEST, 7.0)), (Op.PUMP, True)]
     assert ex.wants_body and ex.pumped
     assert ex.request_data(b"abc", 1.0) == []  # held: no worker yet
-    acts = ex.request_end(True)
+    acts = ex.request_end()
     assert ops(acts) == [Op.CANCEL, Op.READ_CLIENT, Op.CHOOSE]
     assert state_of(ex.client) is State.ROUTING and ex.prompt_wanted
     assert ex.chosen(True, True) == []  # a kept-alive connection: the shell begins on it
     acts = ex.begin(2.0, True)
-    assert ops(acts) == [Op.COUNT, Op.ARM, Op.CONTINUE, Op.WRITE, Op.FLUSH]  # one write
+    assert ops(acts) == [Op.COUNT, Op.ARM, Op.WRITE, Op.FLUSH]  # one write
     assert ex.sent and ex.held is None
+
+
+def test_rule9_expect_100_continue_is_answered_before_the_read() -> None:
+    headers = [(b"content-length", b"6"), (b"expect", b"100-continue")]
+    _, acts = exchange(b"POST", headers, prefix_limit=100)
+    assert ops(acts) == [Op.ARM, Op.CONTINUE, Op.PUMP]
+
+
+def test_a_bodiless_request_has_no_request_clock() -> None:
+    ex, acts = serving()
+    assert ops(acts) == [Op.COUNT, Op.ARM, Op.PUMP, Op.FLUSH]
+    assert arg(acts, Op.ARM) == (Timer.SERVER, 30.0)
+    assert ex.request_end() == []
 
 
 def test_rule9_a_larger_body_is_placed_without_a_prompt_and_streamed() -> None:
@@ -380,7 +386,7 @@ def test_a_keepalive_cycle_and_its_states() -> None:
     c = ClientCore()
     ex, _ = serving(client=c)
     assert c.keepalive_s == 9.0
-    ex.request_end(True)
+    ex.request_end()
     ex.response_head(204, False, False)
     ex.response_end(True)
     assert state_of(c) is State.EXCHANGE  # the shell moves it on (``may_go_on``)

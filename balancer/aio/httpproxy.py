@@ -283,7 +283,10 @@ class HttpClient:
         self.core = ClientCore()
         self.exchange: Exchange | None = None
         self.task: asyncio.Task[None] | None = None  # connecting a worker (rule 3)
-        self.timer: asyncio.TimerHandle | None = None  # keep-alive wait, or the linger
+        # The keep-alive wait (one timer that reschedules itself, not one per request: it
+        # checks ``idle_since`` when it fires), or the linger.
+        self.timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0
         self.reading = False  # ClientConnection paused it at the first head
         # Rule 8: while the lane thread serves this connection, its handle and what it holds.
         self.lane: int | None = None
@@ -408,8 +411,8 @@ class HttpClient:
 
     def start(self, event: h11.Request) -> None:
         """Route a request head and send it on (``ROUTING``)."""
-        self._cancel_timer()
         if not self.core.head(is_handshake(event)):
+            self._cancel_timer()
             self.front.upgrade(event)
             return
         self.read(False)  # until a worker takes the body
@@ -486,7 +489,10 @@ class HttpClient:
             ex.keep_worker(spare)
         if self.lane is not None:
             return
-        self.timer = self.host.loop.call_later(core.keepalive_s, self._idle_timeout)
+        loop = self.host.loop
+        self.idle_since = loop.time()
+        if self.timer is None:
+            self.timer = loop.call_later(core.keepalive_s, self._idle_timeout)
         self._next_head()
 
     # -- the lane thread (rule 8) -----------------------------------------------------------
@@ -526,6 +532,7 @@ class HttpClient:
         route, backend = ex.route, ex.backend
         assert route is not None and backend is not None
         self.core.enter(State.LANE)
+        self._cancel_timer()  # the lane keeps its own (``LANE_IDLE_S``)
         self.lane = handle
         self.lane_backend = backend
         self.lane_held = (route.pool, route.sid, worker, ex.core.cfg)
@@ -582,13 +589,22 @@ class HttpClient:
         self.conn = self.front.fresh_connection()
         if back.carry:
             self.conn.receive_data(back.carry)
+        self.idle_since = now - back.idle_for
         self.timer = host.loop.call_later(wait, self._idle_timeout)
         self._next_head()
 
     def _idle_timeout(self) -> None:
+        """The keep-alive wait: the connection closes once it has been idle (between
+        requests) for ``timeout_keepalive``; a request served meanwhile arms it again when it
+        ends (``finished``)."""
         self.timer = None
-        if self.exchange is None and self.task is None:
-            self.close()
+        if self.exchange is not None or self.task is not None or self.lane is not None:
+            return
+        left = self.idle_since + self.core.keepalive_s - self.host.loop.time()
+        if left > 0:
+            self.timer = self.host.loop.call_later(left, self._idle_timeout)
+            return
+        self.close()
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:
@@ -650,15 +666,8 @@ class Exchange:
 
     def act(self, actions: list[Action]) -> None:
         """Carry out what the core decided, in order."""
-        for op, arg in actions:
-            if op == Op.WRITE:
-                worker = self.worker
-                if worker is not None and not worker.lost:
-                    worker.write(arg)
-            elif op == Op.FLUSH:
-                if self.worker is not None:
-                    self.worker.flush()
-            elif op == Op.ARM:
+        for op, arg in actions:  # the most frequent first
+            if op == Op.ARM:
                 timer, delay = arg
                 self.timers[timer] = self.host.loop.call_later(delay, self._fired, timer)
             elif op == Op.CANCEL:
@@ -668,23 +677,31 @@ class Exchange:
                     self.timers[arg] = None
             elif op == Op.FINISH:
                 self._finish(*arg)
+            elif op == Op.PUMP:
+                self.client.pump()
+                core = self.core
+                if arg and not core.request_done and core.wants_body:
+                    self.client.read(True)
+            elif op == Op.FLUSH:
+                if self.worker is not None:
+                    self.worker.flush()
+            elif op == Op.COUNT:
+                self._count()
+            elif op == Op.CHOOSE:
+                self._choose()
+            elif op == Op.WRITE:
+                worker = self.worker
+                if worker is not None and not worker.lost:
+                    worker.write(arg)
             elif op == Op.READ_CLIENT:
                 self.client.read(arg)
             elif op == Op.READ_WORKER:
                 if self.worker is not None:
                     self.worker.read(arg)
-            elif op == Op.PUMP:
-                self.client.pump()
-                if arg and self.core.wants_body:
-                    self.client.read(True)
-            elif op == Op.COUNT:
-                self._count()
-            elif op == Op.CONTINUE:
-                self.client.answer_continue()
-            elif op == Op.CHOOSE:
-                self._choose()
             elif op == Op.CONNECT:
                 self.client.connect(self)
+            elif op == Op.CONTINUE:
+                self.client.answer_continue()
             elif op == Op.ABORT_WORKER:
                 worker, self.worker = self.worker, None
                 if worker is not None:
@@ -732,14 +749,16 @@ class Exchange:
         core = self.core
         route = self.route
         assert route is not None
-        if core.prompt_wanted and core.held is not None:
+        if core.held is not None and core.prompt_wanted:
             self.prompt = prompt_of(b"".join(core.held), route.pool.prefix_rules)
         backend = self._select()
         conn = None
         if backend is not None:
             self.backend = backend
             conn = self.host.keepalive.take(backend, self.host.loop.time())
-        self.act(core.chosen(backend is not None, conn is not None))
+        actions = core.chosen(backend is not None, conn is not None)
+        if actions:
+            self.act(actions)
         if conn is not None:
             self.host.stats.http_upstream["reused"] += 1
             self._begin(conn)
@@ -837,8 +856,9 @@ class Exchange:
     # -- the request body -------------------------------------------------------------------
 
     def request_end(self) -> None:
-        worker = self.worker
-        self.act(self.core.request_end(worker is not None and worker.reader.reusable))
+        actions = self.core.request_end()
+        if actions:
+            self.act(actions)
 
     def worker_full(self, full: bool) -> None:
         """The worker's write buffer filled up or drained (rule 2)."""
@@ -1026,7 +1046,8 @@ class Exchange:
     # -- the end ----------------------------------------------------------------------------
 
     def _finish(self, keep: bool, fate: int, uncount: bool) -> None:
-        self.reclaim()
+        if self.relay is not None:
+            self.reclaim()
         self._flush()  # the answer before anything of the next request
         host = self.host
         worker, self.worker = self.worker, None
