@@ -666,10 +666,12 @@ class ExchangeCore:
 
     def fired(self, timer: int, now: float) -> list[Action]:
         """``timer`` is due (for SERVER the shell took the answer back from the relay thread
-        first: the thread keeps no clock; the other two find nothing to do while RELAYED)."""
-        self.armed[timer] = False
-        if self.done:
+        first: the thread keeps no clock; the other two find nothing to do while RELAYED). One
+        this exchange did not arm (the connection's clock, run on from the exchange before it)
+        is nothing to it."""
+        if not self.armed[timer] or self.done:
             return []
+        self.armed[timer] = False
         if timer == Timer.SERVER:
             limit = self.cfg.timeout_server
             quiet = now - self.last

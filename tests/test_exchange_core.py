@@ -393,3 +393,13 @@ def test_a_keepalive_cycle_and_its_states() -> None:
     c.enter(State.IDLE)
     again, _ = serving(client=c)
     assert state_of(c) is State.EXCHANGE and again.counted
+
+
+def test_a_clock_this_exchange_did_not_arm_is_nothing_to_it() -> None:
+    """The connection's timeout_server clock runs on from the exchange before: one still
+    choosing its worker (or reading a body by rule 9) is not judged by it."""
+    ex, _ = exchange()
+    assert ex.fired(Timer.SERVER, 1000.0) == []
+    assert not ex.done
+    ex, _ = serving()
+    assert arg(ex.fired(Timer.SERVER, 1000.0), Op.ANSWER)[0] == 504  # type: ignore[index]

@@ -287,6 +287,10 @@ class HttpClient:
         # checks ``idle_since`` when it fires), or the linger.
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
+        # The exchanges' ``timeout_server`` clock, one per connection too: an exchange that
+        # begins while it runs (its deadline then comes first) is judged when it fires, and
+        # the core arms it again for what is left (``ExchangeCore.fired``).
+        self.server_timer: asyncio.TimerHandle | None = None
         self.reading = False  # ClientConnection paused it at the first head
         # Rule 8: while the lane thread serves this connection, its handle and what it holds.
         self.lane: int | None = None
@@ -606,10 +610,24 @@ class HttpClient:
             return
         self.close()
 
+    def server_clock(self, delay: float) -> None:
+        """Arm the ``timeout_server`` clock, unless it runs already (an earlier deadline)."""
+        if self.server_timer is None:
+            self.server_timer = self.host.loop.call_later(delay, self._server_due)
+
+    def _server_due(self) -> None:
+        self.server_timer = None
+        if self.exchange is not None:
+            self.exchange.fired(Timer.SERVER)
+
     def _cancel_timer(self) -> None:
+        """Stop the connection's clocks (it closes, is upgraded or goes to a lane)."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.server_timer is not None:
+            self.server_timer.cancel()
+            self.server_timer = None
 
     def close(self) -> None:
         """Close the connection; while the client may still be sending its request, after a
@@ -647,7 +665,8 @@ class Exchange:
         self.route: Routed | None = None
         self.backend: Backend | None = None
         self.worker: WorkerConn | None = None
-        self.timers: list[asyncio.TimerHandle | None] = [None, None, None]  # by ``Timer``
+        # By ``Timer`` (SERVER's stays None: that clock is the connection's, ``server_clock``).
+        self.timers: list[asyncio.TimerHandle | None] = [None, None, None]
         self.out: list[bytes] = []  # for the client, written once per read of the worker
         self.relay: int | None = None  # the relay thread's handle (rule 7)
         self.prompt: Prompt | None = None  # rule 9: the body's, where it places the request
@@ -669,9 +688,12 @@ class Exchange:
         for op, arg in actions:  # the most frequent first
             if op == Op.ARM:
                 timer, delay = arg
-                self.timers[timer] = self.host.loop.call_later(delay, self._fired, timer)
+                if timer == Timer.SERVER:
+                    self.client.server_clock(delay)
+                else:
+                    self.timers[timer] = self.host.loop.call_later(delay, self.fired, timer)
             elif op == Op.CANCEL:
-                handle = self.timers[arg]
+                handle = self.timers[arg]  # SERVER's is the connection's: it runs on
                 if handle is not None:
                     handle.cancel()
                     self.timers[arg] = None
@@ -723,7 +745,8 @@ class Exchange:
             elif op == Op.REFUSE:
                 self.client.refuse(arg, self)
 
-    def _fired(self, timer: int) -> None:
+    def fired(self, timer: int) -> None:
+        """A timer is due: the exchange's own, or the connection's ``timeout_server`` clock."""
         self.timers[timer] = None
         if self.core.done:
             return
