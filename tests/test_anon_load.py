@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,16 +230,32 @@ async def stream_ended(port: int, sid: str, deadline: float) -> float | None:
             await asyncio.sleep(0.1)
 
 
-async def never_read(lb: Wslb, app_port: int, sid: str, first: bool = False) -> float:
+async def never_read(
+    lb: Wslb,
+    app_port: int,
+    sid: str,
+    first: bool = False,
+    until: Callable[[], Awaitable[None]] | None = None,
+) -> float:
     """Ask for an endless stream and read none of it: seconds until the worker's write failed.
-    ``first``: a whole short answer of the same request before (the lane's first exchange)."""
+    ``first``: a whole short answer of the same request before (the lane's first exchange).
+    ``until``: the stream is paced (a token stream's shape) until it returns, then floods; the
+    seconds count from the flood."""
     r, w = await asyncio.open_connection("127.0.0.1", lb.port)
-    head = f"GET /stream?id={sid}&after={int(first)} HTTP/1.1\r\nHost: x\r\nX-Session-Id: {sid}"
+    query = f"id={sid}&after={int(first)}&paced={int(until is not None)}"
+    head = f"GET /stream?{query} HTTP/1.1\r\nHost: x\r\nX-Session-Id: {sid}"
     try:
         if first:
             w.write(head.encode() + b"\r\n\r\n")
             await asyncio.wait_for(r.readuntil(b"0\r\n\r\n"), 5)  # three events and the end
         w.write(head.encode() + b"\r\n\r\n")
+        if until is not None:
+            await until()
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{app_port}/flood", params={"id": sid}) as resp,
+            ):
+                assert resp.status == 200
         t0 = time.time()
         ended = await stream_ended(app_port, sid, time.monotonic() + STALL_S + 15)
         assert ended is not None, f"the worker still writes {STALL_S + 15:.0f}s on: {lb.log_tail()}"
@@ -266,12 +282,31 @@ async def test_a_client_that_never_reads_is_cut_in_the_event_loop(stalls: Stalls
 @pytest.mark.skipif(not offload.AVAILABLE, reason="balancer._offload is not built")
 async def test_a_client_that_never_reads_is_cut_with_the_relay_thread(stalls: Stalls) -> None:
     """The stream goes to the relay thread after its first chunks; the thread gives it back
-    when the client stops taking it, and the event loop's clock cuts it."""
-    taken = metric(stalls.lb, "wslb_relay_thread_handovers_total", event="taken")
-    took = await never_read(stalls.lb, stalls.app_port, "relay")
+    when the client stops taking it, and the event loop's clock cuts it.
+
+    The worker paces its first events as a model does, and floods only once the thread has
+    the stream: wslb hands an answer over only between chunks, and a worker writing as fast
+    as it can, read by a busy wslb, fills each read mid-chunk until the client's socket
+    buffers are full - the event loop then relays and cuts it itself (the first test's case),
+    and the thread is never tried."""
+    lb = stalls.lb
+    taken = metric(lb, "wslb_relay_thread_handovers_total", event="taken")
+    returned = metric(lb, "wslb_relay_thread_handovers_total", event="frame")
+
+    async def in_the_thread() -> None:
+        deadline = time.monotonic() + 10
+        while (
+            await asyncio.to_thread(metric, lb, "wslb_relay_thread_handovers_total", event="taken")
+            <= taken
+        ):
+            assert time.monotonic() < deadline, lb.log_tail()
+            await asyncio.sleep(0.05)
+
+    took = await never_read(lb, stalls.app_port, "relay", until=in_the_thread)
     assert STALL_S <= took < STALL_S + 6, took
-    assert metric(stalls.lb, "wslb_relay_thread_handovers_total", event="taken") > taken
-    await wait_for_line(stalls.lb, 'end="client not reading"')
+    # Given back at the send the client did not take whole (``_offload.c``: a chunked body).
+    assert metric(lb, "wslb_relay_thread_handovers_total", event="frame") > returned
+    await wait_for_line(lb, 'end="client not reading"')
 
 
 @pytest.mark.skipif(not lanes.AVAILABLE, reason="balancer._offload is not built")

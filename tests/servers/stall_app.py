@@ -3,8 +3,11 @@ when its write failed: the referee of a client that stops reading (``tests/test_
 
 ``GET /stream?id=ID&after=K``: the first K requests of an ID get three events and the end (so a
 kept-alive connection can go to a lane first); the next one streams 1 KiB events until a write
-fails or the request is cancelled. ``GET /ended?id=ID``: ``{"bytes", "ended"}``, ``ended`` the
-wall time the stream's write failed (None while it goes on)::
+fails or the request is cancelled. With ``&paced=1`` it writes one event every ``PACE_S`` (as a
+model streams tokens: each read of it ends between chunks, so wslb may hand it to its relay
+thread) until ``GET /flood?id=ID``, then as fast as it can. ``GET /ended?id=ID``:
+``{"bytes", "ended"}``, ``ended`` the wall time the stream's write failed (None while it goes
+on)::
 
     python -m tests.servers.stall_app --port 9001
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Any
@@ -20,8 +24,10 @@ from typing import Any
 from aiohttp import web
 
 EVENT = b"data: " + b"x" * 1016 + b"\n\n"
+PACE_S = 0.01  # between a paced stream's events
 calls: Counter[str] = Counter()
 streams: dict[str, dict[str, Any]] = {}
+floods: dict[str, asyncio.Event] = {}
 
 
 async def stream(request: web.Request) -> web.StreamResponse:
@@ -35,7 +41,15 @@ async def stream(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         return resp
     rec = streams[sid] = {"bytes": 0, "ended": None}
+    flood = floods.setdefault(sid, asyncio.Event())
+    if request.query.get("paced") != "1":
+        flood.set()
     try:
+        while not flood.is_set():
+            await resp.write(EVENT)
+            rec["bytes"] += len(EVENT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(flood.wait(), PACE_S)
         while True:
             await resp.write(EVENT)
             rec["bytes"] += len(EVENT)
@@ -43,6 +57,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return resp
     finally:
         rec["ended"] = time.time()
+
+
+async def flood(request: web.Request) -> web.Response:
+    floods.setdefault(request.query["id"], asyncio.Event()).set()
+    return web.json_response({})
 
 
 async def ended(request: web.Request) -> web.Response:
@@ -53,6 +72,7 @@ async def ended(request: web.Request) -> web.Response:
 def app() -> web.Application:
     a = web.Application()
     a.router.add_get("/stream", stream)
+    a.router.add_get("/flood", flood)
     a.router.add_get("/ended", ended)
     return a
 
