@@ -1722,6 +1722,16 @@ def _llama_starter(parallel: int, ctx: int) -> Callable[[Procs, str], str]:
     return start
 
 
+def _etcd_starter(procs: Procs, data: Path) -> str:
+    """``--workload keyless``'s cluster row: one etcd member (the tests' own, Debian's
+    etcd-server), stopped with the group; its URL."""
+    from tests.tier import Etcd
+
+    etcd = Etcd(data).start()
+    procs.on_close(etcd.stop)
+    return etcd.url
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -1736,7 +1746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.lib import keyless
 
         line = "python bench/routing.py " + " ".join(shlex.quote(x) for x in argv)
-        return keyless.main(argv, line, _llama_starter)
+        return keyless.main(argv, line, _llama_starter, _etcd_starter)
     command = "python bench/routing.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     if args.sweep:
         return sweep(args, command.strip())

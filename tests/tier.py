@@ -19,7 +19,7 @@ from tests.etcd import Etcd
 from tests.procs import Worker, Wslb, free_port, pool_config, stop, wait_port
 from tests.test_http_proxy import metric
 
-__all__ = ["Tier", "haproxy_binary", "metric", "until"]
+__all__ = ["Etcd", "Tier", "haproxy_binary", "metric", "until"]
 
 PREFIX = "/wslb-tier/"
 

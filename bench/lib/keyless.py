@@ -630,6 +630,7 @@ def run_one(
     llama: bool,
     logdir: Path,
     code: Path = ROOT,
+    etcd: EtcdStarter | None = None,
 ) -> RunResult | str:
     """One router in front of fresh engines: its result, or why it was skipped."""
     d = logdir / f"run{run}-{router}"
@@ -646,11 +647,9 @@ def run_one(
             cfg = _wslb_config(router, taps, names, llama)
             token = secrets.token_urlsafe(32)
             if router == "wslb-keyless-cluster":
-                from tests.etcd import Etcd  # the tests' real etcd (Debian's etcd-server)
-
-                etcd = Etcd(d / "etcd").start()
-                procs.on_close(etcd.stop)
-                cfg["cluster"] = {"etcd": etcd.url, "prefix": "/wslb-bench/"}
+                if etcd is None:
+                    return "no etcd to run a cluster with"
+                cfg["cluster"] = {"etcd": etcd(procs, d / "etcd"), "prefix": "/wslb-bench/"}
             two = router in ("wslb-keyless-2", "wslb-keyless-cluster")
             for i in range(2 if two else 1):
                 lb = Wslb(cfg, d, procs=procs, token=token, src=code, name=f"wslb-{i + 1}")
@@ -775,10 +774,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LlamaFactory = Callable[[int, int], EngineStarter]
+EtcdStarter = Callable[[Procs, Path], str]
+"""Starts an etcd member with its data in the folder, stopped with the group; its URL
+(``bench/routing.py`` owns it: the tests' real etcd)."""
 """(parallel, ctx) -> a llama-server starter (``bench/routing.py`` owns the engine build)."""
 
 
-def main(argv: Sequence[str], command: str, llama: LlamaFactory | None) -> int:
+def main(
+    argv: Sequence[str],
+    command: str,
+    llama: LlamaFactory | None,
+    etcd: EtcdStarter | None = None,
+) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.engines = "reference"
@@ -838,6 +845,7 @@ def main(argv: Sequence[str], command: str, llama: LlamaFactory | None) -> int:
                     is_llama,
                     logdir,
                     args.code,
+                    etcd,
                 )
                 if isinstance(out, str):
                     print(f"# skipped {router}: {out}", flush=True)
