@@ -26,9 +26,9 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import TypeAdapter
 
+from bench.lib.wslb import prom_by_label
 from tests.procs import WORKER_AUTH, free_port
 from tests.test_bridge import FAST, FLOOD, abridges, fake_engine, metrics, until
 from tests.test_engine_failover import Stack, bridged_stack
@@ -188,13 +188,8 @@ async def test_the_sdk_through_wslb_in_front_of_two_bridges(stack: Stack) -> Non
         await asyncio.sleep(0.05)
 
 
-def prefix_reports(text: str) -> dict[str, float]:
-    return {
-        s.labels["result"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "wslb_prefix_reports_total"
-    }
+def prefix_reports(text: str) -> dict[str, int]:
+    return dict(prom_by_label(text, "wslb_prefix_reports_total", "result"))
 
 
 # -- a fake engine --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import yaml
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.lib.wslb import prom_by_label
 from tests.procs import ROOT, Worker, Wslb, free_ports, pool_config, running
 
 TIMEOUT = 20.0
@@ -427,22 +428,9 @@ async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None
             assert len(set(found)) == 1, found
 
 
-def reports(text: str) -> dict[str, float]:
-    return {
-        s.labels["result"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "wslb_prefix_reports_total" and s.labels["pool"] == "chat"
-    }
-
-
-def placements(text: str) -> dict[str, float]:
-    return {
-        s.labels["how"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "wslb_http_prefix_placements_total" and s.labels["pool"] == "chat"
-    }
+def reports(text: str) -> dict[str, int]:
+    """``wslb_prefix_reports_total`` by ``result``."""
+    return dict(prom_by_label(text, "wslb_prefix_reports_total", "result"))
 
 
 async def settled_metrics(lb: Wslb, done: int) -> str:

@@ -1092,9 +1092,9 @@ class Exchange:
                 pool.detach_request(backend)
             host.stats.http_active[pool.name] -= 1
             if self.sent is not None and self.prompt is not None:  # rule 10
-                core = self.core
-                ended = self.report is not None and core.response_done and core.status == 200
-                said = self.report.result() if ended and self.report is not None else None
+                core, report = self.core, self.report
+                ended = core.response_done and core.status == 200
+                said = report.result() if report is not None and ended else None
                 result = pool.settle(self.sent, self.prompt, said)
                 if result is not None:
                     host.stats.prefix_reports[(pool.name, result)] += 1
