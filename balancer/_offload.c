@@ -227,18 +227,14 @@ struct lane {
     lane_t *ctl_next;
 };
 
+/* The exchanges of one (pool, kind, status) since the last take_stats: their number and their
+ * durations' cumulative buckets (the event loop adds the statuses' buckets into one histogram). */
 typedef struct {
     char pool[64];
     int kind, status;
-    unsigned long long n;
-} count_t;
-
-typedef struct {
-    char pool[64];
-    int kind;
     unsigned long long counts[MAX_BUCKETS], n;
     double sum;
-} hist_t;
+} tally_t;
 
 typedef struct {
     uint64_t handle;
@@ -278,10 +274,8 @@ typedef struct {
     int log_on;
     exch_t *log;
     size_t nlog, log_cap;
-    count_t *counts;
-    size_t ncounts, counts_cap;
-    hist_t *hists;
-    size_t nhists, hists_cap;
+    tally_t *tallies;
+    size_t ntallies, tallies_cap;
     unsigned long long bytes_in, bytes_out, exchanges;
     /* The event loop's (events()): room for every slot. */
     event_t *evout;
@@ -1375,50 +1369,31 @@ count_exchange(Core *r, lane_t *l, double duration)
     r->exchanges++;
     r->bytes_in += (unsigned long long)l->bytes_in;
     r->bytes_out += (unsigned long long)l->bytes_out;
-    count_t *c = NULL;
-    for (size_t i = 0; i < r->ncounts; i++) {
-        if (r->counts[i].kind == l->kind_sse && r->counts[i].status == l->status &&
-            strcmp(r->counts[i].pool, pool) == 0) {
-            c = &r->counts[i];
+    tally_t *c = NULL;
+    for (size_t i = 0; i < r->ntallies; i++) {
+        if (r->tallies[i].kind == l->kind_sse && r->tallies[i].status == l->status &&
+            strcmp(r->tallies[i].pool, pool) == 0) {
+            c = &r->tallies[i];
             break;
         }
     }
     if (c == NULL) {
-        void *grown = grow(r->counts, &r->counts_cap, r->ncounts, sizeof *r->counts, 16);
+        void *grown = grow(r->tallies, &r->tallies_cap, r->ntallies, sizeof *r->tallies, 16);
         if (grown == NULL) {
             return;
         }
-        r->counts = grown;
-        c = &r->counts[r->ncounts++];
+        r->tallies = grown;
+        c = &r->tallies[r->ntallies++];
         memset(c, 0, sizeof *c);
         memcpy(c->pool, pool, sizeof pool);
         c->kind = l->kind_sse;
         c->status = l->status;
     }
     c->n++;
-    hist_t *h = NULL;
-    for (size_t i = 0; i < r->nhists; i++) {
-        if (r->hists[i].kind == l->kind_sse && strcmp(r->hists[i].pool, pool) == 0) {
-            h = &r->hists[i];
-            break;
-        }
-    }
-    if (h == NULL) {
-        void *grown = grow(r->hists, &r->hists_cap, r->nhists, sizeof *r->hists, 8);
-        if (grown == NULL) {
-            return;
-        }
-        r->hists = grown;
-        h = &r->hists[r->nhists++];
-        memset(h, 0, sizeof *h);
-        memcpy(h->pool, pool, sizeof pool);
-        h->kind = l->kind_sse;
-    }
-    h->n++;
-    h->sum += duration;
+    c->sum += duration;
     for (int i = 0; i < r->nbuckets; i++) {
         if (duration <= r->buckets[i]) {
-            h->counts[i]++;
+            c->counts[i]++;
         }
     }
 }
@@ -3183,58 +3158,48 @@ Core_take_log(Core *r, PyObject *Py_UNUSED(ignored))
     return list;
 }
 
-/* take_stats() -> (counts [(pool, sse, status, n)], hists [(pool, sse, (bucket counts), n, sum)],
- * bytes_in, bytes_out, exchanges): what was counted since the last call. */
+/* take_stats() -> (tallies [(pool, sse, status, (bucket counts), n, sum)], bytes_in, bytes_out,
+ * exchanges): what was counted since the last call. */
 static PyObject *
 Core_take_stats(Core *r, PyObject *Py_UNUSED(ignored))
 {
     pthread_mutex_lock(&r->mu);
-    count_t *counts = r->counts;
-    size_t nc = r->ncounts;
-    hist_t *hists = r->hists;
-    size_t nh = r->nhists;
+    tally_t *tallies = r->tallies;
+    size_t nt = r->ntallies;
     unsigned long long bin = r->bytes_in, bout = r->bytes_out, ex = r->exchanges;
-    r->counts = NULL;
-    r->ncounts = r->counts_cap = 0;
-    r->hists = NULL;
-    r->nhists = r->hists_cap = 0;
+    r->tallies = NULL;
+    r->ntallies = r->tallies_cap = 0;
     r->bytes_in = r->bytes_out = r->exchanges = 0;
     pthread_mutex_unlock(&r->mu);
-    PyObject *cl = PyList_New(0), *hl = PyList_New(0), *out = NULL;
-    if (cl == NULL || hl == NULL) {
+    PyObject *tl = PyList_New(0), *out = NULL;
+    if (tl == NULL) {
         goto done;
     }
-    for (size_t i = 0; i < nc; i++) {
-        PyObject *t = Py_BuildValue("(siiK)", counts[i].pool, counts[i].kind, counts[i].status,
-                                    counts[i].n);
-        if (t == NULL || PyList_Append(cl, t) < 0) {
-            Py_XDECREF(t);
-            goto done;
-        }
-        Py_DECREF(t);
-    }
-    for (size_t i = 0; i < nh; i++) {
+    for (size_t i = 0; i < nt; i++) {
+        tally_t *c = &tallies[i];
         PyObject *b = PyTuple_New(r->nbuckets);
         if (b == NULL) {
             goto done;
         }
         for (int k = 0; k < r->nbuckets; k++) {
-            PyTuple_SET_ITEM(b, k, PyLong_FromUnsignedLongLong(hists[i].counts[k]));
+            PyObject *v = PyLong_FromUnsignedLongLong(c->counts[k]);
+            if (v == NULL) {
+                Py_DECREF(b);
+                goto done;
+            }
+            PyTuple_SET_ITEM(b, k, v);
         }
-        PyObject *t =
-            Py_BuildValue("(siNKd)", hists[i].pool, hists[i].kind, b, hists[i].n, hists[i].sum);
-        if (t == NULL || PyList_Append(hl, t) < 0) {
+        PyObject *t = Py_BuildValue("(siiNKd)", c->pool, c->kind, c->status, b, c->n, c->sum);
+        if (t == NULL || PyList_Append(tl, t) < 0) {
             Py_XDECREF(t);
             goto done;
         }
         Py_DECREF(t);
     }
-    out = Py_BuildValue("(OOKKK)", cl, hl, bin, bout, ex);
+    out = Py_BuildValue("(OKKK)", tl, bin, bout, ex);
 done:
-    Py_XDECREF(cl);
-    Py_XDECREF(hl);
-    free(counts);
-    free(hists);
+    Py_XDECREF(tl);
+    free(tallies);
     return out;
 }
 
@@ -3517,8 +3482,7 @@ Core_dealloc(Core *r)
     free(r->free_slots);
     free(r->evout);
     free(r->log);
-    free(r->counts);
-    free(r->hists);
+    free(r->tallies);
     if (r->epfd >= 0) {
         close(r->epfd);
     }

@@ -25,24 +25,25 @@ CLIENT_GONE: Final[int]
 FAILED: Final[int]
 CLOSED: Final[int]
 
+# A lane's spec, as ``Exchange.lane_spec`` makes it (its one definition).
 Spec = tuple[
-    bytes,  # sig
-    tuple[bytes, ...],  # sig_names
-    bytes,  # target
-    bytes,  # pre
-    bytes,  # post
-    tuple[bytes, ...],  # drop
-    tuple[bytes, ...],  # resp_drop
-    bytes,  # resp_add
+    bytes,  # sig: the target, then each routing header's values ("\0name\0v1\1v2")
+    tuple[bytes, ...],  # sig_names: those headers (lowercase)
+    bytes,  # target: the worker's
+    bytes,  # pre: wslb's header lines before the client's
+    bytes,  # post: and after them
+    tuple[bytes, ...],  # drop: client header names not copied
+    tuple[bytes, ...],  # resp_drop: worker header names not copied
+    bytes,  # resp_add: wslb's header lines in the answer
     int,  # max_head
     int,  # max_headers
     int,  # max_body
     float,  # t_request
     float,  # t_server
     float,  # t_idle
-    float,  # t_stall
-    bytes,  # peer
-    bytes,  # key
+    float,  # t_stall: timeouts.backpressure (a client that takes nothing for this long is cut)
+    bytes,  # peer (the access line's client)
+    bytes,  # key (the client's)
     bytes,  # pool
     bytes,  # backend
 ]
@@ -69,13 +70,7 @@ class Thread:
     ]: ...
     def take_stats(
         self,
-    ) -> tuple[
-        list[tuple[str, int, int, int]],
-        list[tuple[str, int, tuple[int, ...], int, float]],
-        int,
-        int,
-        int,
-    ]: ...
+    ) -> tuple[list[tuple[str, int, int, tuple[int, ...], int, float]], int, int, int]: ...
     def set_log(self, on: bool) -> None: ...
     # Both.
     def events(self) -> list[tuple[int, int]]: ...

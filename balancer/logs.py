@@ -227,7 +227,10 @@ def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=4096)
 def _quote(value: object) -> str:
+    """A field as the access line writes it: bare when plain, else a JSON string. Cached: a
+    batch of lines repeats its clients, keys, pools, methods and paths (a miss costs 0.1 us)."""
     text = "-" if value is None else str(value)
     return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
@@ -310,12 +313,19 @@ def access_line(formatter: logging.Formatter, created: float, fields: Mapping[st
         out.update(fields)
         return json.dumps(out, separators=(",", ":"), default=str)
     tag = formatter.tag if isinstance(formatter, TextFormatter) else ""
-    return TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}") % {
-        "asctime": iso_time(created),
+    return f"{iso_time(created)} {_access_head(tag)}{text}"
+
+
+@functools.lru_cache(maxsize=8)
+def _access_head(tag: str) -> str:
+    """What ``TEXT_FORMAT`` puts between an access line's time and its message."""
+    line = TEXT_FORMAT.replace("%(name)s", f"%(name)s{tag}") % {
+        "asctime": "",
         "levelname": "INFO",
         "name": ACCESS.name,
-        "message": text,
+        "message": "",
     }
+    return line[1:]
 
 
 def log_http_access(fields: Mapping[str, Any]) -> None:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Final, Protocol, cast
 import h11
 
 from balancer.aio.lanes import IDLE_S as LANE_IDLE_S
-from balancer.aio.lanes import Spec
 from balancer.aio.offload import OFFLOAD_AFTER, plain_socket
 from balancer.exchange_core import Action, ClientCore, ExchangeCore, Fate, Op, State, Timer
 from balancer.handshake import ClosedBeforeRequest, HandshakeReject, next_request
@@ -51,6 +50,7 @@ from balancer.prefix import Prompt, Report, Sent, prompt_of
 from balancer.router import Client, Host, Routed, Walk, route
 
 if TYPE_CHECKING:
+    from balancer._offload import Spec
     from balancer.aio.lanes import Back, Lanes
     from balancer.aio.offload import Offload
     from balancer.auth import Authenticator

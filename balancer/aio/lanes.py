@@ -46,11 +46,12 @@ from balancer.logs import access_line, access_sink, log_http_access
 from balancer.metrics import HTTP_BUCKETS, Histogram
 
 if TYPE_CHECKING:
+    from balancer._offload import Spec
     from balancer.aio.offload import Offload
     from balancer.metrics import Stats
     from balancer.pool import Backend
 
-__all__ = ["AVAILABLE", "Back", "LaneOwner", "Lanes", "Spec"]
+__all__ = ["AVAILABLE", "Back", "LaneOwner", "Lanes"]
 
 log = logging.getLogger("wslb.http")
 
@@ -85,30 +86,6 @@ if _lanes is not None:
     }
     # The client connection is over (the thread wrote what it had to, if anything).
     CLIENT_ENDED = frozenset({_lanes.CLIENT_EOF, _lanes.CLIENT_GONE, _lanes.FAILED, _lanes.CLOSED})
-
-
-Spec = tuple[
-    bytes,  # sig: the target, then each routing header's values ("\0name\0v1\1v2")
-    tuple[bytes, ...],  # sig_names: those headers (lowercase)
-    bytes,  # target: the worker's
-    bytes,  # pre: wslb's header lines before the client's
-    bytes,  # post: and after them
-    tuple[bytes, ...],  # drop: client header names not copied
-    tuple[bytes, ...],  # resp_drop: worker header names not copied
-    bytes,  # resp_add: wslb's header lines in the answer
-    int,  # max_head
-    int,  # max_headers
-    int,  # max_body
-    float,  # t_request
-    float,  # t_server
-    float,  # t_idle
-    float,  # t_stall: timeouts.backpressure (a client that takes nothing for this long is cut)
-    bytes,  # peer (the access line's client)
-    bytes,  # key (the client's)
-    bytes,  # pool
-    bytes,  # backend
-]
-"""A lane's spec (``_offload.c``), as ``Exchange.lane_spec`` makes it."""
 
 
 class Back(NamedTuple):
@@ -242,14 +219,14 @@ class Lanes:
         records = self._c.take_log()
         if records:
             self._write_log(records)
-        counts, hists, bytes_in, bytes_out, exchanges = self._c.take_stats()
-        if not exchanges and not counts:
+        tallies, bytes_in, bytes_out, exchanges = self._c.take_stats()
+        if not exchanges and not tallies:
             return
         st = self.stats
-        for pool, sse, status, n in counts:
-            st.http_requests[(pool, "sse" if sse else "plain", status)] += n
-        for pool, sse, buckets, n, total in hists:
-            key = f"{pool}\x00{'sse' if sse else 'plain'}"
+        for pool, sse, status, buckets, n, total in tallies:
+            kind = "sse" if sse else "plain"
+            st.http_requests[(pool, kind, status)] += n
+            key = f"{pool}\x00{kind}"
             h = st.http_duration.by.get(key)
             if h is None:
                 h = st.http_duration.by[key] = Histogram(HTTP_BUCKETS, keep=False)
