@@ -323,7 +323,7 @@ async def test_close_gives_up_on_a_thread_that_does_not_stop(
     ln = lanes.Lanes(offload.Offload(asyncio.get_running_loop(), Counter()), Stats(), False)
     a, b = socket.socketpair()
     c, d = socket.socketpair()
-    spec: lanes.Spec = (
+    spec: _lanes.Spec = (
         b"/x\0host\0h",
         (b"host",),
         b"/x",

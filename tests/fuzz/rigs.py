@@ -15,11 +15,13 @@ import socket
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from balancer.aio.httpproxy import _LANE_SIG
-from balancer.aio.lanes import Spec
 from balancer.httpmsg import LANE_DROP, RESPONSE_DROP
+
+if TYPE_CHECKING:
+    from balancer._offload import Spec
 
 TARGET = b"/t"
 KEY = b"k1"
@@ -42,7 +44,7 @@ def signature(target: bytes = TARGET, host: bytes = HOST) -> bytes:
 
 
 def spec(max_head: int = 16384, max_headers: int = 100, t_server: float = 2.0) -> Spec:
-    """A spec as ``Exchange.lane_spec`` makes it (balancer.aio.lanes.Spec)."""
+    """A spec as ``Exchange.lane_spec`` makes it (balancer._offload.Spec)."""
     return (
         signature(),
         _LANE_SIG,
