@@ -30,8 +30,11 @@ import os
 import re
 import select
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import h11
@@ -49,7 +52,7 @@ from tests.fuzz.referee import (
     h11_response,
     llhttp,
 )
-from tests.fuzz.sanitized import check_sanitized
+from tests.fuzz.sanitized import check_sanitized, sanitized_dir
 
 _lanes: ModuleType | None
 _relay: ModuleType | None
@@ -694,8 +697,17 @@ def test_scan_entry_point_at_every_cut(
 
 
 def test_the_sanitized_builds_are_the_ones_tested() -> None:
-    """Under tools/sanitize.sh each C module is the sanitized build (a no-op elsewhere)."""
+    """Under tools/sanitize.sh each C module is the sanitized build (a no-op elsewhere), in
+    this process and in the Python processes it starts (wslb's, by tests/procs.py)."""
     check_sanitized()
+    d = sanitized_dir()
+    if d is None:
+        return
+    code = "import balancer._offload as m, balancer._scan as s; print(m.__file__, s.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert [Path(f).resolve().parent for f in out] == [d / "balancer"] * 2, out
 
 
 # -- what the fuzzing found, by name ------------------------------------------------------------

@@ -2,7 +2,8 @@
 # The C modules (balancer/_scan.c, _offload.c) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer into a scratch directory outside the source tree, then the fuzz tests
 # (tests/test_c_fuzz.py, tests/test_fuzz.py, the C-against-Python tests of
-# tests/test_frames.py and tests/test_offload.py) run against those builds: any overflow, out-of-bounds
+# tests/test_frames.py and tests/test_offload.py) and the hostile-worker and smuggling-probe tests
+# (whose wslb processes take the same builds) run against them: any overflow, out-of-bounds
 # access or undefined arithmetic aborts the run with the sanitizer's report.
 #
 #   tools/sanitize.sh                  # build, then the fuzz tests
@@ -48,6 +49,19 @@ export LD_PRELOAD="$asan $ubsan${LD_PRELOAD:+ $LD_PRELOAD}"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export WSLB_SANITIZED="$out"
+# The processes the tests start (wslb and its serving processes) take the sanitized builds too:
+# a sitecustomize on their PYTHONPATH puts the build first on balancer's package path, as the
+# plugin does for the test process (tests/fuzz/sanitized.py).
+mkdir -p "$out/site"
+cat > "$out/site/sitecustomize.py" <<'PY'
+import os
+
+if os.environ.get("WSLB_SANITIZED"):
+    import balancer
+
+    balancer.__path__.insert(0, os.path.join(os.environ["WSLB_SANITIZED"], "balancer"))
+PY
+export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
 export WSLB_FUZZ_EXAMPLES=${WSLB_FUZZ_EXAMPLES:-500}  # tests/test_c_fuzz.py: more than its default
 rc=0
 tests=(
@@ -58,6 +72,8 @@ tests=(
     tests/test_frames.py::test_c_loop_arguments_and_buffers
     tests/test_offload.py::test_stops_at_the_first_frame_it_must_not_take
     tests/test_offload.py::test_chunked_stops_at_the_first_chunk_it_must_not_take
+    tests/test_hostile_worker.py
+    tests/test_probes_every_path.py
 )
 timeout "${WSLB_SANITIZE_TIMEOUT:-600}" "$py" -m pytest -q -n 0 -p no:cacheprovider --capture=sys \
     -p tests.fuzz.sanitized "${tests[@]}" "$@" || rc=$?
