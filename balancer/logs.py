@@ -36,7 +36,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 __all__ = [
     "ACCESS",
@@ -227,11 +227,22 @@ def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=4096)
 def _quote(value: object) -> str:
-    """A field as the access line writes it: bare when plain, else a JSON string. Cached: a
-    batch of lines repeats its clients, keys, pools, methods and paths (a miss costs 0.1 us)."""
+    """A field as the access line writes it: bare when plain, else a JSON string."""
     text = "-" if value is None else str(value)
+    if len(text) <= QUOTE_CACHED:
+        return _quote_short(text)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
+
+
+QUOTE_CACHED: Final = 128
+"""Fields up to this long are quoted once (``_quote_short``): a batch of lines repeats its
+clients, keys, pools, methods and paths. A longer one, which a client can make as long as a
+request head, is quoted each time, so the cache stays under a megabyte."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _quote_short(text: str) -> str:
     return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 

@@ -53,6 +53,22 @@ def test_text_line() -> None:
     assert "\n" not in forged and 'session="x\\n127.0.0.1 session=\\"y"' in forged
 
 
+def test_long_fields_are_quoted_alike_and_not_kept() -> None:
+    """A field past ``QUOTE_CACHED`` (a client's path can be as long as a request head) is
+    quoted as a short one is, and the quoting cache does not keep it."""
+    logs._quote_short.cache_clear()
+    access_text({**FIELDS, "path": "/short"})
+    short = logs._quote_short.cache_info().currsize  # every field, the path among them
+    logs._quote_short.cache_clear()
+    long_path = "/" + "a" * 60_000
+    odd = "/" + "\u00e9 " * 40_000
+    for _ in range(3):
+        assert access_text({**FIELDS, "path": long_path}).count(long_path) == 1
+        assert json.dumps(odd) in access_text({**FIELDS, "path": odd})
+    assert logs._quote_short.cache_info().currsize == short - 1  # all but the path
+    assert len(long_path) > logs.QUOTE_CACHED
+
+
 def test_json_line() -> None:
     record = logging.LogRecord("wslb.access", logging.INFO, "f", 1, "text", None, None)
     record.fields = FIELDS
