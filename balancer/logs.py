@@ -230,8 +230,10 @@ def access_fields(s: EndedSession, now: float | None = None) -> dict[str, Any]:
 def _quote(value: object) -> str:
     """A field as the access line writes it: bare when plain, else a JSON string."""
     text = "-" if value is None else str(value)
-    if len(text) <= QUOTE_CACHED:
-        return _quote_short(text)
+    return _quote_short(text) if len(text) <= QUOTE_CACHED else _quoted(text)
+
+
+def _quoted(text: str) -> str:
     return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 
@@ -239,11 +241,7 @@ QUOTE_CACHED: Final = 128
 """Fields up to this long are quoted once (``_quote_short``): a batch of lines repeats its
 clients, keys, pools, methods and paths. A longer one, which a client can make as long as a
 request head, is quoted each time, so the cache stays under a megabyte."""
-
-
-@functools.lru_cache(maxsize=1024)
-def _quote_short(text: str) -> str:
-    return text if _PLAIN.fullmatch(text) else json.dumps(text)
+_quote_short = functools.lru_cache(maxsize=1024)(_quoted)
 
 
 def access_text(f: Mapping[str, Any]) -> str:
