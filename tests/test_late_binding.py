@@ -19,12 +19,13 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+import jwt
 import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.http11 import Request, Response
 
 from tests.procs import Worker, Wslb, free_port, pool_config, running
@@ -219,10 +220,13 @@ class Stock:
     connections: int = 0
     received: list[str | bytes] = field(default_factory=list)
     chosen: list[str | None] = field(default_factory=list)
+    keys: list[str | None] = field(default_factory=list)  # each session's X-Session-Id
 
     async def handler(self, ws: ServerConnection) -> None:
         self.connections += 1
         self.chosen.append(ws.subprotocol)
+        assert ws.request is not None
+        self.keys.append(ws.request.headers.get("X-Session-Id"))
         async for msg in ws:
             self.received.append(msg)
             await ws.send(msg)
@@ -406,3 +410,92 @@ async def test_hostile_first_bytes_are_answered_by_wslb_alone(echo: Stock, lb: W
     assert echo.connections == 1  # only the last one reached the server
     assert (await asyncio.to_thread(bindings, lb)).get("closed") == 3
     assert "Traceback" not in lb.output()
+
+
+# -- attackers: wslb's own checks come before its 101 ----------------------------------------
+
+SECRET = "a-late-binding-secret-long-enough-for-hs256-" + "y" * 24
+APP = "https://app.example"
+
+
+def token(sub: str, expires_in: int = 60, alg: str = "HS256") -> str:
+    claims = {"sub": sub, "exp": int(time.time()) + expires_in, "aud": "chat"}
+    key: Any = None if alg == "none" else SECRET
+    return jwt.encode(claims, key, algorithm=alg)
+
+
+@pytest.fixture
+async def guarded(echo: Stock, tmp_path: Path) -> AsyncIterator[Wslb]:
+    """The stock server behind a late-binding pool with JWT auth and one allowed origin."""
+    cfg = late_config([{"id": "stock", "url": f"ws://127.0.0.1:{echo.port}"}])
+    cfg["auth"] = {
+        "jwt": {"secret": SECRET, "algorithms": ["HS256"], "audience": "chat"},
+        "origins": [APP],
+    }
+    wslb = Wslb(cfg, tmp_path)
+    try:
+        await asyncio.to_thread(wslb.start)
+        yield wslb
+    finally:
+        await asyncio.to_thread(wslb.stop)
+
+
+async def test_a_late_bound_pool_refuses_with_a_status_before_its_101(
+    echo: Stock, guarded: Wslb
+) -> None:
+    """wslb answers the upgrade itself in a late-binding pool, but only after its own checks:
+    no token, an expired one, an unsigned one (``alg: none``), a page of another origin and a
+    client that names no origin each get their HTTP status, never a 101, and no worker hears
+    of any of them."""
+    cases: list[tuple[dict[str, str], str | None, int]] = [
+        ({}, APP, 401),
+        ({"Authorization": f"Bearer {token('alice', expires_in=-10)}"}, APP, 401),
+        ({"Authorization": f"Bearer {token('alice', alg='none')}"}, APP, 401),
+        ({"Authorization": f"Bearer {token('alice')}"}, "https://evil.example", 403),
+        ({"Authorization": f"Bearer {token('alice')}"}, None, 403),
+    ]
+    for headers, origin, status in cases:
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(
+                url(guarded),
+                additional_headers=headers,
+                origin=origin,  # type: ignore[arg-type]
+                open_timeout=TIMEOUT,
+            ):
+                pass
+        assert info.value.response.status_code == status, (headers, origin)
+    assert echo.connections == 0
+    assert (await asyncio.to_thread(bindings, guarded)) == {}  # none was read, let alone bound
+    assert "Traceback" not in guarded.output()
+
+
+async def test_another_users_key_is_another_late_bound_session(echo: Stock, guarded: Wslb) -> None:
+    """Bob names the key Alice's session has: with JWT auth a key is its owner's, so Bob's is
+    a new session, bound late by his own first message, under another key at the worker; he
+    never joins Alice's. Alice's second tab with her key goes home at once."""
+    opened: list[ClientConnection] = []
+    try:
+        for sub, words in (("alice", "from alice"), ("bob", "from bob"), ("alice", "again")):
+            ws = await connect(
+                url(guarded),
+                additional_headers={
+                    "Authorization": f"Bearer {token(sub)}",
+                    "X-Session-Id": "shared",
+                },
+                origin=APP,  # type: ignore[arg-type]
+                open_timeout=TIMEOUT,
+            )
+            opened.append(ws)
+            await ws.send(words)
+            async with asyncio.timeout(TIMEOUT):
+                assert await ws.recv() == words  # its own echo, nobody else's
+        alice, bob, alice_again = echo.keys
+        assert alice is not None and bob is not None
+        assert alice != bob and alice.endswith("shared") and bob.endswith("shared")
+        assert alice_again == alice
+        # Alice's and Bob's first sessions were read and bound; her second tab was not.
+        counts = await asyncio.to_thread(bindings, guarded)
+        assert sum(counts.values()) == 2, counts
+    finally:
+        for ws in opened:
+            await ws.close()
