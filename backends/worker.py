@@ -16,7 +16,11 @@ One aiohttp server on one port (docs/protocol.md):
   ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/responses``, server-sent
   events when ``stream``, on the WebSockets' sessions: the ``X-Session-Id`` header (else
   ``?session=``) names the session whose conversation and last response a request continues; a
-  request without one holds no session after it. Errors in OpenAI's shape.
+  request without one holds no session after it. A ``POST /v1/responses`` whose
+  ``previous_response_id`` is another live session's last response made over HTTP continues
+  that session's conversation, as vLLM's and SGLang's servers find a stored response by its id
+  alone (so a balancer's key per keyless request does not break the chain); the response must
+  have been made here. Errors in OpenAI's shape.
 - One prefix KV cache for everything (``backends.model``): blocks of ``--kv-block-tokens``
   keyed by a chained hash, shared by all sessions and keyless requests, at most
   ``--kv-capacity-tokens``, least recently used evicted. ``cached_tokens`` (``done``, and the
@@ -101,6 +105,7 @@ import logging
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
@@ -219,6 +224,7 @@ METRIC_NAMES = (
     "wslb_worker_inter_token_latency_seconds_count",
 )
 # vLLM's inter-token latency buckets, cut at 10 s (a token slower than that is a stall).
+MADE_MAX = 4096  # responses made over HTTP whose session is remembered (a stored response)
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop
 
@@ -655,6 +661,8 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         # (--session-ttl).
         self._realtime: dict[str, RealtimeSession] = {}
         self._responses: dict[str, ResponsesSession] = {}
+        # The session each response made over HTTP was made in, the latest MADE_MAX.
+        self._made: OrderedDict[str, str] = OrderedDict()
 
     def gpu_utilization(self, stats: ModelStats) -> float:
         """NVML's reading when there is one, else the simulated one; at least the background."""
@@ -754,16 +762,20 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         stream = EventStream(request, call) if streamed else None
         final: list[dict[str, Any]] = []
 
+        sid = self._continued(body.get("previous_response_id"), call.sid)
+
         async def emit(events: Sequence[Send]) -> None:
             for out in events:
                 kind = out.event["type"]
                 if kind in _TERMINAL:
                     final.append(out.event["response"])
+                    self._remember_made(out.event["response"]["id"], sid)
                 if stream is not None:
                     await stream.send(out.event, kind)
 
-        with self._held(call):
-            rs = self._responses_session(request, call.sid, None)
+        # A continued session is held and its turn run as its own (its --session-ttl restarts).
+        with self._held(call if sid == call.sid else ApiCall(sid, ephemeral=False)):
+            rs = self._responses_session(request, sid, None)
             outs = rs.receive(dumps(responses_event(body)), now=time.time())
             respond = next((o for o in outs if isinstance(o, ResponsesRespond)), None)
             if respond is None:
@@ -787,7 +799,7 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
 
             try:
                 await emit([o for o in outs if isinstance(o, Send)])
-                turn = self.model.start_turn(call.sid, prompt, respond.max_tokens, time.monotonic())
+                turn = self.model.start_turn(sid, prompt, respond.max_tokens, time.monotonic())
                 await _HttpAnswer(self, on_token, on_done).run_turn(turn)
             except ConnectionError:  # the client left: the response cannot be continued
                 pass
@@ -797,6 +809,21 @@ class Worker(Server[WorkerConfig, _Connection, _State, _Thawed | None]):
         if stream is not None:
             return stream.response
         return web.json_response(final[0], headers=call.headers)
+
+    def _continued(self, previous: Any, sid: str) -> str:
+        """The session a ``POST /v1/responses`` continues: the one whose last response it
+        names, if that is another live session's, else its own."""
+        owner = self._made.get(previous) if isinstance(previous, str) else None
+        if owner is None or owner not in self._responses or self.model.session(owner) is None:
+            return sid
+        return owner
+
+    def _remember_made(self, response_id: str, sid: str) -> None:
+        made = self._made
+        made[response_id] = sid
+        made.move_to_end(response_id)
+        while len(made) > MADE_MAX:
+            made.popitem(last=False)
 
     # -- handoff ----------------------------------------------------------------------------
 

@@ -74,7 +74,8 @@ Rules:
    ``Expect: 100-continue`` is answered before the read; ``timeout_request`` runs during it.
 10. The answer to a request placed by its prompt is read here to its end, never by the relay
     thread: what the engine says it had cached (``usage``, llama.cpp's ``timings``) is told
-    to the pool's table (``prefix`` rule 6) when the exchange ends (the shell's ``Report``).
+    to the pool's table (``prefix`` rule 6) when the exchange ends (the shell's ``Report``),
+    and the id of a response it made is remembered with its worker (``prefix`` rule 8).
 """
 
 from __future__ import annotations

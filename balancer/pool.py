@@ -107,6 +107,8 @@ __all__ = [
     "Upstream",
 ]
 
+RESPONSE_KEY = "prefix\nresponse:"
+"""Before a response id in the affinity table (``responded``): no client's key has a newline."""
 # How long a key's last placement is remembered after its session ends: longer than a worker
 # keeps a disconnected session's context (the reference worker's --session-ttl is 300 s).
 AFFINITY_TTL = 600.0
@@ -234,7 +236,13 @@ class Pool:
         self.prefix_rules = pp
         self.prefix = prefix.Table(pp.table_size, pp.block) if pp.enabled else None
         self.recent = prefix.Recent()  # what was placed where lately (prefix rule 5)
-        self.prefix_placed: dict[str, int] = {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
+        self.prefix_placed: dict[str, int] = {
+            "prefix": 0,
+            "balance": 0,
+            "ring": 0,
+            "bound": 0,
+            "response": 0,
+        }
         # key -> its conversation (module docstring); forgotten with its placement.
         self._convs: dict[str, Conversation] = {}
         self._growth = _Mean()  # context tokens per turn
@@ -532,10 +540,19 @@ class Pool:
         def fits(b: Backend, going_on: bool) -> bool:
             return loose(b) if going_on else strict(b) and lately(b)
 
+        if prompt.follows is not None:  # a response's continuation (prefix rule 8)
+            made = self._remembered(RESPONSE_KEY + prompt.follows)
+            home = next((b for b in ready if made is not None and b.id == made[0]), None)
+            if home is not None:
+                self.prefix_placed["response"] += 1
+                self._pending[key] = (home, now + PENDING_S)
+                home.pending += 1
+                return home, "response"
         m = self.prefix.match(prompt, (b.id for b in ready))
-        shared, conv = self.placements, prompt.conversation
+        shared, conv = self._shared_table(), prompt.conversation
         if shared is not None and conv is not None and not m.answered:
-            # A conversation another instance placed (prefix rule 7): where the tier says.
+            # A conversation another instance or process placed (prefix rule 7): where the
+            # tier or the board says.
             at = shared.recall(conv, AFFINITY_TTL)
             if at is not None and any(b.id == at[0] for b in ready):
                 m = prefix.Match(prompt.size, (at[0],), answered=True)
@@ -628,6 +645,23 @@ class Pool:
     ) -> str | None:
         """The answer to a prompt ``learn`` sent has ended (``prefix.Table.settle``)."""
         return None if self.prefix is None else self.prefix.settle(sent, prompt, reported)
+
+    def responded(self, response_id: str, backend: Backend, now: float = 0.0) -> bool:
+        """``backend`` answered with the response ``response_id``: a request that continues it
+        goes there (``prefix`` rule 8), from every process and instance that shares this
+        one's affinity table. False when another backend named it first (kept there)."""
+        key = RESPONSE_KEY + response_id
+        made = self._remembered(key)
+        if made is not None and made[0] != backend.id:
+            return False
+        table = self._shared_table()
+        if table is not None:
+            table.remember(key, backend.id, None)
+        else:
+            self._affinity[key] = (backend.id, None, now)
+            self._affinity.move_to_end(key)
+            self._prune(now)
+        return True
 
     def detach_request(self, backend: Backend) -> None:
         """The request ``attach_request`` counted is over."""
@@ -826,11 +860,13 @@ class Pool:
         """The key's last placement: from the cluster's shared table, or the board under
         ``workers: N`` (the instance or process that accepts a key's reconnect need not be the
         one that placed it), else this process's."""
-        if self.placements is not None:
-            return self.placements.recall(key, AFFINITY_TTL)
-        if self.shared is not None:
-            return self.shared.recall(key, AFFINITY_TTL)
-        return self._affinity.get(key)
+        table = self._shared_table()
+        return self._affinity.get(key) if table is None else table.recall(key, AFFINITY_TTL)
+
+    def _shared_table(self) -> SharedPlacements | SharedLoad | None:
+        """The affinity table the other instances or processes read: the tier's in cluster
+        mode, else the board's under ``workers: N``, else none (this process's own)."""
+        return self.placements if self.placements is not None else self.shared
 
     def knows(self, key: str) -> bool:
         """Whether the key has a place already (a live conversation, a held place, or a

@@ -79,12 +79,25 @@ Rules:
    went (``Sent.settled``): a prompt the engine is still reading is not cached yet.
 7. *Conversations across instances.* A prompt's *conversation* is the chain hash where its
    first message after the system prompt and tools ends: the same for every turn of one
-   conversation, different between conversations sharing a system prompt. In cluster mode
-   (``Pool.placements``, the tier's table in etcd) each placement by prompt is remembered
-   there under that key, and a prompt this instance's table does not know as a conversation
-   going on is placed where the tier says its conversation went, as one going on (rule 5):
-   so turns that alternate between instances stay on one worker, each instance's own table
-   and bounds notwithstanding. Without a cluster, only the anchor is shared (rule 5).
+   conversation, different between conversations sharing a system prompt. Each placement by
+   prompt is remembered under that key in the affinity table the others read (the tier's in
+   etcd in cluster mode, ``Pool.placements``; the board's under ``workers: N``,
+   ``Pool.shared``), and a prompt this process's table does not know as a conversation going
+   on is placed where that table says its conversation went, as one going on (rule 5): so
+   turns that alternate between instances or serving processes stay on one worker, each
+   one's own table and bounds notwithstanding. Between instances outside a cluster, only the
+   anchor is shared (rule 5).
+8. *Responses that continue another.* A Responses request naming ``previous_response_id``
+   sends only its new input: the history is where that response was made, and an engine that
+   stores responses (vLLM's and SGLang's servers, the reference worker) can continue it only
+   there. So the ``id`` of each response an answer carries (a JSON body whose ``object`` is
+   ``response``, or the last streamed event's ``response``) is remembered with the worker that
+   sent it, as a key's placement is (``Pool.responded``: this process's affinity table, the
+   board's under ``workers: N``, the tier's in cluster mode, for the same window), and a
+   request naming it goes to that worker while it is ready, whatever its load: anywhere else
+   it would fail. The first worker to name an id keeps it: a worker that names another's
+   response later is not believed. An id not remembered (too old, or made through another way
+   in) leaves the request placed by its prompt as any other.
 
 Ties go to the backend first on the anchor's ring walk, so equal instances choose alike.
 """
@@ -97,8 +110,8 @@ import hashlib
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from balancer.backend import Backend
@@ -118,6 +131,7 @@ __all__ = [
     "message_prompt",
     "prompt_of",
     "reported",
+    "response_of",
     "segments",
 ]
 
@@ -154,6 +168,8 @@ class Prompt:
     conversation: str | None = None
     """The key of the conversation it belongs to (rule 7): the chain hash where its first
     message after the system prompt and tools ends; None without one (a completions prompt)."""
+    follows: str | None = None
+    """The ``previous_response_id`` it continues (rule 8), if it names one."""
 
     @property
     def size(self) -> int:
@@ -240,7 +256,23 @@ def prompt_of(body: bytes, rules: Rules) -> Prompt | None:
     segs = segments(parsed)
     if not segs:
         return None
-    return cut(segs, rules)
+    return _following(cut(segs, rules), parsed)
+
+
+RESPONSE_ID_MAX = 256
+"""Characters: a longer ``previous_response_id`` or response ``id`` is not remembered."""
+
+
+def _response_id(v: Any) -> str | None:
+    return v if isinstance(v, str) and 0 < len(v) <= RESPONSE_ID_MAX else None
+
+
+def _following(prompt: Prompt | None, body: Any) -> Prompt | None:
+    """``prompt`` with the response its body continues (rule 8), if it names one."""
+    if prompt is None or not isinstance(body, dict):
+        return prompt
+    follows = _response_id(body.get("previous_response_id"))
+    return prompt if follows is None else replace(prompt, follows=follows)
 
 
 def message_body(event: Any) -> Any:
@@ -269,8 +301,9 @@ def message_prompt(text: str | bytes, rules: Rules) -> Prompt | None:
         parsed = json.loads(text)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    segs = segments(message_body(parsed))
-    return cut(segs, rules) if segs else None
+    body = message_body(parsed)
+    segs = segments(body)
+    return _following(cut(segs, rules), body) if segs else None
 
 
 def cut(segs: Iterable[str], rules: Rules) -> Prompt | None:
@@ -524,23 +557,39 @@ class Report:
             del buf[: len(buf) - self.TAIL]
             self._cut = True
 
-    def result(self) -> tuple[int, int] | None:
-        """``(cached, prompt)`` tokens the answer reports, or None: a JSON body's, or the last
-        server-sent event's that has them."""
+    def _bodies(self) -> Iterator[Any]:
+        """The answer's JSON body, or its last server-sent events' data, the last first."""
         buf = bytes(self._buf)
         if not self._cut:
             with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
-                return reported(json.loads(buf))
+                yield json.loads(buf)
+                return
         for line in reversed(buf.split(b"\n")[-64:]):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                got = reported(json.loads(line[5:]))
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                continue
-            if got is not None:
-                return got
+            if line.startswith(b"data:"):
+                with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+                    yield json.loads(line[5:])
+
+    def result(self) -> tuple[int, int] | None:
+        """``(cached, prompt)`` tokens the answer reports, or None: a JSON body's, or the last
+        server-sent event's that has them."""
+        return next((got for b in self._bodies() if (got := reported(b)) is not None), None)
+
+    def response_id(self) -> str | None:
+        """The id of the response the answer carries (rule 8), or None: a JSON body's whose
+        ``object`` is ``response``, or the last server-sent event's ``response``."""
+        return next((got for b in self._bodies() if (got := response_of(b)) is not None), None)
+
+
+def response_of(body: Any) -> str | None:
+    """The id of a Responses object, or of the one a streamed event carries (rule 8)."""
+    if not isinstance(body, dict):
         return None
+    if body.get("object") == "response":
+        return _response_id(body.get("id"))
+    inner = body.get("response")
+    if isinstance(inner, dict) and inner.get("object", "response") == "response":
+        return _response_id(inner.get("id"))
+    return None
 
 
 def reported(body: Any) -> tuple[int, int] | None:

@@ -5,6 +5,7 @@ anchor. Sans-I/O: bodies and pools built by hand, no sockets."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from balancer import prefix
 from balancer.config import BackendCfg, PoolCfg, PrefixCfg
@@ -378,7 +379,7 @@ def test_on_by_default_and_a_pool_that_turns_it_off_ignores_prompts() -> None:
     assert pool.prefix is None
     p = prompt_of(chat("q"), pool.prefix_rules)
     assert pool.select("k", prompt=p) is pool.backends["w0"]
-    assert pool.prefix_placed == {"prefix": 0, "balance": 0, "ring": 0, "bound": 0}
+    assert not any(pool.prefix_placed.values())
 
 
 # -- conversations across instances (rule 7) ---------------------------------------------------
@@ -410,6 +411,101 @@ def test_instances_sharing_the_tier_table_keep_a_conversation_together() -> None
         for backend in pool.backends.values():
             backend.ready = True
     # Instance b already sent the shared system prompt somewhere of its own choosing.
+    for n in range(4):
+        place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
+    for n in range(6):
+        turns = [f"question {n}"]
+        where = []
+        for t in range(4):
+            pool = (a, b)[t % 2]
+            where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
+            turns += [f"answer {t}", f"next question {t}"]
+        assert len(set(where)) == 1, (n, where)
+
+
+# -- rule 8: a response's continuation ------------------------------------------------------------
+
+
+def test_the_response_an_answer_made_and_the_one_a_request_continues() -> None:
+    def made(*parts: bytes) -> str | None:
+        r = prefix.Report()
+        for part in parts:
+            r.feed(part)
+        return r.response_id()
+
+    body = {"id": "resp_1", "object": "response", "status": "completed"}
+    assert made(json.dumps(body).encode()) == "resp_1"
+    completed = {"type": "response.completed", "response": body}
+    stream = (
+        b"event: response.created\ndata: "
+        + json.dumps({"type": "response.created", "response": body | {"id": "resp_1"}}).encode()
+        + b"\n\n"
+        + b'event: response.output_text.delta\ndata: {"type":"x","delta":"hi"}\n\n' * 3000
+        + b"event: response.completed\ndata: "
+        + json.dumps(completed).encode()
+        + b"\n\n"
+    )
+    assert made(stream[:100], stream[100:]) == "resp_1"  # the tail, across reads
+    # a chat completion, an id that is not a string or far too long, a bomb: none
+    assert made(b'{"id": "chatcmpl-1", "object": "chat.completion"}') is None
+    assert made(json.dumps(body | {"id": 7}).encode()) is None
+    assert made(json.dumps(body | {"id": "r" * 300}).encode()) is None
+    assert made(b"[" * 100_000) is None
+    assert made(b'data: {"response": {"object": "chat.completion", "id": "x"}}\n\n') is None
+
+    follow = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    p = prompt_of(json.dumps(follow).encode(), R)
+    assert p is not None and p.follows == "resp_1"
+    assert prompt_of(json.dumps(follow | {"previous_response_id": ["x"]}).encode(), R) == (
+        prompt_of(json.dumps({"model": "m", "input": "and then?"}).encode(), R)
+    )
+    event = json.dumps({"type": "response.create", **follow})
+    ws = prefix.message_prompt(event, R)
+    assert ws is not None and ws.follows == "resp_1"
+
+
+def test_a_continuation_goes_where_its_response_was_made_whatever_the_load() -> None:
+    """The follow-up names the response; its body is only the new input, so its prompt says
+    nothing of where the history is. It goes to the worker that made the response even when
+    that worker is far above its bound; the first worker to name an id keeps it."""
+    pool = make_pool(balance_abs=1000)
+    body = json.dumps({"model": "m", "instructions": SYSTEM, "input": "first"}).encode()
+    home = place(pool, body, "k0")
+    assert pool.responded("resp_a", pool.backends[home])
+    others = [b for b in pool.backends.values() if b.id != home]
+    assert not pool.responded("resp_a", others[0])  # a later claim is not believed
+    pool.backends[home].sessions = 40  # far above any bound
+    for n in range(5):
+        follow = {"model": "m", "input": f"then {n}", "previous_response_id": "resp_a"}
+        assert place(pool, json.dumps(follow).encode(), f"f{n}") == home
+    assert pool.prefix_placed["response"] == 5
+    # Not ready: placed by its prompt as any other request.
+    pool.backends[home].ready = False
+    follow = {"model": "m", "input": "then", "previous_response_id": "resp_a"}
+    assert place(pool, json.dumps(follow).encode(), "g") != home
+    # Unknown id: by its prompt.
+    unknown = {"model": "m", "input": "then", "previous_response_id": "resp_zzz"}
+    place(pool, json.dumps(unknown).encode(), "h")
+    assert pool.prefix_placed["response"] == 5
+
+
+def test_processes_sharing_a_board_send_a_continuation_home(tmp_path: Path) -> None:
+    """``workers: N``: the response was made through one process, its continuation reaches
+    another; the board they share says where it was made. The same board keeps a keyless
+    conversation's turns together (prefix rule 7)."""
+    from balancer.board import Board
+
+    path = str(tmp_path / "board")
+    Board(path, 2, None, create=True)  # the supervisor's
+    a, b = make_pool(3), make_pool(3)
+    for i, pool in enumerate((a, b)):
+        pool.shared = Board(path, 2, i)
+        for backend in pool.backends.values():
+            backend.ready = True
+    home = place(a, json.dumps({"model": "m", "input": "first"}).encode(), "k")
+    assert a.responded("resp_b", a.backends[home])
+    follow = {"model": "m", "input": "then", "previous_response_id": "resp_b"}
+    assert place(b, json.dumps(follow).encode(), "f") == home
     for n in range(4):
         place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
     for n in range(6):

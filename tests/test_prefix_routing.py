@@ -428,6 +428,73 @@ async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None
             assert len(set(found)) == 1, found
 
 
+async def responses_chain(lbs: list[Wslb], n: int, turns: int = 3) -> list[str]:
+    """A keyless Responses conversation the server keeps: each turn names only the response
+    before it (``previous_response_id``) and its new input, turn ``i`` through
+    ``lbs[i % len(lbs)]``, streamed on odd turns; the worker of each turn. Every follow-up
+    finds the earlier context cached where it lands."""
+    where = []
+    previous: str | None = None
+    for t in range(turns):
+        tag = f"prefix-chain-{next(_tags)}"
+        client = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{lbs[t % len(lbs)].port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=TIMEOUT,
+            default_headers={"User-Agent": tag},
+        )
+        # Instructions are not carried over by previous_response_id: each turn names them.
+        args: dict[str, Any] = {
+            "model": "wslb-reference",
+            "max_output_tokens": 8,
+            "instructions": "Answer briefly.",
+        }
+        if previous is None:
+            args |= {"input": f"Conversation {n}. {SYSTEM}"}
+        else:
+            args |= {"previous_response_id": previous, "input": f"and after step {t}?"}
+        async with client:
+            if t % 2:
+                stream = await client.responses.create(**args, stream=True)
+                done = None
+                async with asyncio.timeout(TIMEOUT):
+                    async for event in stream:
+                        if event.type in ("response.completed", "response.incomplete"):
+                            done = event.response
+                assert done is not None
+                r = done
+            else:
+                r = await client.responses.create(**args)
+        where.append(await backend_of(lbs[t % len(lbs)], tag))
+        assert r.status in ("completed", "incomplete"), r  # incomplete: max_output_tokens
+        assert r.usage is not None
+        if previous is not None:
+            assert r.previous_response_id == previous
+            assert r.usage.input_tokens_details.cached_tokens > 0, (n, t, where, r.usage)
+        previous = r.id
+    return where
+
+
+async def test_responses_chained_by_id_reach_the_worker_that_made_them(tmp_path: Path) -> None:
+    """The ``openai`` SDK's ``previous_response_id`` chain, keyless: a follow-up sends only
+    its new input, so its prompt cannot say where the history is, and a worker that keeps
+    responses (as vLLM's and SGLang's servers do) can continue it only where it was made.
+    wslb remembers which worker made each response and sends the follow-up there."""
+    workers = [Worker(f"r{i}").start() for i in range(3)]
+    lb = Wslb(config(workers), tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        firsts = set()
+        for n in range(6):
+            where = await responses_chain([lb], n, turns=4)
+            assert len(set(where)) == 1, (n, where)
+            firsts.add(where[0])
+        assert len(firsts) > 1  # the chains' first turns spread (placed by their prompt)
+        placed = prom_by_label(lb.admin("/metrics"), "wslb_http_prefix_placements_total", "how")
+        assert placed.get("response") == 18, placed
+
+
 def reports(text: str) -> dict[str, int]:
     """``wslb_prefix_reports_total`` by ``result``."""
     return dict(prom_by_label(text, "wslb_prefix_reports_total", "result"))
@@ -612,5 +679,33 @@ async def test_a_cluster_keeps_each_keyless_conversation_on_one_worker(tmp_path:
                 assert len(set(where)) == 1, (n, where)
                 spread.add(where[0])
             assert len(spread) > 1  # the bounds spread the shared prompt's conversations
+            # A Responses chain by id, each turn through the other instance.
+            for n in range(3):
+                where = await responses_chain([a, b], n, turns=4)
+                assert len(set(where)) == 1, (n, where)
     finally:
         etcd.stop()
+
+
+async def test_workers_n_keeps_each_keyless_conversation_on_one_worker(tmp_path: Path) -> None:
+    """``workers: 2``: the kernel hands each request's connection (a new one per turn here) to
+    either serving process, and each process has its own table and bounds, which spread the
+    shared system prompt their own way; the board they share keeps every conversation on the
+    worker its first turn went to, whichever process its later turns reach."""
+    workers = [Worker(f"n{i}").start() for i in range(3)]
+    cfg = config(workers)
+    cfg["workers"] = 2
+    lb = Wslb(cfg, tmp_path)
+    with running(*workers, lb):
+        await asyncio.to_thread(start, workers, lb)
+        firsts = [await conversation([lb], f"first {n}", turns=1, system=SYSTEM) for n in range(6)]
+        assert len({w for where in firsts for w in where}) > 1, firsts
+        spread: set[str] = set()
+        for n in range(8):
+            where = await conversation([lb], f"question {n}", turns=4, system=SYSTEM)
+            assert len(set(where)) == 1, (n, where)
+            spread.add(where[0])
+        assert len(spread) > 1  # the bounds spread the shared prompt's conversations
+        for n in range(4):  # a Responses chain by id: the board says where each was made
+            where = await responses_chain([lb], n, turns=4)
+            assert len(set(where)) == 1, (n, where)

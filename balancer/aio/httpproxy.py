@@ -1098,6 +1098,9 @@ class Exchange:
                 result = pool.settle(self.sent, self.prompt, said)
                 if result is not None:
                     host.stats.prefix_reports[(pool.name, result)] += 1
+                made = report.response_id() if report is not None and ended else None
+                if made is not None:  # prefix rule 8: its continuation goes there
+                    pool.responded(made, backend, host.loop.time())
         host.request_finished(self)
         self.logged()
         self.client.finished(self, keep, spare)
