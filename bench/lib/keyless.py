@@ -14,7 +14,8 @@ same one.
 
 The routers (``ROUTERS``), each in front of fresh engines (a new process per engine per run, so
 no run inherits a cache): wslb with its defaults, keyless (prefix placement) and keyed
-(``X-Session-Id: conv-I`` per conversation); keyless through two wslb instances with the same
+(``X-Session-Id: conv-I`` per conversation), and the same two with ``hash_balance_factor: 1.5``
+(``-1.5``: the bound as wide as SGLang's ``balance_rel``); keyless through two wslb instances with the same
 config, each request sent to the other one (what a TCP load balancer's round robin in front of
 two instances does at worst), sharing nothing (``wslb-keyless-2``) or in cluster mode over a
 real etcd (``wslb-keyless-cluster``); wslb with
@@ -43,8 +44,8 @@ history was computed again, on a new engine or after its own eviction; follow-up
 requests per engine against an even share. ``--repeat`` runs give median [min-max].
 
 Targets (``targets``): wslb keyless prefills no more than SGLang's gateway (medians); wslb
-keyed prefills less; neither sends any engine more than its share times wslb's
-``hash_balance_factor`` (rounded up), in any run.
+keyed prefills less; no wslb row sends any engine more than its share times the
+``hash_balance_factor`` it runs with (rounded up), in any run.
 
 ``write_section`` replaces only the text between ``BEGIN`` and ``ANALYSIS`` in
 ``docs/routing.md`` (appending the section with both markers and ``END`` if absent); the
@@ -109,10 +110,23 @@ WSLB_ROUTERS = (
     "wslb-keyless-2",
     "wslb-keyless-cluster",
     "wslb-keyed",
+    "wslb-keyless-1.5",
+    "wslb-keyed-1.5",
     "wslb-round_robin",
 )
 ROUTERS = (*WSLB_ROUTERS, *peers.PEERS)
 FACTOR = PoolCfg("").hash_balance_factor
+WIDE = 1.5
+"""``hash_balance_factor`` of the ``-1.5`` rows: as far as SGLang's gateway's ``balance_rel``
+lets one engine run ahead of another (it piles a system prompt's conversations onto one engine
+up to that)."""
+
+
+def factor(router: str) -> float:
+    """The bound wslb runs ``router`` under."""
+    return WIDE if router.endswith("-1.5") else FACTOR
+
+
 WORDS = tuple(
     " ".join(
         (
@@ -511,6 +525,8 @@ LABELS = {
     "wslb-keyless-2": "wslb, no key, 2 instances sharing nothing (each request to the other)",
     "wslb-keyless-cluster": "wslb, no key, 2 instances in cluster mode (each request to the other)",
     "wslb-keyed": "wslb, `X-Session-Id` per conversation",
+    "wslb-keyless-1.5": "wslb, no key, `hash_balance_factor: 1.5`",
+    "wslb-keyed-1.5": "wslb, `X-Session-Id`, `hash_balance_factor: 1.5`",
     "wslb-round_robin": "wslb, `round_robin`, no prefix placement",
     "smg": "SGLang's gateway (`smg`, `cache_aware`)",
     "vllm-cache_aware": "vLLM's router, `cache_aware`",
@@ -544,31 +560,31 @@ def targets(results: Sequence[RunResult]) -> list[str]:
     """The verdicts, MET or MISSED, of what was measured (a router not run: none)."""
     out = []
     smg = _median(results, "smg")
-    free = _median(results, "wslb-keyless")
-    keyed = _median(results, "wslb-keyed")
-    if not math.isnan(smg) and not math.isnan(free):
+    for router, keyed in itertools.product(("", "-1.5"), (False, True)):
+        name = ("wslb-keyed" if keyed else "wslb-keyless") + router
+        mine = _median(results, name)
+        if math.isnan(smg) or math.isnan(mine):
+            continue
+        met = mine < smg if keyed else mine <= smg
+        what = "less than" if keyed else "no more than"
         out.append(
-            f"- {'MET' if free <= smg else 'MISSED'}: wslb keyless prefills no more than "
-            f"SGLang's gateway (median {_n(free)} vs {_n(smg)} tokens"
-            + (f", {100 * (free / smg - 1):+.0f}%)" if smg else ")")
+            f"- {'MET' if met else 'MISSED'}: {name} prefills {what} SGLang's gateway "
+            f"(median {_n(mine)} vs {_n(smg)} tokens"
+            + (f", {100 * (mine / smg - 1):+.0f}%)" if smg else ")")
         )
-    if not math.isnan(smg) and not math.isnan(keyed):
-        out.append(
-            f"- {'MET' if keyed < smg else 'MISSED'}: wslb keyed prefills less than SGLang's "
-            f"gateway (median {_n(keyed)} vs {_n(smg)} tokens"
-            + (f", {100 * (keyed / smg - 1):+.0f}%)" if smg else ")")
-        )
-    for router in ("wslb-keyless", "wslb-keyless-2", "wslb-keyless-cluster", "wslb-keyed"):
+    for router in WSLB_ROUTERS:
+        if router == "wslb-round_robin":
+            continue
         rs = [r for r in results if r.router == router]
         if not rs:
             continue
         worst = max(rs, key=lambda r: max(r.per_engine.values(), default=0))
         total = sum(worst.per_engine.values())
-        bound = math.ceil(FACTOR * total / max(1, len(worst.per_engine)))
+        bound = math.ceil(factor(router) * total / max(1, len(worst.per_engine)))
         top = max(worst.per_engine.values(), default=0)
         out.append(
             f"- {'MET' if top <= bound else 'MISSED'}: {router} sends no engine more than its "
-            f"share x {FACTOR:g} (worst run: {top} of {total} requests, bound {bound})"
+            f"share x {factor(router):g} (worst run: {top} of {total} requests, bound {bound})"
         )
     return out
 
@@ -617,6 +633,8 @@ def _wslb_config(
     if router == "wslb-round_robin":
         pool["balance"] = "round_robin"
         pool["prefix_placement"] = {"enabled": False}
+    if router.endswith("-1.5"):
+        pool["hash_balance_factor"] = WIDE
     return {"pools": [pool], "log": {"access": False}}
 
 
@@ -664,7 +682,7 @@ def run_one(
             except FileNotFoundError as e:
                 return str(e)
         t0 = time.monotonic()
-        turns = asyncio.run(drive(urls, plan, p, model, keyed=router == "wslb-keyed"))
+        turns = asyncio.run(drive(urls, plan, p, model, keyed=router.startswith("wslb-keyed")))
         duration = time.monotonic() - t0
         where, again = read_taps(log)
         for t in turns:
