@@ -14,15 +14,14 @@ same one.
 
 The routers (``ROUTERS``), each in front of fresh engines (a new process per engine per run, so
 no run inherits a cache): wslb with its defaults, keyless (prefix placement) and keyed
-(``X-Session-Id: conv-I`` per conversation), and the same two with ``hash_balance_factor: 1.5``
-(``-1.5``: the bound as wide as SGLang's ``balance_rel``); keyless through two wslb instances with the same
-config, each request sent to the other one (what a TCP load balancer's round robin in front of
-two instances does at worst), sharing nothing (``wslb-keyless-2``) or in cluster mode over a
-real etcd (``wslb-keyless-cluster``); wslb with
-``balance: round_robin`` and no prefix
-placement (the baseline that needs nothing installed); SGLang's gateway (``smg launch --policy
-cache_aware``) and vLLM's router (``vllm-router``, ``cache_aware`` and ``round_robin``) when
-installed (``bench/lib/routers.py``).
+(``X-Session-Id: conv-I`` per conversation), and the same two with ``hash_balance_factor:
+1.5`` (``-1.5``: the bound as wide as SGLang's ``balance_rel``); keyless through two wslb
+instances with the same config, each request sent to the other one (what a TCP load balancer's
+round robin in front of two instances does at worst), sharing nothing (``wslb-keyless-2``) or
+in cluster mode over a real etcd (``wslb-keyless-cluster``); wslb with ``balance:
+round_robin`` and no prefix placement (the baseline that needs nothing installed); SGLang's
+gateway (``smg launch --policy cache_aware``) and vLLM's router (``vllm-router``,
+``cache_aware`` and ``round_robin``) when installed (``bench/lib/routers.py``).
 
 Which engine answered a request: each engine sits behind a pass-through *tap*
 (``python -m bench.lib.keyless tap``, one process for all engines of a run, aiohttp), which logs
