@@ -532,7 +532,8 @@ class Pool:
         if not ready:
             return None, "none"
         walk = list(self.ring.walk(prompt.anchor))
-        rules = self.rules
+        # New conversations by prompt have their own factor (prefix rule 5), keys the pool's.
+        rules = dataclasses.replace(self.rules, factor=self.prefix_rules.balance_factor)
         strict = selection.within_bound(ready, rules.factor)
         loose = selection.within_bound(ready, max(rules.factor, rules.ceiling))
         lately = self.recent.fits(ready, rules.factor, now)

@@ -154,23 +154,24 @@ def _keyless_run(router: str, prefilled: int, per_engine: dict[str, int]) -> key
 
 
 def test_the_keyless_verdicts_hold_each_row_to_its_own_bound() -> None:
-    """A row under ``hash_balance_factor: 1.5`` may send an engine 1.5 shares, not more; the
-    default rows 1.25; tokens against SGLang's gateway: keyless no more, keyed less."""
+    """The default rows (``prefix_placement.balance_factor`` 1.5) may send an engine 1.5
+    shares, not more; the ``-1.25`` rows 1.25; tokens against SGLang's gateway: keyless no
+    more, keyed less."""
     piled = {"e1": 36, "e2": 18, "e3": 18}  # 1.5 shares
     rs = [
         _keyless_run("smg", 9000, {"e1": 40, "e2": 16, "e3": 16}),
-        _keyless_run("wslb-keyless", 9500, {"e1": 27, "e2": 23, "e3": 22}),
-        _keyless_run("wslb-keyed", 9000, piled),
-        _keyless_run("wslb-keyless-1.5", 9000, piled),
-        _keyless_run("wslb-keyed-1.5", 8000, {"e1": 37, "e2": 18, "e3": 17}),
+        _keyless_run("wslb-keyless-1.25", 9500, {"e1": 27, "e2": 23, "e3": 22}),
+        _keyless_run("wslb-keyed-1.25", 9000, piled),
+        _keyless_run("wslb-keyless", 9000, piled),
+        _keyless_run("wslb-keyed", 8000, {"e1": 37, "e2": 18, "e3": 17}),
     ]
     verdicts = {v.split(":")[1].split()[0]: v for v in keyless.targets(rs) if "prefills" in v}
-    assert verdicts["wslb-keyless"].startswith("- MISSED")  # 9,500 > 9,000
-    assert verdicts["wslb-keyed"].startswith("- MISSED")  # not less
-    assert verdicts["wslb-keyless-1.5"].startswith("- MET")  # equal is enough without a key
-    assert verdicts["wslb-keyed-1.5"].startswith("- MET")
+    assert verdicts["wslb-keyless-1.25"].startswith("- MISSED")  # 9,500 > 9,000
+    assert verdicts["wslb-keyed-1.25"].startswith("- MISSED")  # not less
+    assert verdicts["wslb-keyless"].startswith("- MET")  # equal is enough without a key
+    assert verdicts["wslb-keyed"].startswith("- MET")
     bounds = {v.split(":")[1].split()[0]: v for v in keyless.targets(rs) if "sends no" in v}
-    assert bounds["wslb-keyless"].startswith("- MET")  # 27 <= ceil(1.25 x 24) = 30
-    assert bounds["wslb-keyed"].startswith("- MISSED")  # 36 > 30
-    assert bounds["wslb-keyless-1.5"].startswith("- MET")  # 36 <= 36
-    assert bounds["wslb-keyed-1.5"].startswith("- MISSED")  # 37 > 36
+    assert bounds["wslb-keyless-1.25"].startswith("- MET")  # 27 <= ceil(1.25 x 24) = 30
+    assert bounds["wslb-keyed-1.25"].startswith("- MISSED")  # 36 > 30
+    assert bounds["wslb-keyless"].startswith("- MET")  # 36 <= 36
+    assert bounds["wslb-keyed"].startswith("- MISSED")  # 37 > 36

@@ -41,7 +41,7 @@ PROMPT_ARGS = ["--tokens-per-s", "0", "--kv-block-tokens", "4"]
 def late_config(backends: list[dict[str, Any]], **prefix: Any) -> dict[str, Any]:
     return pool_config(
         backends,
-        prefix_placement={"websocket": True, **prefix},
+        prefix_placement={"websocket": True, "balance_factor": 1.25, **prefix},  # as counted
     )
 
 
@@ -102,6 +102,7 @@ async def test_a_late_bound_session_lands_where_its_system_prompt_is_cached(
         # Each closed session keeps its key's place (held), which counts as load: at the
         # default factor the holder would be at its bound after four (tests/test_prefix.py).
         cfg["pools"][0]["hash_balance_factor"] = 4.0
+        cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
         lb = Wslb(cfg, tmp_path, name=f"wslb-{on}")
         with running(*workers, lb):
             await asyncio.to_thread(lb.start)
@@ -145,6 +146,7 @@ async def test_the_openai_sdks_realtime_sessions_meet_their_instructions_cached(
     backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers]
     cfg = late_config(backends)
     cfg["pools"][0]["hash_balance_factor"] = 4.0  # held places: as in the test above
+    cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
     lb = Wslb(cfg, tmp_path)
     sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{lb.port}/v1", api_key="not-needed")
     cached = []

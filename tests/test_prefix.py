@@ -330,13 +330,13 @@ def test_load_imbalance_overrides_the_prefix() -> None:
 
 def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() -> None:
     """A prompt that shares a prefix with earlier ones (a system prompt) goes to its holder
-    only within hash_balance_factor (1.25) of its share; a conversation going on (its earlier
+    only within balance_factor (1.5) of its share; a conversation going on (its earlier
     answer written there) within affinity_ceiling (2.0), as a returning key."""
     pool = make_pool(balance_abs=100)  # the imbalance rule out of the way
     home = place(pool, chat("q"))
     for b in pool.backends.values():  # 9 there, 3 on each other: 16 after one more
         b.sessions = 9 if b.id == home else 3
-    # strict bound ceil(1.25 x 16/3) = 7 < 10; loose ceil(2.0 x 16/3) = 11
+    # strict bound ceil(1.5 x 16/3) = 8 < 10; loose ceil(2.0 x 16/3) = 11
     shared = prompt_of(chat("another question"), pool.prefix_rules)
     assert shared is not None
     b, how = pool.place_prompt("x", shared)

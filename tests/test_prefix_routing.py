@@ -31,7 +31,9 @@ def config(workers: list[Worker], **prefix: Any) -> dict[str, Any]:
     cfg = pool_config(
         [{"id": w.id, "url": f"http://127.0.0.1:{w.port}"} for w in workers],
         health={"path": "/healthz", "interval": "0.2s", "rise": 1},
-        prefix_placement={"enabled": True, **prefix},
+        # The spreads these tests count were worked out at the keys' factor: the rule is the
+        # same at the default (1.5), its numbers are not.
+        prefix_placement={"enabled": True, "balance_factor": 1.25, **prefix},
     )
     cfg["log"] = {"access": True}
     return cfg
@@ -143,6 +145,7 @@ async def test_a_keyed_conversation_is_placed_by_its_prompt_then_stays_by_its_ke
             # at the default factor the holder would be at its bound after four
             # (tests/test_prefix.py has that rule).
             cfg["pools"][0]["hash_balance_factor"] = 4.0
+            cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
             lb = Wslb(cfg, tmp_path, name=f"wslb-{enabled}")
             with running(lb):
                 await asyncio.to_thread(start, workers, lb)
@@ -168,6 +171,7 @@ async def test_two_instances_choose_the_same_worker(tmp_path: Path) -> None:
     # later ones (tests/test_prefix.py; its own view of the traffic): lifted, what is left
     # is what both derive from the prompt alone.
     cfg["pools"][0]["hash_balance_factor"] = 4.0
+    cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
     a, b = Wslb(cfg, tmp_path, name="wslb-a"), Wslb(cfg, tmp_path, name="wslb-b")
     with running(*workers, a, b):
         await asyncio.to_thread(start, workers, a)
@@ -191,6 +195,7 @@ async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
     # The bounded-load bound out of the way (it would pass the holder over at 2 of 3 running;
     # tests/test_prefix.py has that rule): this is the imbalance rule alone.
     cfg["pools"][0]["hash_balance_factor"] = 4.0
+    cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
     lb = Wslb(cfg, tmp_path)
     with running(*workers, lb):
         await asyncio.to_thread(start, workers, lb)
@@ -223,7 +228,7 @@ async def test_load_imbalance_overrides_the_prefix(tmp_path: Path) -> None:
 
 async def test_a_popular_prefix_is_spread_within_the_bound(tmp_path: Path) -> None:
     """Fifteen long answers to new conversations sharing one system prompt, each placed while
-    the others run: the holder takes no more than its bound (``hash_balance_factor`` 1.25 x
+    the others run: the holder takes no more than its bound (``balance_factor``, 1.25 here, x
     its share, at least its share plus one: 7 of 15), the rest go on the ring's bound
     and become holders too."""
     workers = [Worker(f"s{i}", ["--tokens-per-s", "20"]).start() for i in range(3)]
@@ -300,6 +305,7 @@ async def test_bodies_read_before_placing(tmp_path: Path) -> None:
     # The same prompt three times in a row would be spread by the bound on recent traffic
     # (tests/test_prefix.py): lifted, the worker it reaches shows the body was read.
     cfg["pools"][0]["hash_balance_factor"] = 4.0
+    cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
     lb = Wslb(cfg, tmp_path)
     with running(*workers, lb):
         await asyncio.to_thread(start, workers, lb)

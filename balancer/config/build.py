@@ -609,6 +609,7 @@ class _Builder(_Reader):
             threshold=self.number(m, "threshold", p, d.threshold),
             balance_abs=self.number(m, "balance_abs", p, d.balance_abs),
             balance_rel=self.number(m, "balance_rel", p, d.balance_rel),
+            balance_factor=self.number(m, "balance_factor", p, d.balance_factor),
             max_body=self.size(m, "max_body", p, d.max_body),
             websocket=self.boolean(m, "websocket", p, d.websocket),
             first_message_wait=self.duration(

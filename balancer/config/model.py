@@ -231,6 +231,9 @@ class PrefixCfg:
     threshold: float = 0.3  # share of the prompt a match must cover to count
     balance_abs: float = 32.0  # load difference (requests per unit of weight) and ...
     balance_rel: float = 1.5  # ... ratio that, both exceeded, place by load instead
+    # The bounded-load factor for new conversations placed by prompt (keys: hash_balance_factor):
+    # cache-aware routers leave a worker holding a shared prefix this far above its share.
+    balance_factor: float = 1.5
     max_body: int = 1024 * 1024  # bodies read before placing; larger ones by load alone
     # Late binding: a new WebSocket session is answered by wslb and placed by its first message.
     websocket: bool = False

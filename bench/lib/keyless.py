@@ -14,8 +14,9 @@ same one.
 
 The routers (``ROUTERS``), each in front of fresh engines (a new process per engine per run, so
 no run inherits a cache): wslb with its defaults, keyless (prefix placement) and keyed
-(``X-Session-Id: conv-I`` per conversation), and the same two with ``hash_balance_factor:
-1.5`` (``-1.5``: the bound as wide as SGLang's ``balance_rel``); keyless through two wslb
+(``X-Session-Id: conv-I`` per conversation), and the same two with ``prefix_placement:
+{balance_factor: 1.25}`` (``-1.25``: new conversations held to the keys' bound, tighter than the
+default 1.5, SGLang's ``balance_rel``); keyless through two wslb
 instances with the same config, each request sent to the other one (what a TCP load balancer's
 round robin in front of two instances does at worst), sharing nothing (``wslb-keyless-2``) or
 in cluster mode over a real etcd (``wslb-keyless-cluster``); wslb with ``balance:
@@ -44,7 +45,7 @@ requests per engine against an even share. ``--repeat`` runs give median [min-ma
 
 Targets (``targets``): wslb keyless prefills no more than SGLang's gateway (medians); wslb
 keyed prefills less; no wslb row sends any engine more than its share times the
-``hash_balance_factor`` it runs with (rounded up), in any run.
+``prefix_placement.balance_factor`` it runs with (rounded up), in any run.
 
 ``write_section`` replaces only the text between ``BEGIN`` and ``ANALYSIS`` in
 ``docs/routing.md`` (appending the section with both markers and ``END`` if absent); the
@@ -78,7 +79,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from balancer.config import PoolCfg
+from balancer.config import PoolCfg, PrefixCfg
 from bench.lib import routers as peers
 from bench.lib.launch import ROOT, Procs, Worker, Wslb, free_ports, wait_port
 from bench.lib.machine import machine_line, tree_state
@@ -109,21 +110,20 @@ WSLB_ROUTERS = (
     "wslb-keyless-2",
     "wslb-keyless-cluster",
     "wslb-keyed",
-    "wslb-keyless-1.5",
-    "wslb-keyed-1.5",
+    "wslb-keyless-1.25",
+    "wslb-keyed-1.25",
     "wslb-round_robin",
 )
 ROUTERS = (*WSLB_ROUTERS, *peers.PEERS)
-FACTOR = PoolCfg("").hash_balance_factor
-WIDE = 1.5
-"""``hash_balance_factor`` of the ``-1.5`` rows: as far as SGLang's gateway's ``balance_rel``
-lets one engine run ahead of another (it piles a system prompt's conversations onto one engine
-up to that)."""
+FACTOR = PrefixCfg().balance_factor
+TIGHT = PoolCfg("").hash_balance_factor
+"""``prefix_placement.balance_factor`` of the ``-1.25`` rows: the keys' bound, and the one new
+conversations had before they had their own."""
 
 
 def factor(router: str) -> float:
     """The bound wslb runs ``router`` under."""
-    return WIDE if router.endswith("-1.5") else FACTOR
+    return TIGHT if router.endswith("-1.25") else FACTOR
 
 
 WORDS = tuple(
@@ -524,8 +524,8 @@ LABELS = {
     "wslb-keyless-2": "wslb, no key, 2 instances sharing nothing (each request to the other)",
     "wslb-keyless-cluster": "wslb, no key, 2 instances in cluster mode (each request to the other)",
     "wslb-keyed": "wslb, `X-Session-Id` per conversation",
-    "wslb-keyless-1.5": "wslb, no key, `hash_balance_factor: 1.5`",
-    "wslb-keyed-1.5": "wslb, `X-Session-Id`, `hash_balance_factor: 1.5`",
+    "wslb-keyless-1.25": "wslb, no key, `balance_factor: 1.25`",
+    "wslb-keyed-1.25": "wslb, `X-Session-Id`, `balance_factor: 1.25`",
     "wslb-round_robin": "wslb, `round_robin`, no prefix placement",
     "smg": "SGLang's gateway (`smg`, `cache_aware`)",
     "vllm-cache_aware": "vLLM's router, `cache_aware`",
@@ -559,7 +559,7 @@ def targets(results: Sequence[RunResult]) -> list[str]:
     """The verdicts, MET or MISSED, of what was measured (a router not run: none)."""
     out = []
     smg = _median(results, "smg")
-    for router, keyed in itertools.product(("", "-1.5"), (False, True)):
+    for router, keyed in itertools.product(("", "-1.25"), (False, True)):
         name = ("wslb-keyed" if keyed else "wslb-keyless") + router
         mine = _median(results, name)
         if math.isnan(smg) or math.isnan(mine):
@@ -632,8 +632,8 @@ def _wslb_config(
     if router == "wslb-round_robin":
         pool["balance"] = "round_robin"
         pool["prefix_placement"] = {"enabled": False}
-    if router.endswith("-1.5"):
-        pool["hash_balance_factor"] = WIDE
+    if router.endswith("-1.25"):
+        pool["prefix_placement"] = {"balance_factor": TIGHT}
     return {"pools": [pool], "log": {"access": False}}
 
 
