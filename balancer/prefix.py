@@ -12,17 +12,18 @@ request body it buffered.
 Rules:
 
 1. *The prompt.* The text an engine would prefill is taken from the JSON body, in the order the
-   engine renders it: the ``tools`` definitions (canonical JSON), then each chat ``messages``
-   entry (its role, its text parts, any other part or ``tool_calls`` as canonical JSON); for the
-   Responses API ``instructions`` then each ``input`` item the same way (a string ``input`` is
-   one user message); for completions the ``prompt`` string. A body that is not JSON or has none
-   of these has no prompt, and is placed as any keyless request is. A WebSocket session's first
-   message (late binding, ``message_prompt``) is read as such a body: the Realtime
-   ``session.update`` as its session's ``tools`` and ``instructions``, ``conversation.item.create``
-   as an ``input`` of its one item, ``response.create`` as its ``response`` object (or the event
-   itself: the Responses WebSocket mode), the reference worker's ``prompt`` event's ``text`` as a
-   user message; so Realtime instructions and a chat's system message of the same text make the
-   same blocks.
+   engine renders it (after vLLM's ``cache_salt``, if any: the engine shares no blocks between
+   salts, so neither does the table): the ``tools`` definitions (canonical JSON), then each chat
+   ``messages`` entry (its role, its text parts, any other part or ``tool_calls`` as canonical
+   JSON); for the Responses API ``instructions`` then each ``input`` item the same way (a string
+   ``input`` is one user message); for completions the ``prompt`` string. A body that is not
+   JSON or has none of these has no prompt, and is placed as any keyless request is. A WebSocket
+   session's first message (late binding, ``message_prompt``) is read as such a body: the
+   Realtime ``session.update`` as its session's ``tools`` and ``instructions``,
+   ``conversation.item.create`` as an ``input`` of its one item, ``response.create`` as its
+   ``response`` object (or the event itself: the Responses WebSocket mode), the reference
+   worker's ``prompt`` event's ``text`` as a user message; so Realtime instructions and a chat's
+   system message of the same text make the same blocks.
 2. *Blocks.* Each segment (a message, the tools, the instructions) is cut into blocks of at most
    ``block`` bytes from its start, so a block ends at a segment's end or ``block`` bytes into it:
    a later turn, which repeats the earlier messages byte for byte and adds new ones, repeats
@@ -140,7 +141,8 @@ HOLDERS = 4
 
 _SEP = b"\x1e"  # ends a segment inside the hash, so boundaries are part of what is hashed
 _ASSISTANT = "assistant\x1f"
-_PREAMBLE = ("system", "developer", "tools")  # what comes before a conversation's first message
+# What comes before a conversation's first message.
+_PREAMBLE = ("salt", "system", "developer", "tools")
 
 
 def _opens(seg: str) -> bool:
@@ -220,7 +222,8 @@ def segments(body: Any) -> list[str] | None:
     """The prompt's segments in the order an engine renders them (rule 1), or None."""
     if not isinstance(body, dict):
         return None
-    out: list[str] = []
+    salt = body.get("cache_salt")  # vLLM's per-tenant cache isolation: other tenants' blocks
+    out: list[str] = [f"salt\x1f{salt}"] if isinstance(salt, str) and salt else []
     tools = body.get("tools")
     if tools:
         out.append("tools\x1f" + _dump(tools))

@@ -516,3 +516,17 @@ def test_processes_sharing_a_board_send_a_continuation_home(tmp_path: Path) -> N
             where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
             turns += [f"answer {t}", f"next question {t}"]
         assert len(set(where)) == 1, (n, where)
+
+
+def test_a_cache_salt_keeps_tenants_blocks_apart() -> None:
+    """vLLM shares no cached blocks between ``cache_salt`` values, so the table does not
+    either: the same prompt under two salts has no block in common, and a salted conversation
+    still has one key for all its turns."""
+    a = json.loads(chat("hello", "answer", "next"))
+    salted = [prompt_of(json.dumps(a | {"cache_salt": t}).encode(), R) for t in ("t1", "t2")]
+    plain = prompt_of(json.dumps(a).encode(), R)
+    assert salted[0] is not None and salted[1] is not None and plain is not None
+    assert not set(salted[0].hashes) & set(salted[1].hashes)
+    assert not set(salted[0].hashes) & set(plain.hashes)
+    first = prompt_of(json.dumps(json.loads(chat("hello")) | {"cache_salt": "t1"}).encode(), R)
+    assert first is not None and first.conversation == salted[0].conversation is not None
