@@ -223,7 +223,6 @@ METRIC_NAMES = (
     "wslb_worker_inter_token_latency_seconds_sum",  # a histogram: also _count and _bucket
     "wslb_worker_inter_token_latency_seconds_count",
 )
-# vLLM's inter-token latency buckets, cut at 10 s (a token slower than that is a stall).
 MADE_MAX = 4096  # responses made over HTTP whose session is remembered (a stored response)
 _TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _YIELD_EVERY = 64  # tokens sent back to back (no decode delay) before yielding to the loop

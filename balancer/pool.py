@@ -82,7 +82,7 @@ import dataclasses
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -522,15 +522,35 @@ class Pool:
         """``select`` for a keyless request's ``prompt`` in a pool with ``prefix_placement``
         (``balancer.prefix``), and how it was placed: ``prefix`` (a worker holding its
         prefix), ``balance`` (the least loaded: the load was imbalanced), ``ring`` (its
-        anchor on the ring, bounded load) or ``bound`` (so placed too: every worker holding
-        its prefix was at its bound); ``none`` when no backend is ready."""
-        assert self.prefix is not None
+        anchor on the ring, bounded load), ``bound`` (so placed too: every worker holding
+        its prefix was at its bound) or ``response`` (the worker that made the response it
+        continues); ``none`` when no backend is ready."""
         self._unreserve(key)
         self.refresh(now)
         skip = set(exclude)
         ready = [b for b in self.backends.values() if b.ready and b.id not in skip]
         if not ready:
             return None, "none"
+        home = self._made_on(prompt.follows, ready) if prompt.follows is not None else None
+        if home is not None:  # a response's continuation (prefix rule 8)
+            chosen, why = home, "response"
+            self.prefix_placed[why] += 1
+        else:
+            chosen, why = self._by_prefix(prompt, ready, now)
+        self._pending[key] = (chosen, now + PENDING_S)
+        chosen.pending += 1
+        return chosen, why
+
+    def _made_on(self, response_id: str, ready: Sequence[Backend]) -> Backend | None:
+        """The ready backend that made the response (prefix rule 8), if known."""
+        made = self._remembered(RESPONSE_KEY + response_id)
+        return next((b for b in ready if made is not None and b.id == made[0]), None)
+
+    def _by_prefix(
+        self, prompt: prefix.Prompt, ready: Sequence[Backend], now: float
+    ) -> tuple[Backend, str]:
+        """``place_prompt``'s choice by the prompt's prefix (prefix rules 4, 5 and 7)."""
+        assert self.prefix is not None
         walk = list(self.ring.walk(prompt.anchor))
         # New conversations by prompt have their own factor (prefix rule 5), keys the pool's.
         rules = dataclasses.replace(self.rules, factor=self.prefix_rules.balance_factor)
@@ -541,14 +561,6 @@ class Pool:
         def fits(b: Backend, going_on: bool) -> bool:
             return loose(b) if going_on else strict(b) and lately(b)
 
-        if prompt.follows is not None:  # a response's continuation (prefix rule 8)
-            made = self._remembered(RESPONSE_KEY + prompt.follows)
-            home = next((b for b in ready if made is not None and b.id == made[0]), None)
-            if home is not None:
-                self.prefix_placed["response"] += 1
-                self._pending[key] = (home, now + PENDING_S)
-                home.pending += 1
-                return home, "response"
         m = self.prefix.match(prompt, (b.id for b in ready))
         shared, conv = self._shared_table(), prompt.conversation
         if shared is not None and conv is not None and not m.answered:
@@ -566,8 +578,6 @@ class Pool:
             self.recent.add(chosen.id, now)
         if shared is not None and conv is not None:
             shared.remember(conv, chosen.id, None)
-        self._pending[key] = (chosen, now + PENDING_S)
-        chosen.pending += 1
         return chosen, why
 
     # -- accounting ------------------------------------------------------------------------
