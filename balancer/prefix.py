@@ -560,15 +560,18 @@ class Report:
             del buf[: len(buf) - self.TAIL]
             self._cut = True
 
-    def _bodies(self) -> Iterator[Any]:
-        """The answer's JSON body, or its last server-sent events' data, the last first."""
+    def _bodies(self, needle: bytes = b"") -> Iterator[Any]:
+        """The answer's JSON body, or its last server-sent events' data, the last first; only
+        those holding ``needle`` are parsed (a chat stream's 64 chunks are not, for an id)."""
         buf = bytes(self._buf)
-        if not self._cut:
+        if needle not in buf:
+            return
+        if not self._cut and buf.lstrip()[:1] in (b"{", b"["):  # a JSON body, whole
             with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
                 yield json.loads(buf)
-                return
+            return
         for line in reversed(buf.split(b"\n")[-64:]):
-            if line.startswith(b"data:"):
+            if line.startswith(b"data:") and needle in line:
                 with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
                     yield json.loads(line[5:])
 
@@ -580,7 +583,8 @@ class Report:
     def response_id(self) -> str | None:
         """The id of the response the answer carries (rule 8), or None: a JSON body's whose
         ``object`` is ``response``, or the last server-sent event's ``response``."""
-        return next((got for b in self._bodies() if (got := response_of(b)) is not None), None)
+        bodies = self._bodies(b'"response')
+        return next((got for b in bodies if (got := response_of(b)) is not None), None)
 
 
 def response_of(body: Any) -> str | None:
