@@ -79,12 +79,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _free_range() -> tuple[int, int]:
-    """The ports below the ephemeral range (``ip_local_port_range``), above the well-known ones."""
+    """The ports below the ephemeral range (``ip_local_port_range``), above the well-known ones;
+    under pytest-xdist, this worker's own slice of them. Each worker only knows a port is free
+    now, and another worker may have picked it a moment before and not bound it yet (seen in CI:
+    a test's reference worker and another test's wslb on one port, 28 ms apart)."""
     try:
         first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         first = 32768
-    return (10_000, first) if first > 20_000 else (first + 28_000, 65_000)
+    low, high = (10_000, first) if first > 20_000 else (first + 28_000, 65_000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        step = (high - low) // int(count)
+        low += (int(worker[2:]) % int(count)) * step
+        high = low + step
+    return low, high
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
