@@ -398,6 +398,22 @@ def test_a_conversation_has_one_key_for_all_its_turns() -> None:
     assert completion is not None and completion.conversation is None
 
 
+def alternate_and_stay(a: Pool, b: Pool) -> None:
+    """``b`` has sent the shared system prompt somewhere of its own choosing; then each turn
+    of six conversations goes through the other pool, and every turn reaches the worker the
+    first went to."""
+    for n in range(4):
+        place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
+    for n in range(6):
+        turns = [f"question {n}"]
+        where = []
+        for t in range(4):
+            pool = (a, b)[t % 2]
+            where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
+            turns += [f"answer {t}", f"next question {t}"]
+        assert len(set(where)) == 1, (n, where)
+
+
 def test_instances_sharing_the_tier_table_keep_a_conversation_together() -> None:
     """Two instances' pools, each with its own prefix table and bounds, one tier table (as
     cluster mode shares it through etcd): each turn of a conversation goes through the other
@@ -410,17 +426,7 @@ def test_instances_sharing_the_tier_table_keep_a_conversation_together() -> None
     for pool in (a, b):
         for backend in pool.backends.values():
             backend.ready = True
-    # Instance b already sent the shared system prompt somewhere of its own choosing.
-    for n in range(4):
-        place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
-    for n in range(6):
-        turns = [f"question {n}"]
-        where = []
-        for t in range(4):
-            pool = (a, b)[t % 2]
-            where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
-            turns += [f"answer {t}", f"next question {t}"]
-        assert len(set(where)) == 1, (n, where)
+    alternate_and_stay(a, b)
 
 
 # -- rule 8: a response's continuation ------------------------------------------------------------
@@ -506,16 +512,7 @@ def test_processes_sharing_a_board_send_a_continuation_home(tmp_path: Path) -> N
     assert a.responded("resp_b", a.backends[home])
     follow = {"model": "m", "input": "then", "previous_response_id": "resp_b"}
     assert place(b, json.dumps(follow).encode(), "f") == home
-    for n in range(4):
-        place(b, chat(f"b's own conversation {n}"), key=f"b{n}")
-    for n in range(6):
-        turns = [f"question {n}"]
-        where = []
-        for t in range(4):
-            pool = (a, b)[t % 2]
-            where.append(place(pool, chat(*turns), key=f"c{n}.{t}"))
-            turns += [f"answer {t}", f"next question {t}"]
-        assert len(set(where)) == 1, (n, where)
+    alternate_and_stay(a, b)
 
 
 def test_a_cache_salt_keeps_tenants_blocks_apart() -> None:
