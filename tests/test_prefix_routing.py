@@ -46,6 +46,17 @@ def start(workers: list[Worker], lb: Wslb) -> None:
     )
 
 
+def sdk(lb: Wslb, tag: str) -> AsyncOpenAI:
+    """The ``openai`` SDK's client through ``lb``, its requests tagged ``User-Agent: tag``."""
+    return AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{lb.port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=TIMEOUT,
+        default_headers={"User-Agent": tag},
+    )
+
+
 async def backend_of(lb: Wslb, tag: str) -> str:
     """The worker that answered the request sent with ``User-Agent: tag`` (its access line)."""
     pattern = re.compile(rf"backend=(\S+) .*ua={re.escape(tag)}$", re.M)
@@ -403,13 +414,7 @@ async def test_keyless_responses_turns_keep_their_worker(tmp_path: Path) -> None
         await asyncio.to_thread(start, workers, lb)
         for n in range(3):
             tag = f"prefix-responses-{n}"
-            client = AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{lb.port}/v1",
-                api_key="unused",
-                max_retries=0,
-                timeout=TIMEOUT,
-                default_headers={"User-Agent": tag},
-            )
+            client = sdk(lb, tag)
             history: list[Any] = [{"role": "user", "content": f"conversation {n}: hello"}]
             async with client:
                 for t in range(3):
@@ -443,13 +448,7 @@ async def responses_chain(lbs: list[Wslb], n: int, turns: int = 3) -> list[str]:
     previous: str | None = None
     for t in range(turns):
         tag = f"prefix-chain-{next(_tags)}"
-        client = AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{lbs[t % len(lbs)].port}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=TIMEOUT,
-            default_headers={"User-Agent": tag},
-        )
+        client = sdk(lbs[t % len(lbs)], tag)
         # Instructions are not carried over by previous_response_id: each turn names them.
         args: dict[str, Any] = {
             "model": "wslb-reference",
