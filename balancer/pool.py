@@ -554,12 +554,13 @@ class Pool:
         walk = list(self.ring.walk(prompt.anchor))
         # New conversations by prompt have their own factor (prefix rule 5), keys the pool's.
         rules = dataclasses.replace(self.rules, factor=self.prefix_rules.balance_factor)
-        strict = selection.within_bound(ready, rules.factor)
+        strict = prefix.running_fits(ready, rules.factor)
         loose = selection.within_bound(ready, max(rules.factor, rules.ceiling))
         lately = self.recent.fits(ready, rules.factor, now)
 
         def fits(b: Backend, going_on: bool) -> bool:
-            return loose(b) if going_on else strict(b) and lately(b)
+            # A conversation going on is never held to less than a new one.
+            return (loose(b) or strict(b)) if going_on else strict(b) and lately(b)
 
         m = self.prefix.match(prompt, (b.id for b in ready))
         shared, conv = self._shared_table(), prompt.conversation

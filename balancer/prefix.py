@@ -46,13 +46,19 @@ Rules:
    with ``load(b)`` the backend's counted requests and sessions per unit of effective weight,
    the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x min``
    over the ready backends, both at once. Imbalanced: the least loaded backend. Else a match
-   that counts: its least loaded holder within the pool's bounded-load bound (``fits``):
+   that counts: its least loaded holder within its bound (``fits``). For a prompt that only
+   shares a prefix with others (a new conversation on a system prompt) that is ``bound``:
    ``balance_factor`` (1.5, as SGLang's ``balance_rel``; the keys' ``hash_balance_factor`` is
-   tighter) times its share for a prompt that shares a prefix with others (a system prompt), so
-   a worker holding a popular prefix takes no more than its share and the margin;
-   ``affinity_ceiling`` times it for a conversation going on (its match ends with an answer the
-   holder wrote), as for a returning key. The bound of a new conversation holds for the traffic
-   too, not only for the load of the moment: a holder must also be within ``balance_factor`` of
+   tighter) times its share of what runs, plus the square root of that (the spread of a random
+   count that size), never below the share plus one; so a worker holding a popular prefix takes
+   no more than its share and the margin once there are enough conversations for a share to
+   mean something, and a few arrivals in a row for one prefix do not copy it onto another
+   worker. What runs is the counted load less the places held for keys between turns: a
+   conversation between turns holds its KV, not the engine, and a keyless one counts nowhere
+   then either. For a conversation going on (its match ends with an answer the holder wrote),
+   ``affinity_ceiling`` times the share of the counted load, as for a returning key, or the
+   new conversation's bound if that is looser. The bound of a new conversation holds for the
+   traffic too, not only for the load of the moment: a holder must also be within ``bound`` of
    its share of what was placed by prompt lately (``Recent``: decayed with a time constant of
    ``RECENT_S``: the new conversations, not the turns of those going on), since short requests
    leave no load to count and a popular prefix would otherwise take all of them. A match whose
@@ -368,19 +374,37 @@ class Recent:
     def fits(
         self, ready: Sequence[Backend], factor: float, now: float
     ) -> Callable[[Backend], bool]:
-        """Whether one more placement keeps a backend within ``factor`` times its share of
-        what was placed lately, and never below that share plus one, both rounded up
-        (``selection.within_bound``)."""
+        """Whether one more placement keeps a backend within ``bound`` of its share of what
+        was placed lately."""
         v = {b.id: self.value(b.id, now) for b in ready}
-        total = sum(v.values()) + 1.0
-        weights = sum(b.effective_weight for b in ready)
+        return _within(ready, v, factor)
 
-        def fits(b: Backend) -> bool:
-            share = total * b.effective_weight / weights if weights > 0 else 0.0
-            bound = max(math.ceil(factor * share - 1e-9), math.ceil(share - 1e-9) + 1)
-            return v[b.id] + 1.0 <= bound
 
-        return fits
+def bound(share: float, factor: float) -> int:
+    """Rule 5's bound for new conversations on a backend whose share is ``share`` of them:
+    ``factor`` times it plus its square root (the spread of a random count that size),
+    never below the share plus one, rounded up."""
+    at = factor * share
+    return max(math.ceil(at + math.sqrt(at) - 1e-9), math.ceil(share - 1e-9) + 1)
+
+
+def running_fits(ready: Sequence[Backend], factor: float) -> Callable[[Backend], bool]:
+    """Whether one more request or session keeps a backend within ``bound`` of its share of
+    what runs: its counted load less the places held for keys between turns (rule 5)."""
+    return _within(ready, {b.id: float(b.counted - b.held) for b in ready}, factor)
+
+
+def _within(
+    ready: Sequence[Backend], load: dict[str, float], factor: float
+) -> Callable[[Backend], bool]:
+    total = sum(load.values()) + 1.0
+    weights = sum(b.effective_weight for b in ready)
+
+    def fits(b: Backend) -> bool:
+        share = total * b.effective_weight / weights if weights > 0 else 0.0
+        return load[b.id] + 1.0 <= bound(share, factor)
+
+    return fits
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,9 +334,9 @@ def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() 
     answer written there) within affinity_ceiling (2.0), as a returning key."""
     pool = make_pool(balance_abs=100)  # the imbalance rule out of the way
     home = place(pool, chat("q"))
-    for b in pool.backends.values():  # 9 there, 3 on each other: 16 after one more
-        b.sessions = 9 if b.id == home else 3
-    # strict bound ceil(1.5 x 16/3) = 8 < 10; loose ceil(2.0 x 16/3) = 11
+    for b in pool.backends.values():  # 21 there, 5 on each other: 32 after one more
+        b.sessions = 21 if b.id == home else 5
+    # strict bound ceil(1.5 x 32/3 + its square root) = 20 < 22; loose ceil(2.0 x 32/3) = 22
     shared = prompt_of(chat("another question"), pool.prefix_rules)
     assert shared is not None
     b, how = pool.place_prompt("x", shared)
@@ -345,6 +345,38 @@ def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() 
     going_on = prompt_of(chat("q", "an answer", "and then?"), pool.prefix_rules)
     assert going_on is not None  # its first turn went home: the answer was written there
     b, how = pool.place_prompt("y", going_on)
+    assert b is not None and b.id == home and how == "prefix"
+
+
+def test_the_new_conversation_bound_allows_a_random_counts_spread() -> None:
+    """factor x share plus its square root: loose for a few, the factor for many."""
+    assert prefix.bound(0.5, 1.5) == 2  # never below the share plus one
+    assert prefix.bound(1.0, 1.5) == 3  # three arrivals in a row on one of 3 workers fit
+    assert prefix.bound(100.0, 1.5) == 163
+    assert prefix.bound(10_000.0, 1.5) == 15_123  # within 1% of the factor
+    pool = make_pool(balance_abs=100)
+    where = [place(pool, chat(f"question {i}"), f"k{i}") for i in range(30)]
+    counts = sorted(where.count(b) for b in set(where))
+    assert len(set(where[:3])) == 1, where  # three conversations in a row keep their prefix
+    assert counts[-1] <= prefix.bound(30 / 3, 1.5) and len(counts) > 1, where
+
+
+def test_places_held_between_turns_do_not_push_a_new_conversation_off_its_prefix() -> None:
+    """Keyed conversations between turns hold their places (they count for keys' bounds), but
+    a new conversation's bound counts what runs: the holder of its system prompt that is over
+    its bound only by held places takes it; one over by running sessions does not."""
+    pool = make_pool(balance_abs=100)
+    home = place(pool, chat("q"))
+    for b in pool.backends.values():
+        b.sessions = 5
+    shared = prompt_of(chat("another question"), pool.prefix_rules)
+    assert shared is not None
+    pool.backends[home].sessions = 21  # 21 running there: bound 20 (the test above)
+    b, how = pool.place_prompt("x", shared)
+    assert b is not None and b.id != home and how == "bound"
+    pool.cancel("x")
+    pool.backends[home].held, pool.backends[home].sessions = 15, 6  # the same 21, 15 held
+    b, how = pool.place_prompt("y", shared)
     assert b is not None and b.id == home and how == "prefix"
 
 
