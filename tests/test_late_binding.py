@@ -11,6 +11,7 @@ hostile client's bytes do before any worker is chosen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -266,6 +267,13 @@ async def lb(echo: Stock, tmp_path: Path) -> AsyncIterator[Wslb]:
         first_message_wait="1s",
         max_body="2KiB",
     )
+    async with started(cfg, tmp_path) as wslb:
+        yield wslb
+
+
+@contextlib.asynccontextmanager
+async def started(cfg: dict[str, Any], tmp_path: Path) -> AsyncIterator[Wslb]:
+    """wslb with ``cfg``, started and stopped off the event loop (its waits block)."""
     wslb = Wslb(cfg, tmp_path)
     try:
         await asyncio.to_thread(wslb.start)
@@ -434,12 +442,8 @@ async def guarded(echo: Stock, tmp_path: Path) -> AsyncIterator[Wslb]:
         "jwt": {"secret": SECRET, "algorithms": ["HS256"], "audience": "chat"},
         "origins": [APP],
     }
-    wslb = Wslb(cfg, tmp_path)
-    try:
-        await asyncio.to_thread(wslb.start)
+    async with started(cfg, tmp_path) as wslb:
         yield wslb
-    finally:
-        await asyncio.to_thread(wslb.stop)
 
 
 async def test_a_late_bound_pool_refuses_with_a_status_before_its_101(
