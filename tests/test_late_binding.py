@@ -100,8 +100,8 @@ async def test_a_late_bound_session_lands_where_its_system_prompt_is_cached(
             {"id": f"w{i}", "url": f"ws://127.0.0.1:{w.port}"} for i, w in enumerate(workers)
         ]
         cfg = late_config(backends, websocket=on)
-        # Each closed session keeps its key's place (held), which counts as load: at the
-        # default factor the holder would be at its bound after four (tests/test_prefix.py).
+        # Six new sessions in a row on one holder: at the default factor its bound on the
+        # recent ones would spread the sixth (tests/test_prefix.py has that rule).
         cfg["pools"][0]["hash_balance_factor"] = 4.0
         cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
         lb = Wslb(cfg, tmp_path, name=f"wslb-{on}")
@@ -119,6 +119,29 @@ async def test_a_late_bound_session_lands_where_its_system_prompt_is_cached(
     assert len(spread) > 1, seen  # the same keys, placed at the handshake, spread
     hits = sum(1 for _, c in seen[False] if c > 0)
     assert hits == len(seen[False]) - len(spread) < 5, seen  # each worker's first: cold
+
+
+async def test_two_instances_bind_sessions_on_one_system_prompt_to_one_worker(
+    tmp_path: Path,
+) -> None:
+    """Two wslb instances with the same config and nothing shared, sessions taking turns
+    between them: each instance places a system prompt it has never seen by its anchor on the
+    ring, so both send it to the same worker, and every session after the first finds it
+    cached there."""
+    workers = [Worker(f"lt{i}", PROMPT_ARGS).start() for i in range(3)]
+    backends = [{"id": f"w{i}", "url": f"ws://127.0.0.1:{w.port}"} for i, w in enumerate(workers)]
+    cfg = late_config(backends)
+    cfg["pools"][0]["hash_balance_factor"] = 4.0  # as in the test above
+    cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
+    a, b = Wslb(cfg, tmp_path, name="wslb-a"), Wslb(cfg, tmp_path, name="wslb-b")
+    with running(*workers, a, b):
+        await asyncio.to_thread(a.start)
+        await asyncio.to_thread(b.start)
+        seen = [await chat((a, b)[n % 2], f"tier-{n}", f"question {n}?") for n in range(6)]
+        counts = [await asyncio.to_thread(bindings, lb) for lb in (a, b)]
+    assert len({w for w, _ in seen}) == 1, seen
+    assert seen[0][1] == 0 and all(c > 0 for _, c in seen[1:]), seen
+    assert [c.get("ring", 0) for c in counts] == [1, 1], counts  # each: its first by the ring
 
 
 async def test_a_known_key_goes_home_without_waiting(tmp_path: Path) -> None:
@@ -146,7 +169,7 @@ async def test_the_openai_sdks_realtime_sessions_meet_their_instructions_cached(
     workers = [Worker(f"lr{i}", PROMPT_ARGS).start() for i in range(3)]
     backends = [{"id": w.id, "url": f"ws://127.0.0.1:{w.port}"} for w in workers]
     cfg = late_config(backends)
-    cfg["pools"][0]["hash_balance_factor"] = 4.0  # held places: as in the test above
+    cfg["pools"][0]["hash_balance_factor"] = 4.0  # as in the test above
     cfg["pools"][0]["prefix_placement"]["balance_factor"] = 4.0
     lb = Wslb(cfg, tmp_path)
     sdk = AsyncOpenAI(base_url=f"http://127.0.0.1:{lb.port}/v1", api_key="not-needed")
