@@ -173,5 +173,6 @@ def test_the_keyless_verdicts_hold_each_row_to_its_own_bound() -> None:
     bounds = {v.split(":")[1].split()[0]: v for v in keyless.targets(rs) if "sends no" in v}
     assert bounds["wslb-keyless-1.25"].startswith("- MET")  # 27 <= ceil(1.25 x 24) = 30
     assert bounds["wslb-keyed-1.25"].startswith("- MISSED")  # 36 > 30
+    assert bounds["wslb-keyed-1.25"].endswith("this size, 36)")  # 30 + sqrt(30), rounded up
     assert bounds["wslb-keyless"].startswith("- MET")  # 36 <= 36
     assert bounds["wslb-keyed"].startswith("- MISSED")  # 37 > 36

@@ -79,6 +79,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from balancer import prefix
 from balancer.config import PoolCfg, PrefixCfg
 from bench.lib import routers as peers
 from bench.lib.launch import ROOT, Procs, Worker, Wslb, free_ports, wait_port
@@ -579,11 +580,14 @@ def targets(results: Sequence[RunResult]) -> list[str]:
             continue
         worst = max(rs, key=lambda r: max(r.per_engine.values(), default=0))
         total = sum(worst.per_engine.values())
-        bound = math.ceil(factor(router) * total / max(1, len(worst.per_engine)))
+        share = total / max(1, len(worst.per_engine))
+        bound = math.ceil(factor(router) * share - 1e-9)
         top = max(worst.per_engine.values(), default=0)
+        spread = prefix.bound(share, factor(router))
         out.append(
             f"- {'MET' if top <= bound else 'MISSED'}: {router} sends no engine more than its "
-            f"share x {factor(router):g} (worst run: {top} of {total} requests, bound {bound})"
+            f"share x {factor(router):g} (worst run: {top} of {total} requests, bound {bound}; "
+            f"with the spread the rule allows a count this size, {spread})"
         )
     return out
 
