@@ -55,7 +55,8 @@ Rules:
    mean something, and a few arrivals in a row for one prefix do not copy it onto another
    worker. What runs is the counted load less the places held for keys between turns: a
    conversation between turns holds its KV, not the engine, and a keyless one counts nowhere
-   then either. For a conversation going on (its match ends with an answer the holder wrote),
+   then either (under ``workers: N`` the other processes publish one count, their held places
+   in it: those still count). For a conversation going on (its match ends with an answer the holder wrote),
    ``affinity_ceiling`` times the share of the counted load, as for a returning key, or the
    new conversation's bound if that is looser. The bound of a new conversation holds for the
    traffic too, not only for the load of the moment: a holder must also be within ``bound`` of
