@@ -4,10 +4,10 @@
 A multi-turn chat workload runs against reference workers (``backends.worker``) with a finite
 KV cache, through wslb, once per balancing mode and run:
 
-- ``--workload issue17`` (the default) is issue 17's: 90 sessions of 5 turns, one WebSocket per
-  turn, three identical workers; ``issue24`` issue 24's burst (every first turn within 0.3 s,
+- ``--workload reconnect`` (the default): 90 sessions of 5 turns, one WebSocket per
+  turn, three identical workers; ``burst``: every first turn within 0.3 s,
   6 turns, think 0.6 s, ``--max-batch 10 --kv-capacity-tokens 26000``, seed 22: the ring
-  favours w3 with 38 of the 90 keys); ``mixed`` is the benchmark's earlier one (300 sessions
+  favours w3 with 38 of the 90 keys; ``mixed`` is the benchmark's earlier one (300 sessions
   of 4-6 turns, half of them reconnecting per turn, four workers). Sessions arrive as a Poisson
   process over ``--arrival-s`` seconds, with an exponential think time (``--think-s`` mean)
   between turns. Every session starts with the same ``--system-words`` system prompt; user
@@ -40,7 +40,7 @@ cached tokens per turn (``done.cached_tokens``), the worker of every turn, token
 wslb's admin API is polled every ``--poll-s`` for live sessions, held places and effective
 weights per worker (the bounded-load check uses what wslb counts: live + held); the polls'
 weights also tell when a worker is overloaded by wslb's rule (``selection.overloaded``).
-Prints one set of tables per run and issue 24's targets (MET / MISSED: on identical workers no
+Prints one set of tables per run and its targets (MET / MISSED: on identical workers no
 returning key moves, KV hit >= 97% of the ideal, follow-up p99 <= 0.5 x round robin's; with a
 slowed or busy worker, follow-up p99 <= HAProxy's), writes
 ``docs/routing.md`` (tables, command, machine, parameters, definitions; text after an
@@ -124,8 +124,8 @@ KNOWN_MODES = (
 DEFAULT_MODES = (NEW, "ring-first", "round_robin", "haproxy")
 SWEEP_MODES = (NEW, "round_robin", "haproxy")
 WORKLOADS: dict[str, dict[str, Any]] = {
-    # Issue 17's: 90 sessions, 5 turns, one WebSocket per turn, three identical workers.
-    "issue17": {
+    # 90 sessions, 5 turns, one WebSocket per turn, three identical workers.
+    "reconnect": {
         "sessions": 90,
         "turns": (5, 5),
         "arrival_s": 20.0,
@@ -133,10 +133,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "reconnect_share": 1.0,
         "workers": 3,
     },
-    # Issue 24's: a burst (every first turn at once) of 90 conversations of 6 turns, one
+    # A burst (every first turn at once) of 90 conversations of 6 turns, one
     # WebSocket per turn, three identical workers decoding at most 10 streams each, with a
     # KV cache the balanced share fits in. The ring gives w3 38 of the 90 keys (seed 22).
-    "issue24": {
+    "burst": {
         "sessions": 90,
         "turns": (6, 6),
         "arrival_s": 0.3,
@@ -147,7 +147,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "max_batch": 10,
         "kv_capacity_tokens": 26_000,
     },
-    # The benchmark's earlier workload (docs/routing.md before issue 17).
+    # The benchmark's earlier workload.
     "mixed": {
         "sessions": 300,
         "turns": (4, 6),
@@ -986,7 +986,7 @@ def verdict(ok: bool) -> str:
 
 
 def targets(results: list[Result], runs: list[str], factor: float, grace: float) -> list[str]:
-    """Issue 24's targets for wslb's default (``NEW``), each against modes of the same run:
+    """The targets for wslb's default (``NEW``), each against modes of the same run:
     identical workers (``even``): no returning key moves, KV hit >= 97% of the ideal,
     follow-up p99 <= 0.5 x round robin's; a slowed or busy worker: p99 <= HAProxy's."""
     out = []
@@ -1317,10 +1317,10 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--workload",
         choices=[*sorted(WORKLOADS), "keyless"],
-        default="issue17",
+        default="reconnect",
         help="keyless: chats with no session key over plain HTTP, against SGLang's and vLLM's "
-        "routers (its options: --workload keyless --help); issue17: 90 sessions of 5 turns, "
-        "a connection per turn, 3 workers; issue24: the "
+        "routers (its options: --workload keyless --help); reconnect: 90 sessions of 5 turns, "
+        "a connection per turn, 3 workers; burst: the "
         "same kind, 6 turns, every first turn at once, seed 22, max batch 10, KV 26000; mixed: "
         "300 sessions of 4-6 turns, half reconnecting, 4 workers (the options below override it)",
     )
