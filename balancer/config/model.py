@@ -232,7 +232,8 @@ class PrefixCfg:
     balance_abs: float = 32.0  # load difference (requests per unit of weight) and ...
     balance_rel: float = 1.5  # ... ratio that, both exceeded, place by load instead
     # The bounded-load factor for new conversations placed by prompt (keys: hash_balance_factor):
-    # cache-aware routers leave a worker holding a shared prefix this far above its share.
+    # cache-aware routers leave a worker holding a shared prefix this far above its share
+    # (plus the square root of that: ``prefix.bound``).
     balance_factor: float = 1.5
     max_body: int = 1024 * 1024  # bodies read before placing; larger ones by load alone
     # Late binding: a new WebSocket session is answered by wslb and placed by its first message.
