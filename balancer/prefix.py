@@ -42,12 +42,12 @@ Rules:
    message too: the holder generated it, and an engine keeps what it generated (so a short
    first turn with a long answer still draws its follow-up). It counts when it covers at least
    ``threshold`` of the prompt's bytes.
-5. *The choice* (SGLang's and vLLM's ``cache_aware``, with a ring instead of the smallest tree):
-   with ``load(b)`` the backend's counted requests and sessions per unit of effective weight,
-   the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x min``
-   over the ready backends, both at once. Imbalanced: the least loaded backend. Else a match
-   that counts: its least loaded holder within its bound (``fits``). For a prompt that only
-   shares a prefix with others (a new conversation on a system prompt) that is ``bound``:
+5. *The choice* (SGLang's and vLLM's ``cache_aware``, with a ring instead of the smallest
+   tree): with ``load(b)`` the backend's counted requests and sessions per unit of effective
+   weight, the pool is *imbalanced* when ``max - min > balance_abs`` and ``max > balance_rel x
+   min`` over the ready backends, both at once. Imbalanced: the least loaded backend. Else a
+   match that counts: its least loaded holder within its bound (``fits``). For a prompt that
+   only shares a prefix with others (a new conversation on a system prompt) that is ``bound``:
    ``balance_factor`` (1.5, as SGLang's ``balance_rel``; the keys' ``hash_balance_factor`` is
    tighter) times its share of what runs, plus the square root of that (the spread of a random
    count that size), never below the share plus one; so a worker holding a popular prefix takes
@@ -56,16 +56,16 @@ Rules:
    worker. What runs is the counted load less the places held for keys between turns: a
    conversation between turns holds its KV, not the engine, and a keyless one counts nowhere
    then either (under ``workers: N`` the other processes publish one count, their held places
-   in it: those still count). For a conversation going on (its match ends with an answer the holder wrote),
-   ``affinity_ceiling`` times the share of the counted load, as for a returning key, or the
-   new conversation's bound if that is looser. The bound of a new conversation holds for the
-   traffic too, not only for the load of the moment: a holder must also be within ``bound`` of
-   its share of what was placed by prompt lately (``Recent``: decayed with a time constant of
-   ``RECENT_S``: the new conversations, not the turns of those going on), since short requests
-   leave no load to count and a popular prefix would otherwise take all of them. A match whose
-   holders are all over the bound is ``bound``; no match that counts is ``ring``: either way
-   (``None`` here) the caller places the prompt's *anchor* on the pool's ring with the
-   bounded-load rule (at ``balance_factor``), as a key, which passes over the workers above
+   in it: those still count). For a conversation going on (its match ends with an answer the
+   holder wrote), ``affinity_ceiling`` times the share of the counted load, as for a returning
+   key, or the new conversation's bound if that is looser. The bound of a new conversation
+   holds for the traffic too, not only for the load of the moment: a holder must also be within
+   ``bound`` of its share of what was placed by prompt lately (``Recent``: decayed with a time
+   constant of ``RECENT_S``: the new conversations, not the turns of those going on), since
+   short requests leave no load to count and a popular prefix would otherwise take all of them.
+   A match whose holders are all over the bound is ``bound``; no match that counts is ``ring``:
+   either way (``None`` here) the caller places the prompt's *anchor* on the pool's ring with
+   the bounded-load rule (at ``balance_factor``), as a key, which passes over the workers above
    their bound (both bounds for a new conversation): the chain hash of the first block boundary
    at or past ``anchor`` bytes (the whole prompt if shorter). So every instance, with no state
    shared, sends a long shared system prompt to the same worker, and a conversation's later
