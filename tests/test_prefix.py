@@ -330,8 +330,9 @@ def test_load_imbalance_overrides_the_prefix() -> None:
 
 def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() -> None:
     """A prompt that shares a prefix with earlier ones (a system prompt) goes to its holder
-    only within balance_factor (1.5) of its share; a conversation going on (its earlier
-    answer written there) within affinity_ceiling (2.0), as a returning key."""
+    only within its bound (balance_factor, 1.5, x its share, plus the square root of that); a
+    conversation going on (its earlier answer written there) within affinity_ceiling (2.0) x
+    its share, as a returning key, or the new conversation's bound where that is looser."""
     pool = make_pool(balance_abs=100)  # the imbalance rule out of the way
     home = place(pool, chat("q"))
     for b in pool.backends.values():  # 21 there, 5 on each other: 32 after one more
@@ -344,6 +345,19 @@ def test_a_holder_at_its_bound_is_passed_over_unless_the_conversation_goes_on() 
     pool.cancel("x")
     going_on = prompt_of(chat("q", "an answer", "and then?"), pool.prefix_rules)
     assert going_on is not None  # its first turn went home: the answer was written there
+    b, how = pool.place_prompt("y", going_on)
+    assert b is not None and b.id == home and how == "prefix"
+
+
+def test_a_conversation_going_on_is_never_bound_tighter_than_a_new_one() -> None:
+    """3 running on the holder, none elsewhere: affinity_ceiling's bound (ceil(2.0 x 4/3) = 3)
+    is tighter there than a new conversation's (1.5 x 4/3 plus its root: 4), so the
+    conversation going on takes the looser and stays."""
+    pool = make_pool(balance_abs=100)
+    home = place(pool, chat("q"))
+    pool.backends[home].sessions = 3
+    going_on = prompt_of(chat("q", "an answer", "and then?"), pool.prefix_rules)
+    assert going_on is not None
     b, how = pool.place_prompt("y", going_on)
     assert b is not None and b.id == home and how == "prefix"
 
